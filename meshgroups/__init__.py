@@ -1,10 +1,35 @@
 """meshgroups: distributed-training rank layouts as named n-D numpy grids.
 
-``Layout`` (pure numpy) describes which ranks form which groups; ``init_mesh`` turns a layout
-into a real ``torch.distributed`` ``DeviceMesh`` and process groups, each created once.
+``Layout`` (pure numpy, no torch) describes which ranks form which groups; ``init_mesh`` turns a
+layout into a real ``torch.distributed`` ``DeviceMesh`` and process groups, each created once.
+``import meshgroups`` does not import torch; the torch names load on first use.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from .layout import Layout, Locality
 
-__all__ = ["Layout", "Locality"]
+if TYPE_CHECKING:
+    from .groups import GroupCache, GroupSpec, Strategy
+    from .mesh import MeshGroups, init_mesh
+
+__all__ = ["GroupCache", "GroupSpec", "Layout", "Locality", "MeshGroups", "Strategy", "init_mesh"]
 __version__ = "0.1.0"
+
+_TORCH_NAMES = {
+    "init_mesh": "mesh",
+    "MeshGroups": "mesh",
+    "GroupCache": "groups",
+    "GroupSpec": "groups",
+    "Strategy": "groups",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_NAMES:
+        from importlib import import_module
+
+        return getattr(import_module(f".{_TORCH_NAMES[name]}", __name__), name)
+    raise AttributeError(f"module 'meshgroups' has no attribute {name!r}")

@@ -186,6 +186,13 @@ class Layout:
         return self._offset
 
     @property
+    def max_rank(self) -> int:
+        """The largest rank of the layout."""
+        if self._strides is not None:
+            return self._offset + self.world_size - 1
+        return int(self.grid.max())
+
+    @property
     def views(self) -> Mapping[str, Layout]:
         """Other factorisations of the same ranks declared with :meth:`with_views`."""
         return MappingProxyType(dict(self._views))
@@ -294,7 +301,7 @@ class Layout:
     def _describe_ranks(self) -> str:
         if self._strides is not None:
             return f"ranks {self._offset}..{self._offset + self.world_size - 1}"
-        return f"{self.world_size} ranks between {self._offset} and {int(self.grid.max())}"
+        return f"{self.world_size} ranks between {self._offset} and {self.max_rank}"
 
     # ----------------------------------------------------------------------------- algebra
     def flatten(self, *dims: str, name: str | None = None) -> Layout:

@@ -1,0 +1,170 @@
+"""Per-rank cost of building a 4-D mesh (pp, dp, cp, tp) plus a flattened ("dp", "cp").
+
+Run: ``python benchmarks/bench_mesh.py [--repeat 3] [--max-world 131072] [--gloo-repeat 5]``.
+
+Part 1, fake backend (one process acts as rank W//3+7 of a world of W; each measurement in a
+fresh process): meshgroups ``strategy="global"``, meshgroups ``strategy="local"``, and the
+baseline ``init_device_mesh`` + ``_flatten`` — build time and creation calls on that rank.
+Fake groups never communicate, so this measures the Python-side bookkeeping that dominates
+start-up at scale, not NCCL. Part 2, real gloo on 8 local processes: build time (max over
+ranks), median of several runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+METHODS = ("meshgroups-global", "meshgroups-local", "init_device_mesh")
+
+
+def shape_for(world: int) -> dict[str, int]:
+    tp, cp = 8, 4 if world >= 16384 else 2
+    pp = 16 if world >= 131072 else 8 if world >= 16384 else 4
+    return {"pp": pp, "dp": world // (pp * cp * tp), "cp": cp, "tp": tp}
+
+
+def build(method: str, sizes: dict[str, int]):
+    """Build the mesh on the initialised default group; returns (groups seconds, calls made).
+
+    Total time (with the DeviceMesh object) is measured by the caller around this call."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if method == "init_device_mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        before = c10d._world.group_count
+        t0 = time.perf_counter()
+        mesh = init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+        mesh["dp", "cp"]._flatten("dp_cp")
+        return time.perf_counter() - t0, c10d._world.group_count - before
+    from meshgroups import GroupCache, Layout, init_mesh
+
+    cache = GroupCache()
+    strategy = method.split("-")[1]
+    t0 = time.perf_counter()
+    mg = init_mesh(Layout(sizes), flatten=[("dp", "cp")], strategy=strategy, cache=cache)
+    groups_seconds = time.perf_counter() - t0
+    assert mg.mesh is not None  # DeviceMesh is built lazily; include it, as the baseline builds one
+    assert dist.get_rank(mg.group("dp", "cp")) == mg.local_rank("dp", "cp")
+    return groups_seconds, cache.calls
+
+
+def one_fake(method: str, world: int) -> dict[str, float]:
+    import torch.distributed as dist
+    import torch.distributed.device_mesh  # noqa: F401  imports stay outside the timing
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import meshgroups.mesh  # noqa: F401
+
+    dist.init_process_group("fake", store=FakeStore(), rank=world // 3 + 7, world_size=world)
+    t0 = time.perf_counter()
+    groups_seconds, calls = build(method, shape_for(world))
+    return {"seconds": time.perf_counter() - t0, "groups": groups_seconds, "calls": calls}
+
+
+def fake_table(repeat: int, max_world: int) -> None:
+    print(
+        "| W | layout | method | groups (ms) | groups + DeviceMesh (ms) | creation calls | speed-up (total) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for world in (1024, 16384, 131072):
+        if world > max_world:
+            break
+        rows = {}
+        for method in METHODS:
+            runs = []
+            for _ in range(repeat):
+                out = subprocess.run(
+                    [sys.executable, __file__, "--one-fake", method, str(world)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
+                runs.append(json.loads(out.strip().splitlines()[-1]))
+            median = {k: statistics.median(r[k] for r in runs) for k in ("seconds", "groups")}
+            rows[method] = (median["groups"], median["seconds"], runs[0]["calls"])
+        base = rows["init_device_mesh"][1]
+        dims = ", ".join(f"{k}={v}" for k, v in shape_for(world).items())
+        for method, (groups, seconds, calls) in rows.items():
+            print(
+                f"| {world:,} | {dims} | {method} | {groups * 1e3:.1f} | {seconds * 1e3:.1f} | {calls:,} "
+                f"| {base / seconds:.1f}x |",
+                flush=True,
+            )
+
+
+def _gloo_worker(rank: int, world: int, port: int, method: str, queue) -> None:
+    import torch.distributed as dist
+    import torch.distributed.device_mesh  # noqa: F401
+
+    import meshgroups.mesh  # noqa: F401
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    dist.barrier()
+    t0 = time.perf_counter()
+    build(method, {"pp": 2, "dp": 2, "cp": 1, "tp": 2})
+    seconds = time.perf_counter() - t0
+    dist.barrier()
+    queue.put(seconds)
+    dist.destroy_process_group()
+
+
+def gloo_table(repeat: int) -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "meshgroups"])
+    print("\n| world (gloo, real processes) | layout | method | build (ms, median of max over ranks) |")
+    print("|---|---|---|---|")
+    for method in METHODS:
+        samples = []
+        for _ in range(repeat):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            queue = ctx.Queue()
+            procs = [ctx.Process(target=_gloo_worker, args=(r, 8, port, method, queue)) for r in range(8)]
+            for p in procs:
+                p.start()
+            samples.append(max(queue.get(timeout=120) for _ in procs))
+            for p in procs:
+                p.join(timeout=30)
+        print(
+            f"| 8 | pp=2, dp=2, cp=1, tp=2 + dp_cp | {method} | {statistics.median(samples) * 1e3:.1f} |",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--gloo-repeat", type=int, default=5)
+    parser.add_argument("--max-world", type=int, default=131072)
+    parser.add_argument("--one-fake", nargs=2, metavar=("METHOD", "WORLD"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one_fake:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        print(json.dumps(one_fake(args.one_fake[0], int(args.one_fake[1]))))
+        return
+    fake_table(args.repeat, args.max_world)
+    if args.gloo_repeat:
+        gloo_table(args.gloo_repeat)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Run a function on N real gloo processes (spawned, 127.0.0.1, free port), with a hard timeout.
+
+Starting processes is the slow part (each imports torch), so each test runs many checks in one
+job. A worker returns a picklable result; an exception in any rank fails the test with that
+rank's traceback; a job that outlives ``timeout`` is killed and fails instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, args, queue, backend, env):
+    os.environ.update(env)
+    try:
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=60),
+        )
+        try:
+            queue.put((rank, "ok", fn(rank, world, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120, backend: str = "gloo", env=None
+) -> list[Any]:
+    """``[fn(rank, world, *args) for each rank]`` computed in ``world`` real processes."""
+    # forkserver with torch preloaded: children start in ~0.1 s from a clean, thread-free server
+    # process, instead of ~2 s each importing torch (spawn) or inheriting pytest's state (fork).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "meshgroups", __name__])
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_entry, args=(fn, r, world, port, args, queue, backend, dict(env or {})), daemon=True
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world:
+            try:
+                rank, status, value = queue.get(timeout=0.5)
+                (results if status == "ok" else errors)[rank] = value
+                continue
+            except queue_mod.Empty:
+                pass
+            missing = sorted(set(range(world)) - set(results) - set(errors))
+            dead = [r for r in missing if not procs[r].is_alive() and procs[r].exitcode is not None]
+            if dead and queue.empty():
+                time.sleep(0.5)  # a result may still be in flight from a rank that just exited
+                if queue.empty():
+                    raise RuntimeError(
+                        f"ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) without a result"
+                    )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"ranks {missing} did not finish within {timeout}s; errors so far: {errors}"
+                )
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        first = min(errors)
+        raise AssertionError(f"{len(errors)} rank(s) failed; rank {first}:\n{errors[first]}")
+    return [results[r] for r in range(world)]

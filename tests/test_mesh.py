@@ -1,0 +1,282 @@
+"""The torch bridge on real gloo processes: invariants, strategies, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshgroups import Layout
+
+from ._dist import run
+
+
+def dense_expert_layout() -> Layout:
+    return Layout(pp=2, dp=2, cp=1, tp=2).with_views(expert=Layout(pp=2, edp=1, ep=4, etp=1))
+
+
+PLAN = {
+    "flatten": [("dp", "cp"), ("pp", "tp"), ("pp", "dp", "cp", "tp")],
+}
+
+
+def _subsets(lay):
+    return {"embd": (lay.select("pp", [0, -1]), "pp"), "first": (lay.select("pp", 0), ("dp", "tp"))}
+
+
+def _check_every_family(mg, lay, rank):
+    """Position == group rank, members == layout rows, all_reduce sums: for every family."""
+    import torch
+    import torch.distributed as dist
+
+    seen = {}
+    for fam in mg.families:
+        dims = (fam,) if isinstance(fam, str) else fam
+        group, ranks = mg.group(*dims), mg.ranks(*dims)
+        if isinstance(fam, str):
+            sub_layout, sub_dims = _subsets(lay)[fam]
+            sub_dims = (sub_dims,) if isinstance(sub_dims, str) else sub_dims
+            expected = sub_layout.group_of(rank, *sub_dims).tolist() if rank in sub_layout else None
+        else:
+            expected = lay.group_of(rank, *dims).tolist()
+        assert ranks == expected, (fam, ranks, expected)
+        if expected is None:
+            assert group is None and mg.local_rank(*dims) is None and mg.submesh(*dims) is None
+            continue
+        assert dist.get_process_group_ranks(group) == expected, fam
+        assert dist.get_rank(group) == expected.index(rank) == mg.local_rank(*dims), fam
+        assert mg.size(*dims) == len(expected)
+        value = torch.tensor([float(rank + 1)])
+        dist.all_reduce(value, group=group)
+        assert value.item() == sum(r + 1 for r in expected), fam
+        seen[fam] = expected
+    return seen
+
+
+def worker_invariants(rank, world):
+    import torch.distributed as dist
+
+    from meshgroups import init_mesh
+
+    lay = dense_expert_layout()
+    mg = init_mesh(lay, flatten=PLAN["flatten"], subsets=_subsets(lay), timeout=30)
+    seen = _check_every_family(mg, lay, rank)
+    # one process group per distinct rank set
+    assert mg.group("dp", "cp") is mg.group("dp")
+    assert mg.view_mesh("expert")["pp"].get_group() is mg.mesh["pp"].get_group()
+    assert mg.group("cp") is mg.group("edp") is mg.group("etp")  # size-1 dims share this rank alone
+    assert mg.group("first") is (mg.group("ep") if rank < 4 else None)  # equal rank set, one group
+    assert mg.group("pp", "dp", "cp", "tp") is dist.group.WORLD  # spans the world in order
+    # the DeviceMesh agrees with the layout
+    assert mg.mesh.mesh_dim_names == lay.names
+    assert tuple(mg.mesh.get_coordinate()) == tuple(lay.coords(rank).values())
+    for d in lay.names:
+        assert mg.mesh.get_local_rank(d) == lay.coords(rank)[d]
+        assert mg.mesh[d].get_group() is mg.group(d)
+    return sorted({tuple(v) for v in seen.values() if len(v) > 1}), mg.cache.calls, len(mg.cache)
+
+
+def test_invariants_world8():
+    results = run(worker_invariants, 8)
+    lay = dense_expert_layout()
+    expected_rows = set()
+    families = [(d,) for d in lay.names] + [("edp",), ("ep",), ("etp",)] + PLAN["flatten"]
+    for dims in families:
+        for row in lay.groups(*dims).tolist():
+            if 1 < len(row) < 8:
+                expected_rows.add(tuple(row))
+    for sub, dims in _subsets(lay).values():
+        dims = (dims,) if isinstance(dims, str) else dims
+        expected_rows |= {tuple(r) for r in sub.groups(*dims).tolist() if len(r) > 1}
+    for distinct_rows, calls, held in results:
+        # every rank made exactly one creation call per distinct rank set (plus its one-rank group)
+        assert calls == len(expected_rows) + 1, (calls, len(expected_rows))
+        assert held == 1 + len(distinct_rows)  # its one-rank group + one per distinct rank set (WORLD too)
+
+
+def worker_permuted_dtensor(rank, world):
+    import numpy as np
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from meshgroups import init_mesh
+
+    # a topology-aware placement whose ranks do not increase along either dim
+    grid = np.array([[3, 1, 2, 0], [7, 5, 4, 6]])
+    lay = Layout.from_grid(grid, ("a", "b"))
+    mg = init_mesh(lay, flatten=[("a", "b")], timeout=30)
+    _check_every_family(mg, lay, rank)
+    coords = lay.coords(rank)
+    assert tuple(mg.mesh.get_coordinate()) == (coords["a"], coords["b"])
+    x = torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5)
+    # uneven shards on 1-D submeshes: each rank's shard is the chunk at its mesh position
+    for dims, pos in ((("b",), coords["b"]), (("a", "b"), coords["a"] * 4 + coords["b"])):
+        sub = mg.submesh(*dims, flatten=True)
+        dt = distribute_tensor(x, sub, [Shard(0)])
+        chunks = torch.chunk(x, sub.size(), dim=0)
+        expected = chunks[pos] if pos < len(chunks) else x[:0]
+        assert torch.equal(dt.to_local(), expected), (dims, pos)
+        assert torch.equal(dt.full_tensor(), x)
+        tag = DTensor.from_local(torch.tensor([float(pos)]), sub, [Shard(0)]).full_tensor()
+        assert tag.tolist() == list(range(sub.size())), tag
+    # the 2-D mesh of the permuted layout
+    dt = distribute_tensor(x, mg.mesh, [Shard(0), Shard(1)])
+    rows = torch.chunk(x, 2, dim=0)[coords["a"]]
+    cols = torch.chunk(rows, 4, dim=1)
+    expected = cols[coords["b"]] if coords["b"] < len(cols) else rows[:, :0]
+    assert torch.equal(dt.to_local(), expected)
+    assert torch.equal(dt.full_tensor(), x)
+    assert torch.equal(dt.redistribute(mg.mesh, [Replicate(), Replicate()]).to_local(), x)
+    return True
+
+
+def test_permuted_layout_keeps_position_equal_to_group_rank_world8():
+    assert all(run(worker_permuted_dtensor, 8))
+
+
+def worker_fsdp(rank, world):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from meshgroups import init_mesh
+
+    lay = Layout(dp=2, cp=2)
+    mg = init_mesh(lay, flatten=[("dp", "cp")], timeout=30)
+    for dims, flatten in ((("dp",), False), (("dp", "cp"), True)):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        reference = torch.nn.Linear(4, 3)
+        reference.load_state_dict(model.state_dict())
+        fully_shard(model, mesh=mg.submesh(*dims, flatten=flatten))
+        members = mg.ranks(*dims)
+        data = {r: torch.randn(5, 4, generator=torch.Generator().manual_seed(r)) for r in members}
+        model(data[rank]).pow(2).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        # single-process reference: the gradient averaged over the group's data
+        loss = sum(reference(data[r]).pow(2).sum() for r in members) / len(members)
+        loss.backward()
+        torch.optim.SGD(reference.parameters(), lr=0.1).step()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.allclose(p.full_tensor(), q, atol=1e-6), (dims, name)
+    dist.barrier()
+    return True
+
+
+def test_fsdp2_on_submesh_and_flattened_mesh_world4():
+    assert all(run(worker_fsdp, 4))
+
+
+def worker_mismatch(rank, world):
+    from meshgroups import init_mesh
+
+    # several meshes in one job: no false alarms
+    first = init_mesh(Layout(dp=2, tp=2), timeout=20)
+    second = init_mesh(Layout(pp=4), timeout=20)
+    assert first.ranks("tp") is not None and second.ranks("pp") == [0, 1, 2, 3]
+    lay = Layout(dp=2, tp=2) if rank != 2 else Layout(dp=4, tp=1)
+    try:
+        init_mesh(lay, timeout=20)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_layout_mismatch_raises_on_every_rank_world4():
+    messages = run(worker_mismatch, 4, timeout=90)
+    good, bad = Layout(dp=2, tp=2).fingerprint(), Layout(dp=4, tp=1).fingerprint()
+    for msg in messages:
+        assert msg is not None and "different layouts on different ranks" in msg
+        assert "rank 2 has" in msg and good in msg and bad in msg
+
+
+def worker_local_strategy(rank, world):
+    import torch.distributed as dist
+
+    from meshgroups import GroupCache, init_mesh
+
+    lay = dense_expert_layout()
+    cache = GroupCache()
+    mg = init_mesh(
+        lay, flatten=PLAN["flatten"], subsets=_subsets(lay), strategy="local", cache=cache, timeout=30
+    )
+    _check_every_family(mg, lay, rank)
+    calls_first = cache.calls
+    # a second, different layout through the same cache: counts stayed aligned, no hang
+    other = Layout.from_grid([[7, 6, 5, 4], [3, 2, 1, 0]], ("x", "y"))
+    mg2 = init_mesh(other, flatten=[("x", "y")], strategy="local", cache=cache, timeout=30)
+    _check_every_family(mg2, other, rank)
+    assert mg2.group("x", "y") is not dist.group.WORLD  # reversed order: not the default group
+    return calls_first
+
+
+def test_local_strategy_world8():
+    calls = run(worker_local_strategy, 8, timeout=120)
+    # per rank: one singleton + one step per non-trivial family (pp, dp, tp, ep, pp_tp, world, embd,
+    # first); dp_cp is dp, the size-1 dims need no step. Independent of the world size.
+    assert set(calls) == {1 + 8}
+
+
+def worker_errors(rank, world):
+    import torch.distributed as dist
+
+    from meshgroups import init_mesh
+
+    errors = {}
+    for name, call in {
+        "outside": lambda: init_mesh(Layout(dp=8)),
+        "strategy": lambda: init_mesh(Layout(dp=4), strategy="eager"),
+        "split": lambda: init_mesh(Layout(dp=4), strategy="split"),
+        "device": lambda: init_mesh(Layout(dp=4), "cuda:0"),
+        "flatten_str": lambda: init_mesh(Layout(dp=2, tp=2), flatten=["dp"]),
+        "unknown": lambda: init_mesh(Layout(dp=2, tp=2), flatten=[("dp", "xp")]),
+        "timeout": lambda: init_mesh(Layout(dp=4), timeout=-1),
+        "type": lambda: init_mesh({"dp": 4}),
+    }.items():
+        try:
+            call()
+            errors[name] = None
+        except (ValueError, TypeError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    # the failed calls created nothing and left the ranks in step: a real build still works
+    lay = Layout(dp=2, tp=1, rank_offset=2)  # part of the world: ranks 2 and 3
+    mg = init_mesh(lay, flatten=[("dp", "tp")], gloo_twins=True, timeout=20)
+    member = rank in (2, 3)
+    assert (mg.mesh is None) == (not member)
+    assert (mg.group("dp") is None) == (not member) and (mg.ranks("dp") is None) == (not member)
+    assert mg.size("dp") == 2
+    if member:
+        assert mg.group("dp", gloo=True) is mg.group("dp")  # backend is gloo: the twin is the group
+        assert mg.ranks("dp") == [2, 3]
+    try:
+        mg.group("dp", "tp", "xx")
+    except ValueError as exc:
+        errors["unknown_dim"] = str(exc)
+    try:
+        init_mesh(Layout(dp=2, tp=2), timeout=20).group("dp", "tp")
+    except ValueError as exc:
+        errors["undeclared"] = str(exc)
+    dist.barrier()
+    return errors
+
+
+def test_errors_before_any_collective_world4():
+    for errors in run(worker_errors, 4, timeout=90):
+        assert "uses rank 7, outside the default group's world (ranks 0..3)" in errors["outside"]
+        assert "strategy='eager' is not one of" in errors["strategy"]
+        assert "strategy='split' needs a default process group bound to a device" in errors["split"]
+        assert "device_type='cuda:0'" in errors["device"]
+        assert errors["flatten_str"].startswith("TypeError: flatten takes dim sets")
+        assert "unknown dim 'xp'" in errors["unknown"]
+        assert "timeout=-1" in errors["timeout"]
+        assert errors["type"].startswith("TypeError: layout must be a meshgroups.Layout")
+        assert "unknown dim 'xx'" in errors["unknown_dim"]
+        assert "group ('dp', 'tp') was not built" in errors["undeclared"]
+
+
+def test_init_mesh_without_process_group():
+    import torch.distributed as dist
+
+    from meshgroups import init_mesh
+
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="needs an initialised default process group"):
+        init_mesh(Layout(dp=2))

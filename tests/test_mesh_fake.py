@@ -1,0 +1,73 @@
+"""Large worlds without processes: torch's "fake" backend lets this process act as one rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from meshgroups import GroupCache, Layout, init_mesh
+
+BIG = Layout(pp=16, dp=256, cp=4, tp=8)  # 131,072 ranks
+
+
+@pytest.fixture
+def fake_rank(request):
+    rank, world = request.param
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield rank
+    finally:
+        dist.destroy_process_group()
+
+
+def _expected_distinct_rows(layout, families):
+    rows = set()
+    for dims in families:
+        for row in layout.groups(*dims).tolist():
+            if 1 < len(row) < layout.world_size:
+                rows.add(tuple(row))
+    return rows
+
+
+@pytest.mark.parametrize("fake_rank", [(98765, BIG.world_size)], indirect=True)
+def test_global_strategy_at_131k(fake_rank):
+    cache = GroupCache()
+    mg = init_mesh(BIG, flatten=[("dp", "cp")], cache=cache)
+    families = [(d,) for d in BIG.names] + [("dp", "cp")]
+    for dims in families:
+        assert mg.ranks(*dims) == BIG.group_of(fake_rank, *dims).tolist()
+        assert dist.get_process_group_ranks(mg.group(*dims)) == mg.ranks(*dims)
+    # one creation call per distinct rank set, no world-sized loops of singletons
+    assert cache.calls == len(_expected_distinct_rows(BIG, families))
+    assert tuple(mg.mesh.get_coordinate()) == tuple(BIG.coords(fake_rank).values())
+
+
+@pytest.mark.parametrize("fake_rank", [(0, BIG.world_size), (131071, BIG.world_size)], indirect=True)
+def test_local_strategy_at_131k_costs_one_call_per_family(fake_rank):
+    lay = BIG.with_views(expert=Layout(pp=16, edp=32, ep=64, etp=4))
+    cache = GroupCache()
+    mg = init_mesh(lay, flatten=[("dp", "cp"), ("edp", "ep")], strategy="local", cache=cache)
+    for dims in [
+        ("pp",),
+        ("dp",),
+        ("cp",),
+        ("tp",),
+        ("dp", "cp"),
+        ("edp",),
+        ("ep",),
+        ("etp",),
+        ("edp", "ep"),
+    ]:
+        assert mg.ranks(*dims) == lay.group_of(fake_rank, *dims).tolist()
+        assert dist.get_rank(mg.group(*dims)) == mg.local_rank(*dims)
+    assert cache.calls == 9  # 9 families, each one step; expert pp is the dense pp
+
+
+@pytest.mark.parametrize("fake_rank", [(5, 1024)], indirect=True)
+def test_subset_non_member_gets_none(fake_rank):
+    lay = Layout(pp=4, dp=32, tp=8)
+    mg = init_mesh(lay, subsets={"embd": (lay.select("pp", [0, -1]), "pp")}, strategy="local")
+    assert mg.ranks("embd") == [5, 773] and mg.local_rank("embd") == 0
+    mg_far = init_mesh(Layout(tp=8, rank_offset=512), strategy="local")
+    assert mg_far.mesh is None and mg_far.group("tp") is None and mg_far.size("tp") == 8
