@@ -68,6 +68,12 @@ class MeshGroups:
     def _build_mesh(self, layout: Layout) -> DeviceMesh | None:
         if dist.get_rank() not in layout:
             return None
+        missing = [d for d in layout.names if (d,) not in self._handles]
+        if missing:
+            raise ValueError(
+                f"a DeviceMesh needs the groups of every dim, but {', '.join(missing)} were not built "
+                "(init_mesh was called with only=...)"
+            )
         groups = [self._handles[(d,)].group for d in layout.names]
         return DeviceMesh.from_group(
             groups,
@@ -182,6 +188,7 @@ def init_mesh(
     *,
     flatten: Iterable[Sequence[str]] = (),
     subsets: Mapping[str, SubsetSpec] | None = None,
+    only: Iterable[Sequence[str]] | None = None,
     backend: str | None = None,
     timeout: timedelta | float | None = None,
     gloo_twins: bool = False,
@@ -197,6 +204,9 @@ def init_mesh(
         flatten: dim sets to build flattened groups for, e.g. ``[("dp", "cp")]``.
         subsets: named subset groups, ``{"embd": (layout.select("pp", [0, -1]), "pp")}``:
             the groups of that sub-layout varying those dims; other ranks get ``None``.
+        only: build exactly these dim sets (and ``subsets``) instead of every dim plus
+            ``flatten`` — e.g. ``only=[("tp",)]`` for just the tp groups. ``mesh`` and n-D
+            ``submesh`` then need every single dim among them (``ValueError`` otherwise).
         backend: backend of the new groups; default: the default group's. Strings such as
             ``"cpu:gloo,cuda:nccl"`` pass through to ``new_group``.
         timeout: for every new group and for the cross-rank check (seconds or timedelta);
@@ -230,7 +240,9 @@ def init_mesh(
         raise ValueError(f"device_type={device_type!r}: give the device type only, e.g. 'cpu' or 'cuda'")
     timeout_td = _as_timedelta(timeout)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    specs, subset_specs = _plan(layout, flatten, subsets or {})
+    if only is not None and tuple(flatten):
+        raise ValueError("give either only= (exactly these groups) or flatten= (extra groups), not both")
+    specs, subset_specs = _plan(layout, flatten, subsets or {}, only)
     for spec in specs:
         _check_in_world(spec.layout, world_size, spec.key)
     check_strategy_inputs(strategy, specs)
@@ -272,15 +284,22 @@ def _as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
 
 
 def _plan(
-    layout: Layout, flatten: Iterable[Sequence[str]], subsets: Mapping[str, SubsetSpec]
+    layout: Layout,
+    flatten: Iterable[Sequence[str]],
+    subsets: Mapping[str, SubsetSpec],
+    only: Iterable[Sequence[str]] | None,
 ) -> tuple[list[GroupSpec], dict[str, GroupSpec]]:
-    specs: list[GroupSpec] = [GroupSpec((d,), layout, (d,)) for d in layout.names]
-    for view in layout.views.values():
-        specs += [GroupSpec((d,), view, (d,)) for d in view.names if d not in layout.names]
+    specs: list[GroupSpec] = []
+    if only is None:
+        specs = [GroupSpec((d,), layout, (d,)) for d in layout.names]
+        for view in layout.views.values():
+            specs += [GroupSpec((d,), view, (d,)) for d in view.names if d not in layout.names]
+    else:
+        flatten = only
     keys = {spec.key for spec in specs}
     for dims in flatten:
         if isinstance(dims, str):
-            raise TypeError(f"flatten takes dim sets like [('dp', 'cp')], got the string {dims!r}")
+            raise TypeError(f"flatten/only take dim sets like [('dp', 'cp')], got the string {dims!r}")
         dims = tuple(dims)
         owner = layout.resolve(*dims)
         key = tuple(d for d in owner.names if d in dims)

@@ -264,7 +264,7 @@ def test_errors_before_any_collective_world4():
         assert "strategy='eager' is not one of" in errors["strategy"]
         assert "strategy='split' needs a default process group bound to a device" in errors["split"]
         assert "device_type='cuda:0'" in errors["device"]
-        assert errors["flatten_str"].startswith("TypeError: flatten takes dim sets")
+        assert errors["flatten_str"].startswith("TypeError: flatten/only take dim sets")
         assert "unknown dim 'xp'" in errors["unknown"]
         assert "timeout=-1" in errors["timeout"]
         assert errors["type"].startswith("TypeError: layout must be a meshgroups.Layout")

@@ -1,0 +1,431 @@
+"""Drop-in replacement for ``rlightning.utils.distributed.group_initializer``.
+
+Change one import line::
+
+    from rlightning.utils.distributed.group_initializer import TPGroupInitializer   # before
+    from compat.group_initializer import TPGroupInitializer                        # after
+
+Same class names, constructor arguments, attributes, ``mode`` values and
+``init_dist_group(backend="nccl", use_cpu=False)`` 5-tuples
+``(local_rank, group_world_size, process_group, ranks_in_group, mode)``. Underneath, each
+initializer states its layout as a ``meshgroups.Layout`` (``.layout``, drawable without
+processes) and takes its group from ``meshgroups.init_mesh``; no rank arithmetic lives here.
+
+Deliberate differences from the legacy module (each was a silent bug there):
+
+- Sizes that do not divide ``world_size``, ``rank`` outside ``[0, world_size)``, and duplicate,
+  out-of-range or empty explicit rank lists raise ``ValueError`` in the constructor (legacy:
+  some ranks silently got no group, or ``new_group`` failed midway).
+- ``init_dist_group`` raises ``ValueError`` if ``world_size`` or ``rank`` differ from the
+  initialised default group (legacy: wrong groups), and every rank checks that all ranks build
+  the same groups before any is created (legacy: a hang).
+- Groups keep the given rank order: ``dist.get_rank(process_group) == local_rank`` always
+  (legacy sorted the ranks, so an unsorted explicit list gave a ``local_rank`` that disagreed
+  with the group's own rank).
+- Initializers that ask for the same ranks share one process group (TP and SP of equal size, a
+  DP group equal to an explicit list), instead of creating duplicates.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from meshgroups import GroupCache, Layout, init_mesh
+from meshgroups._checks import check_int
+
+__all__ = [
+    "CommMode",
+    "DPGroupInitializer",
+    "InterNodeGroupInitializer",
+    "IntraNodeGroupInitializer",
+    "ParallelMode",
+    "ProcessGroupInitializer",
+    "SPGroupInitializer",
+    "TPGroupInitializer",
+    "TrainDPGroupInitializer",
+    "WeightTransferGroupInitializer",
+    "group_cache",
+    "reset_group_cache",
+]
+
+InitResult = tuple[int | None, int | None, ProcessGroup | None, list[int] | None, str | None]
+
+# The compat layer's one piece of process state: groups shared by every initializer, so that
+# equal rank sets get one process group. ``reset_group_cache()`` destroys and forgets them.
+_CACHE = GroupCache()
+
+
+def group_cache() -> GroupCache:
+    """The cache holding every group the compat initializers created (``.calls``, ``len()``)."""
+    return _CACHE
+
+
+def reset_group_cache() -> None:
+    """Destroy every group the initializers created and start afresh (e.g. between jobs)."""
+    global _CACHE
+    if dist.is_initialized():
+        _CACHE.destroy()
+    _CACHE = GroupCache()
+
+
+class CommMode:
+    """Communication mode identifiers for process groups.
+
+    Attributes:
+        GLOBAL: Global communication group spanning all processes.
+        INTRA_NODE: Communication group within a single node.
+        INTER_NODE: Communication group across nodes (one process per node).
+    """
+
+    GLOBAL: str = "GLOBAL"
+    INTRA_NODE: str = "INTRA_NODE"
+    INTER_NODE: str = "INTER_NODE"
+
+
+class ParallelMode(CommMode):
+    """Parallel mode identifiers extending CommMode.
+
+    Attributes:
+        TRAIN_DATA_PARALLEL: Data parallel group for training.
+        DATA_PARALLEL: General data parallel group.
+        TENSOR_PARALLEL: Tensor parallel group for model parallelism.
+        SEQUENCE_PARALLEL: Sequence parallel group for long sequences.
+        WEIGHT_TRANSFER: Group for transferring model weights.
+    """
+
+    TRAIN_DATA_PARALLEL: str = "TRAIN_DATA_PARALLEL"
+    DATA_PARALLEL: str = "DATA_PARALLEL"
+    TENSOR_PARALLEL: str = "TENSOR_PARALLEL"
+    SEQUENCE_PARALLEL: str = "SEQUENCE_PARALLEL"
+    WEIGHT_TRANSFER: str = "WEIGHT_TRANSFER"
+
+
+def _check_divides(name: str, size: object, world_size: int) -> int:
+    size = check_int(size, name)
+    if size < 1 or world_size % size:
+        raise ValueError(
+            f"{name}={size} does not divide world_size={world_size}; it must be a positive divisor"
+        )
+    return size
+
+
+def _check_ranks(ranks: object, world_size: int) -> list[int]:
+    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+        raise TypeError(f"ranks must be a list of ints, got {ranks!r}")
+    checked = [check_int(r, "each rank in ranks") for r in ranks]  # type: ignore[union-attr]
+    if not checked:
+        raise ValueError("ranks is empty; a group needs at least one rank")
+    for r in checked:
+        if not 0 <= r < world_size:
+            raise ValueError(f"rank {r} in ranks={checked} is outside [0, world_size={world_size})")
+    repeated = sorted({r for r in checked if checked.count(r) > 1})
+    if repeated:
+        raise ValueError(f"ranks={checked} lists rank {repeated[0]} more than once; ranks must be distinct")
+    return checked
+
+
+class ProcessGroupInitializer(ABC):
+    """Abstract base class for process group initialization.
+
+    Attributes:
+        rank: Global rank of this process.
+        world_size: Total number of processes.
+        local_rank: Local rank within the initialized group.
+        ranks_in_group: List of global ranks in the group.
+        process_group: The initialized ProcessGroup instance.
+        group_world_size: Size of the initialized group.
+        mode: Communication mode identifier for this group.
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        """Initialize the process group initializer.
+
+        Args:
+            rank: Global rank of this process.
+            world_size: Total number of processes.
+
+        Raises:
+            ValueError: ``world_size < 1`` or ``rank`` outside ``[0, world_size)``.
+        """
+        world_size = check_int(world_size, "world_size")
+        rank = check_int(rank, "rank")
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be positive")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
+        self.rank: int = rank
+        self.world_size: int = world_size
+        self.local_rank: int | None = None
+        self.ranks_in_group: list[int] | None = None
+        self.process_group: ProcessGroup | None = None
+        self.group_world_size: int | None = None
+        self.mode: str | None = None
+
+    @property
+    def layout(self) -> Layout:
+        """The layout this initializer's groups are the ``group_dims`` groups of."""
+        raise NotImplementedError(f"{type(self).__name__} does not state a layout")
+
+    @property
+    def group_dims(self) -> tuple[str, ...]:
+        """The dims of :attr:`layout` whose groups ``init_dist_group`` creates."""
+        raise NotImplementedError(f"{type(self).__name__} does not state a layout")
+
+    def groups(self) -> list[list[int]]:
+        """Every group ``init_dist_group`` creates, as rank lists; no processes needed."""
+        return self.layout.groups(*self.group_dims).tolist()
+
+    @abstractmethod
+    def init_dist_group(self, backend: str = "nccl", use_cpu: bool = False) -> InitResult:
+        """Initialize the distributed group.
+
+        Args:
+            backend: Communication backend ('nccl' or 'gloo').
+            use_cpu: If True, use CPU tensors (forces 'gloo' backend).
+
+        Returns:
+            Tuple of (local_rank, group_world_size, process_group, ranks_in_group, mode).
+        """
+
+    def _new_and_update_group_info(
+        self, ranks: list[int], use_cpu: bool = False, backend: str = "nccl"
+    ) -> None:
+        """Create the group of ``ranks`` and, on its members, record it on ``self``.
+
+        Collective, as in the legacy module: every rank must call it with the same lists in the
+        same order. Kept for user subclasses that enumerate groups themselves.
+
+        Args:
+            ranks: List of global ranks to include in the group.
+            use_cpu: If True, use 'gloo' backend for CPU tensors.
+            backend: Communication backend to use.
+        """
+        checked = _check_ranks(ranks, self.world_size)
+        self._update_from_layout(Layout.from_grid(checked, ("members",)), ("members",), use_cpu, backend)
+
+    def _update_from_layout(self, layout: Layout, dims: tuple[str, ...], use_cpu: bool, backend: str) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "init_dist_group needs an initialised default process group (dist.init_process_group)"
+            )
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"world_size={self.world_size} differs from the default process group's world size "
+                f"{dist.get_world_size()}"
+            )
+        if dist.get_rank() != self.rank:
+            raise ValueError(
+                f"rank={self.rank} but this process is rank {dist.get_rank()} of the default group"
+            )
+        built = init_mesh(layout, backend="gloo" if use_cpu else backend, only=[dims], cache=_CACHE)
+        ranks = built.ranks(*dims)
+        if ranks is not None:
+            self.local_rank = built.local_rank(*dims)
+            self.group_world_size = len(ranks)
+            self.process_group = built.group(*dims)
+            self.ranks_in_group = ranks
+
+    def _result(self) -> InitResult:
+        return (self.local_rank, self.group_world_size, self.process_group, self.ranks_in_group, self.mode)
+
+    def _init_from_layout(self, backend: str, use_cpu: bool) -> InitResult:
+        self._update_from_layout(self.layout, self.group_dims, use_cpu, backend)
+        return self._result()
+
+
+class _ExplicitRanksInitializer(ProcessGroupInitializer):
+    """One group of explicitly given ranks; other ranks get ``None``s (and ``mode``)."""
+
+    _mode: str = ""
+
+    def __init__(self, rank: int, world_size: int, ranks: list[int]) -> None:
+        super().__init__(rank, world_size)
+        self.ranks: list[int] = _check_ranks(ranks, self.world_size)
+        self.mode = self._mode
+
+    @property
+    def layout(self) -> Layout:
+        return Layout.from_grid(self.ranks, ("members",))
+
+    @property
+    def group_dims(self) -> tuple[str, ...]:
+        return ("members",)
+
+    def init_dist_group(self, backend: str = "nccl", use_cpu: bool = False) -> InitResult:
+        """Initialize the group of ``self.ranks``; non-members get ``(None, None, None, None, mode)``.
+
+        Args:
+            backend: Communication backend ('nccl' or 'gloo').
+            use_cpu: If True, use CPU tensors.
+
+        Returns:
+            Tuple of (local_rank, group_world_size, process_group, ranks_in_group, mode).
+        """
+        return self._init_from_layout(backend, use_cpu)
+
+
+class TrainDPGroupInitializer(_ExplicitRanksInitializer):
+    """Data parallel group initializer for training: one group of the given ranks.
+
+    Attributes:
+        ranks: List of global ranks to include in this group.
+    """
+
+    _mode = ParallelMode.TRAIN_DATA_PARALLEL
+
+
+class IntraNodeGroupInitializer(_ExplicitRanksInitializer):
+    """Intra-node process group initializer: one group of the given ranks of a node.
+
+    Attributes:
+        ranks: List of global ranks within the node.
+    """
+
+    _mode = CommMode.INTRA_NODE
+
+
+class WeightTransferGroupInitializer(_ExplicitRanksInitializer):
+    """Weight transfer process group initializer: one group of the given ranks.
+
+    Attributes:
+        ranks: List of global ranks participating in weight transfer.
+    """
+
+    _mode = ParallelMode.WEIGHT_TRANSFER
+
+
+class DPGroupInitializer(ProcessGroupInitializer):
+    """Data parallel groups: ``Layout(dp=data_parallel_size, rest=world_size // data_parallel_size)``,
+    the ``dp`` groups (dp outermost, so members are ``process_num_between_dp_rank`` apart).
+
+    Attributes:
+        data_parallel_size: Number of processes in each data parallel group.
+        process_num_between_dp_rank: Stride between data parallel ranks.
+    """
+
+    def __init__(self, rank: int, world_size: int, data_parallel_size: int) -> None:
+        super().__init__(rank, world_size)
+        self.data_parallel_size: int = _check_divides(
+            "data_parallel_size", data_parallel_size, self.world_size
+        )
+        self.process_num_between_dp_rank: int = self.world_size // self.data_parallel_size
+        self.mode = ParallelMode.DATA_PARALLEL
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(dp=self.data_parallel_size, rest=self.process_num_between_dp_rank)
+
+    @property
+    def group_dims(self) -> tuple[str, ...]:
+        return ("dp",)
+
+    def init_dist_group(self, backend: str = "nccl", use_cpu: bool = False) -> InitResult:
+        """Initialize data parallel groups (every rank gets the strided group it belongs to).
+
+        Returns:
+            Tuple of (local_rank, group_world_size, process_group, ranks_in_group, mode).
+        """
+        return self._init_from_layout(backend, use_cpu)
+
+
+class TPGroupInitializer(ProcessGroupInitializer):
+    """Tensor parallel groups: ``Layout(rest=world_size // tensor_parallel_size, tp=...)``, the
+    ``tp`` groups (blocks of consecutive ranks).
+
+    Attributes:
+        tensor_parallel_size: Number of processes in each tensor parallel group.
+        tensor_parallel_group_num: Total number of tensor parallel groups.
+    """
+
+    def __init__(self, rank: int, world_size: int, tensor_parallel_size: int) -> None:
+        super().__init__(rank, world_size)
+        self.tensor_parallel_size: int = _check_divides(
+            "tensor_parallel_size", tensor_parallel_size, self.world_size
+        )
+        self.tensor_parallel_group_num: int = self.world_size // self.tensor_parallel_size
+        self.mode = ParallelMode.TENSOR_PARALLEL
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(rest=self.tensor_parallel_group_num, tp=self.tensor_parallel_size)
+
+    @property
+    def group_dims(self) -> tuple[str, ...]:
+        return ("tp",)
+
+    def init_dist_group(self, backend: str = "nccl", use_cpu: bool = False) -> InitResult:
+        """Initialize tensor parallel groups of consecutive processes.
+
+        Returns:
+            Tuple of (local_rank, group_world_size, process_group, ranks_in_group, mode).
+        """
+        return self._init_from_layout(backend, use_cpu)
+
+
+class SPGroupInitializer(ProcessGroupInitializer):
+    """Sequence parallel groups: ``Layout(rest=world_size // sequence_parallel_size, sp=...)``,
+    the ``sp`` groups (blocks of consecutive ranks).
+
+    Attributes:
+        sequence_parallel_size: Number of processes in each sequence parallel group.
+        sequence_parallel_group_num: Total number of sequence parallel groups.
+    """
+
+    def __init__(self, rank: int, world_size: int, sequence_parallel_size: int) -> None:
+        super().__init__(rank, world_size)
+        self.sequence_parallel_size: int = _check_divides(
+            "sequence_parallel_size", sequence_parallel_size, self.world_size
+        )
+        self.sequence_parallel_group_num: int = self.world_size // self.sequence_parallel_size
+        self.mode = ParallelMode.SEQUENCE_PARALLEL
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(rest=self.sequence_parallel_group_num, sp=self.sequence_parallel_size)
+
+    @property
+    def group_dims(self) -> tuple[str, ...]:
+        return ("sp",)
+
+    def init_dist_group(self, backend: str = "nccl", use_cpu: bool = False) -> InitResult:
+        """Initialize sequence parallel groups of consecutive processes.
+
+        Returns:
+            Tuple of (local_rank, group_world_size, process_group, ranks_in_group, mode).
+        """
+        return self._init_from_layout(backend, use_cpu)
+
+
+class InterNodeGroupInitializer(ProcessGroupInitializer):
+    """Inter-node groups: ``Layout(node=node_count, local=local_world_size)``, the ``node``
+    groups (the same local rank on every node).
+
+    Attributes:
+        local_world_size: Number of processes per node.
+        node_count: Total number of nodes in the cluster.
+    """
+
+    def __init__(self, rank: int, world_size: int, local_world_size: int) -> None:
+        super().__init__(rank, world_size)
+        self.local_world_size: int = _check_divides("local_world_size", local_world_size, self.world_size)
+        self.node_count: int = self.world_size // self.local_world_size
+        self.mode = CommMode.INTER_NODE
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(node=self.node_count, local=self.local_world_size)
+
+    @property
+    def group_dims(self) -> tuple[str, ...]:
+        return ("node",)
+
+    def init_dist_group(self, backend: str = "nccl", use_cpu: bool = False) -> InitResult:
+        """Initialize inter-node groups: one process per node in each group.
+
+        Returns:
+            Tuple of (local_rank, group_world_size, process_group, ranks_in_group, mode).
+        """
+        return self._init_from_layout(backend, use_cpu)
