@@ -572,15 +572,27 @@ def _check_views(main: Layout, views: tuple[tuple[str, Layout], ...]) -> tuple[t
             )
         for other_name, other in [("main layout", main)] + [(f"view {k!r}", v) for k, v in seen.items()]:
             for dim in set(view.names) & set(other.names):
-                mine, theirs = view.groups(dim), other.groups(dim)
+                # The same groups, each in the same member order; the order in which two
+                # factorisations enumerate their groups may differ and does not matter.
+                mine, theirs = _sorted_rows(view.groups(dim)), _sorted_rows(other.groups(dim))
                 if mine.shape != theirs.shape or not np.array_equal(mine, theirs):
                     row = _first_differing_row(mine, theirs)
+                    rank = int(mine[row][0]) if row < len(mine) else int(theirs[row][0])
                     raise ValueError(
-                        f"dim {dim!r} of view {name!r} does not match the {other_name}: its group #{row} is "
-                        f"{_row(mine, row)} in view {name!r} but {_row(theirs, row)} in the {other_name}"
+                        f"dim {dim!r} of view {name!r} does not match the {other_name}: rank {rank} is in "
+                        f"{_group_with(view, dim, rank)} in view {name!r} but in "
+                        f"{_group_with(other, dim, rank)} in the {other_name}"
                     )
         seen[name] = view
     return views
+
+
+def _sorted_rows(rows: np.ndarray) -> np.ndarray:
+    return rows[np.lexsort(rows.T[::-1])]
+
+
+def _group_with(layout: Layout, dim: str, rank: int) -> str:
+    return str(layout.group_of(rank, dim).tolist()) if rank in layout else "(no group)"
 
 
 def _first_differing_row(a: np.ndarray, b: np.ndarray) -> int:
@@ -588,7 +600,3 @@ def _first_differing_row(a: np.ndarray, b: np.ndarray) -> int:
         if a[i].shape != b[i].shape or not np.array_equal(a[i], b[i]):
             return i
     return min(len(a), len(b))
-
-
-def _row(rows: np.ndarray, i: int) -> str:
-    return str(rows[i].tolist()) if i < len(rows) else "(none)"

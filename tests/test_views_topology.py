@@ -26,9 +26,22 @@ def test_views_mismatch_names_first_differing_group():
     with pytest.raises(
         ValueError,
         match=r"dim 'pp' of view 'expert' does not match the main layout: "
-        r"its group #0 is \[0, 4\] in view 'expert' but \[0, 2\] in the main layout",
+        r"rank 0 is in \[0, 4\] in view 'expert' but in \[0, 2\] in the main layout",
     ):
         dense.with_views(expert=Layout(pp=2, ep=4))
+
+
+def test_views_may_enumerate_shared_groups_in_another_order():
+    main = Layout(dp=2, pp=2, cp=2, tp=2)
+    view = main.flatten("dp", "cp")  # dp_cp moves cp outside pp: tp rows come in another order
+    assert not np.array_equal(view.groups("tp"), main.groups("tp"))
+    assert main.with_views(v=view).views["v"] is view
+    swapped = Layout.from_grid(main.grid.copy().reshape(2, 2, 2, 2)[:, :, :, ::-1], main.names)
+    with pytest.raises(
+        ValueError,
+        match=r"dim 'tp' of view 'v' .*: rank 1 is in \[1, 0\] in view 'v' but in \[0, 1\] in the main layout",
+    ):
+        main.with_views(v=swapped)
 
 
 def test_views_must_cover_the_same_ranks():

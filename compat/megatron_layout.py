@@ -1,0 +1,191 @@
+"""Megatron-Core's parallel groups stated as one ``meshgroups.Layout`` with views.
+
+``megatron_plan(...)`` needs no processes: it is what ``compat.parallel_state`` builds, and
+what tests and notebooks inspect. Every group is a dim (or flattened dim set) of a factorisation
+of the world, named with Megatron's tokens:
+
+- main (dense): ``Layout.from_order(order without "ep", tp, cp, dp, pp)``;
+- ``expert``: ``from_order(order, expt_tp, expt_cp=1, ep, expt_dp, pp)`` (pp checked equal);
+- ``dense_opt``: ``dp×cp`` split into ``dist_opt`` instances of ``intra_dp_cp`` consecutive ranks;
+- ``expert_opt``: ``expt_dp`` split into ``inter_dist_opt × intra_expt_dp``;
+- ``hcp``: ``cp`` split into levels ``hcp_0`` (fastest) .. ``hcp_{k-1}``;
+- subsets ``embd`` / ``pos_embd``: first and last / first pipeline stage (or the callbacks').
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from meshgroups import Layout
+from meshgroups._checks import check_int, formula, product
+
+RanksCallback = Callable[[list[int]], list[int]]
+
+# Megatron field name -> the dims of its groups (or a subset name)
+FIELD_DIMS: dict[str, tuple[str, ...] | str] = {
+    "tp": ("tp",),
+    "pp": ("pp",),
+    "mp": ("pp", "tp"),
+    "cp": ("cp",),
+    "tp_cp": ("cp", "tp"),
+    "dp": ("dp",),
+    "dp_cp": ("dp", "cp"),
+    "ep": ("ep",),
+    "expt_tp": ("expt_tp",),
+    "tp_ep": ("ep", "expt_tp"),
+    "tp_ep_pp": ("pp", "ep", "expt_tp"),
+    "expt_dp": ("expt_dp",),
+    "intra_dp_cp": ("intra_dp_cp",),
+    "intra_expt_dp": ("intra_expt_dp",),
+    "inter_dist_opt": ("inter_dist_opt",),
+    "embd": "embd",
+    "pos_embd": "pos_embd",
+}
+
+
+@dataclass(frozen=True)
+class MegatronPlan:
+    """The layout (with views), subsets and field -> dims map of one Megatron configuration."""
+
+    layout: Layout
+    subsets: dict[str, tuple[Layout, tuple[str, ...]]]
+    fields: dict[str, tuple[str, ...] | str]
+    hcp_levels: tuple[tuple[str, ...], ...] = ()
+    sizes: dict[str, int] = field(default_factory=dict)
+
+    def rows(self, name: str) -> list[list[int]]:
+        """Every group of field ``name`` (e.g. ``"tp_ep"``, ``"embd"``, ``"hcp_1"``)."""
+        dims = self.fields[name]
+        if isinstance(dims, str):
+            sub, sub_dims = self.subsets[dims]
+            return sub.groups(*sub_dims).tolist()
+        return self.layout.groups(*dims).tolist()
+
+    def group_sets(self) -> list[tuple[str, ...]]:
+        """The dim sets to build (every field that is not a subset)."""
+        return [dims for dims in self.fields.values() if not isinstance(dims, str)]
+
+
+def _positive(name: str, value: object) -> int:
+    value = check_int(value, name)
+    if value < 1:
+        raise ValueError(f"{name}={value} must be a positive integer")
+    return value
+
+
+def _callback_subset(
+    name: str, callback: RanksCallback, pp_rows: list[list[int]]
+) -> tuple[Layout, tuple[str, ...]]:
+    rows = [list(callback(list(row))) for row in pp_rows]
+    sizes = {len(r) for r in rows}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"{name} returned groups of different sizes {sorted(sizes)}; meshgroups needs equal sizes"
+        )
+    try:
+        return Layout.from_grid(rows, ("pp_group", "member")), ("member",)
+    except ValueError as exc:
+        raise ValueError(f"{name} returned overlapping or invalid ranks: {exc}") from None
+
+
+def megatron_plan(
+    world_size: int,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    *,
+    context_parallel_size: int = 1,
+    hierarchical_context_parallel_sizes: Sequence[int] | None = None,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    num_distributed_optimizer_instances: int = 1,
+    order: str = "tp-cp-ep-dp-pp",
+    get_embedding_ranks: RanksCallback | None = None,
+    get_position_embedding_ranks: RanksCallback | None = None,
+) -> MegatronPlan:
+    """State Megatron's groups for ``world_size`` ranks as a layout; see the module docstring.
+
+    Raises ``ValueError`` naming the sizes for every rule Megatron asserts (divisibility of the
+    world by ``tp×pp×cp`` and ``expert_tp×ep×pp``, of ``dp×cp`` and ``expert_dp`` by the
+    optimizer instances, hierarchical cp sizes multiplying to cp, equal dense/expert dp when pp is
+    not last in ``order``).
+    """
+    world = _positive("world_size", world_size)
+    tp = _positive("tensor_model_parallel_size", tensor_model_parallel_size)
+    pp = _positive("pipeline_model_parallel_size", pipeline_model_parallel_size)
+    cp = _positive("context_parallel_size", context_parallel_size)
+    ep = _positive("expert_model_parallel_size", expert_model_parallel_size)
+    etp = (
+        tp
+        if expert_tensor_parallel_size is None
+        else _positive("expert_tensor_parallel_size", expert_tensor_parallel_size)
+    )
+    n_opt = _positive("num_distributed_optimizer_instances", num_distributed_optimizer_instances)
+    if world % (tp * pp * cp):
+        raise ValueError(
+            f"world_size={world} is not divisible by {formula(('tp', 'pp', 'cp'), (tp, pp, cp))}"
+        )
+    dp = world // (tp * pp * cp)
+    if world % (etp * ep * pp):
+        raise ValueError(
+            f"world_size={world} is not divisible by {formula(('expert_tp', 'ep', 'pp'), (etp, ep, pp))}"
+        )
+    edp = world // (etp * ep * pp)
+    if (dp * cp) % n_opt:
+        raise ValueError(f"dp×cp = {dp * cp} is not divisible by num_distributed_optimizer_instances={n_opt}")
+    if edp % n_opt:
+        raise ValueError(f"expert_dp={edp} is not divisible by num_distributed_optimizer_instances={n_opt}")
+    if not isinstance(order, str):
+        raise TypeError(f"order must be a str like 'tp-cp-ep-dp-pp', got {order!r}")
+    tokens = order.lower().split("-")
+    if pp > 1 and tokens[-1] != "pp" and edp != dp:
+        raise ValueError(
+            f"order={order!r} does not end in pp, so the dense and expert dp sizes must match; got dp={dp}, expert_dp={edp}"
+        )
+    dense = Layout.from_order("-".join(t for t in tokens if t != "ep"), tp=tp, cp=cp, dp=dp, pp=pp)
+    rename = {"tp": "expt_tp", "cp": "expt_cp", "dp": "expt_dp"}
+    expert = Layout.from_order(
+        "-".join(rename.get(t, t) for t in tokens), expt_tp=etp, expt_cp=1, ep=ep, expt_dp=edp, pp=pp
+    )
+    views = {
+        "expert": expert,
+        "dense_opt": dense.flatten("dp", "cp", name="dp_cp").split(
+            "dp_cp", dist_opt=n_opt, intra_dp_cp=dp * cp // n_opt
+        ),
+        "expert_opt": expert.split("expt_dp", inter_dist_opt=n_opt, intra_expt_dp=edp // n_opt),
+    }
+    fields = dict(FIELD_DIMS)
+    hcp_levels: list[tuple[str, ...]] = []
+    if hierarchical_context_parallel_sizes:
+        sizes = [
+            _positive("hierarchical_context_parallel_sizes[i]", s)
+            for s in hierarchical_context_parallel_sizes
+        ]
+        if product(sizes) != cp:
+            raise ValueError(
+                f"hierarchical_context_parallel_sizes={sizes} multiply to {product(sizes)}, not context_parallel_size={cp}"
+            )
+        names = [f"hcp_{i}" for i in range(len(sizes))]
+        views["hcp"] = dense.split("cp", **{names[i]: sizes[i] for i in reversed(range(len(sizes)))})
+        hcp_levels = [(n,) for n in names]
+        fields.update({n: (n,) for n in names})
+    pp_rows = dense.groups("pp").tolist()
+    subsets = {
+        "embd": _callback_subset("get_embedding_ranks", get_embedding_ranks, pp_rows)
+        if get_embedding_ranks
+        else (dense.select("pp", [0, -1]), ("pp",)),
+        "pos_embd": _callback_subset("get_position_embedding_ranks", get_position_embedding_ranks, pp_rows)
+        if get_position_embedding_ranks
+        else (dense.select("pp", [0]), ("pp",)),
+    }
+    sizes_used = {
+        "tp": tp,
+        "pp": pp,
+        "cp": cp,
+        "dp": dp,
+        "ep": ep,
+        "expt_tp": etp,
+        "expt_dp": edp,
+        "n_opt": n_opt,
+    }
+    return MegatronPlan(dense.with_views(**views), subsets, fields, tuple(hcp_levels), sizes_used)

@@ -1,0 +1,204 @@
+"""Megatron-Core's ``ModelCommProcessGroups`` and ``GradCommProcessGroups`` on meshgroups.
+
+Same fields and behaviour as ``megatron.core.process_groups_config``: ``__init__(**kwargs)``
+sets the given fields and rejects unknown names with ``ValueError``;
+``use_mpu_process_groups(required_pgs=None)`` fills them from ``compat.parallel_state``.
+New: ``from_mesh_groups(mesh_groups)`` fills them from a ``meshgroups.MeshGroups`` without any
+global state.
+
+An unset field is simply absent: reading it raises ``AttributeError`` naming the field, and
+``hasattr`` tells the truth. A field set from a rank that is in no such group (e.g. ``embd``
+off the first/last pipeline stage) holds ``None``, as in Megatron.
+
+    >>> ps.initialize_model_parallel(tensor_model_parallel_size=2)          # doctest: +SKIP
+    >>> model_pgs = ModelCommProcessGroups.use_mpu_process_groups()         # doctest: +SKIP
+    >>> grad_pgs = GradCommProcessGroups.use_mpu_process_groups(["dp", "dp_cp"])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from meshgroups import MeshGroups
+
+from . import parallel_state
+from .megatron_layout import FIELD_DIMS
+
+__all__ = ["GradCommProcessGroups", "ModelCommProcessGroups"]
+
+
+class _ProcessGroupFields:
+    """Shared behaviour of the two dataclasses."""
+
+    _getters: ClassVar[dict[str, Callable[[], Any]]] = {}
+
+    def __init__(self, **kwargs: Any) -> None:
+        names = {f.name for f in fields(self)}  # type: ignore[arg-type]
+        for key, value in kwargs.items():
+            if key not in names:
+                raise ValueError(f"Unknown attribute: {key}")
+            setattr(self, key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: an unset field, or a name that is no field.
+        if name in {f.name for f in fields(self)}:  # type: ignore[arg-type]
+            raise AttributeError(f"{type(self).__name__}.{name} was not set")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        parts = []
+        for f in fields(self):  # type: ignore[arg-type]
+            if f.name in self.__dict__:
+                value = self.__dict__[f.name]
+                ranks = _ranks(value)
+                parts.append(f"{f.name}={ranks if ranks is not None else value!r}")
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+    @classmethod
+    def use_mpu_process_groups(cls, required_pgs: list[str] | None = None) -> Any:
+        """Use the process groups of ``compat.parallel_state``.
+
+        Args:
+            required_pgs: names of the fields to fill; None fills every field.
+        """
+        all_pgs = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        if required_pgs is None:
+            required_pgs = list(all_pgs)
+        invalid_pgs = [pg for pg in required_pgs if pg not in all_pgs]
+        if invalid_pgs:
+            raise ValueError(f"Invalid process groups requested: {invalid_pgs}")
+        return cls(**{pg: cls._getters[pg]() for pg in required_pgs})
+
+    @classmethod
+    def from_mesh_groups(
+        cls,
+        mesh_groups: MeshGroups,
+        field_dims: Mapping[str, Sequence[str] | str] | None = None,
+    ) -> Any:
+        """Fill the fields from ``mesh_groups`` (no global state). ``field_dims`` maps a field
+        to its dims or subset name; the default is Megatron's naming (``tp``, ``dp``, ``cp``,
+        ``ep``, ``expt_tp``, ``expt_dp``, ``embd``, ...). Fields whose groups were not built are
+        left unset; a field named explicitly in ``field_dims`` must have been built."""
+        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        explicit = dict(field_dims or {})
+        unknown = sorted(set(explicit) - names)
+        if unknown:
+            raise ValueError(f"Unknown attribute: {unknown[0]}")
+        mapping = {name: FIELD_DIMS[name] for name in names if name in FIELD_DIMS} | explicit
+        values = {}
+        for name, dims in mapping.items():
+            dims_t = (dims,) if isinstance(dims, str) else tuple(dims)
+            try:
+                values[name] = mesh_groups.group(*dims_t)
+            except ValueError:
+                if name in explicit:
+                    raise
+        return cls(**values)
+
+
+def _ranks(group: Any) -> list[int] | None:
+    if isinstance(group, dist.ProcessGroup):
+        return dist.get_process_group_ranks(group)
+    return None
+
+
+@dataclass(init=False, repr=False, eq=False)
+class ModelCommProcessGroups(_ProcessGroupFields):
+    """Process groups for transformer model parallelism.
+
+    Args:
+        tp: Tensor parallel process group
+        pp: Pipeline parallel process group
+        mp: Model parallel group (tensor + pipeline)
+        embd: Embedding process group
+        pos_embd: Position embedding process group
+        cp: Context parallel process group
+        tp_cp: Tensor and context parallel group
+        hcp: Hierarchical context parallel groups
+        ep: Expert model parallel group
+        expt_tp: Expert tensor parallel group
+        tp_ep: Tensor and expert parallel group
+        tp_ep_pp: Tensor, expert, and pipeline parallel group
+        expt_dp: Expert data parallel group
+    """
+
+    tp: torch.distributed.ProcessGroup = field(init=False)
+    pp: torch.distributed.ProcessGroup = field(init=False)
+    mp: torch.distributed.ProcessGroup = field(init=False)
+    embd: torch.distributed.ProcessGroup = field(init=False)
+    pos_embd: torch.distributed.ProcessGroup = field(init=False)
+    cp: torch.distributed.ProcessGroup = field(init=False)
+    tp_cp: torch.distributed.ProcessGroup = field(init=False)
+    hcp: list[torch.distributed.ProcessGroup] = field(init=False)
+    ep: torch.distributed.ProcessGroup = field(init=False)
+    expt_tp: torch.distributed.ProcessGroup = field(init=False)
+    tp_ep: torch.distributed.ProcessGroup = field(init=False)
+    tp_ep_pp: torch.distributed.ProcessGroup = field(init=False)
+    expt_dp: torch.distributed.ProcessGroup = field(init=False)
+
+    _getters: ClassVar[dict[str, Callable[[], Any]]] = {
+        "tp": lambda: parallel_state.get_tensor_model_parallel_group(False),
+        "pp": lambda: parallel_state.get_pipeline_model_parallel_group(False),
+        "mp": lambda: parallel_state.get_model_parallel_group(False),
+        "cp": lambda: parallel_state.get_context_parallel_group(False),
+        "tp_cp": lambda: parallel_state.get_tensor_and_context_parallel_group(False),
+        "hcp": lambda: parallel_state.get_hierarchical_context_parallel_groups(False),
+        "ep": lambda: parallel_state.get_expert_model_parallel_group(False),
+        "expt_tp": lambda: parallel_state.get_expert_tensor_parallel_group(False),
+        "tp_ep": lambda: parallel_state.get_expert_tensor_and_model_parallel_group(False),
+        "tp_ep_pp": lambda: parallel_state.get_expert_tensor_model_pipeline_parallel_group(False),
+        "embd": lambda: parallel_state.get_embedding_group(False),
+        "pos_embd": lambda: parallel_state.get_position_embedding_group(False),
+        "expt_dp": lambda: parallel_state.get_expert_data_parallel_group(False),
+    }
+
+    @classmethod
+    def from_mesh_groups(
+        cls, mesh_groups: MeshGroups, field_dims: Mapping[str, Sequence[str] | str] | None = None
+    ) -> ModelCommProcessGroups:
+        out = super().from_mesh_groups(mesh_groups, field_dims)
+        levels = sorted(
+            d for d in mesh_groups.layout.views.get("hcp", mesh_groups.layout).names if d.startswith("hcp_")
+        )
+        if levels and "hcp" not in (field_dims or {}):
+            out.hcp = [mesh_groups.group(level) for level in levels]
+        return out
+
+
+@dataclass(init=False, repr=False, eq=False)
+class GradCommProcessGroups(_ProcessGroupFields):
+    """Process groups for gradient communication in distributed training.
+
+    Args:
+        dp: Data parallel process group
+        dp_cp: Data and context parallel group
+        expt_dp: Expert data parallel group
+        intra_dp_cp: Intra partial data parallel group
+        intra_expt_dp: Intra partial expert data parallel group
+        inter_dist_opt: Inter distributed optimizer instance group
+    """
+
+    dp: torch.distributed.ProcessGroup = field(init=False)
+    dp_cp: torch.distributed.ProcessGroup = field(init=False)
+    expt_dp: torch.distributed.ProcessGroup = field(init=False)
+    intra_dp_cp: torch.distributed.ProcessGroup = field(init=False)
+    intra_expt_dp: torch.distributed.ProcessGroup = field(init=False)
+    inter_dist_opt: torch.distributed.ProcessGroup = field(init=False)
+
+    _getters: ClassVar[dict[str, Callable[[], Any]]] = {
+        "dp": lambda: parallel_state.get_data_parallel_group(),
+        "dp_cp": lambda: parallel_state.get_data_parallel_group(with_context_parallel=True),
+        "expt_dp": lambda: parallel_state.get_expert_data_parallel_group(False),
+        "intra_dp_cp": lambda: parallel_state.get_data_parallel_group(
+            with_context_parallel=True, partial_data_parallel=True
+        ),
+        "intra_expt_dp": lambda: parallel_state.get_expert_data_parallel_group(
+            False, partial_expert_data_parallel=True
+        ),
+        "inter_dist_opt": lambda: parallel_state.get_inter_distributed_optimizer_instance_group(False),
+    }
