@@ -79,4 +79,4 @@ def product(values: Iterable[int]) -> int:
 def formula(names: Sequence[str], sizes: Sequence[int]) -> str:
     """``pp=2 × dp=2 × tp=4 = 16``: the product spelled out for error messages."""
     terms = " × ".join(f"{n}={s}" for n, s in zip(names, sizes))
-    return f"{terms} = {product(sizes)}"
+    return terms if len(sizes) == 1 else f"{terms} = {product(sizes)}"

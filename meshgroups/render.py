@@ -1,0 +1,199 @@
+"""Seeing a layout: a text table (terminal), HTML (Jupyter) and a matplotlib figure.
+
+Every view arranges the grid in 2-D: one row per combination of the outer dims, one column per
+index of the innermost dim. Colours mark the groups of a chosen dim (or dim set). Big worlds
+show a window: the first ``max_cells`` ranks of the grid, said so in the caption. matplotlib is
+an optional extra (``pip install meshgroups[plot]``), imported only by :func:`plot`.
+"""
+
+from __future__ import annotations
+
+import colorsys
+import html as html_lib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .layout import Layout
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+def _dims_arg(layout: Layout, color_by: str | Sequence[str] | None) -> tuple[str, ...]:
+    if color_by is None:
+        return (layout.names[-1],)
+    dims = (color_by,) if isinstance(color_by, str) else tuple(color_by)
+    layout.resolve(*dims)  # validates, views included
+    return dims
+
+
+def group_ids(layout: Layout, *dims: str) -> np.ndarray:
+    """For every cell of ``layout.grid``, the index of its group varying ``dims`` (a row of
+    ``groups(*dims)``, dims of a view allowed)."""
+    owner = layout.resolve(*dims) if dims else layout
+    by_rank = np.full(owner.max_rank + 1, -1, dtype=np.int64)
+    rows = owner.groups(*dims)
+    by_rank[rows] = np.arange(len(rows))[:, None]
+    return by_rank[layout.grid]
+
+
+def _grid_2d(layout: Layout, max_cells: int) -> tuple[np.ndarray, int, bool]:
+    cols = layout.shape[-1]
+    flat = layout.grid.reshape(-1, cols)
+    max_rows = max(1, max_cells // cols)
+    return flat[:max_rows], cols, flat.shape[0] > max_rows
+
+
+def _row_label(layout: Layout, row: int) -> str:
+    outer = layout.shape[:-1]
+    if not outer:
+        return ""
+    coords = np.unravel_index(row, outer)
+    return " ".join(f"{n}={int(c)}" for n, c in zip(layout.names[:-1], coords))
+
+
+def _palette(n: int) -> list[tuple[float, float, float]]:
+    golden = 0.618033988749895
+    return [colorsys.hls_to_rgb((i * golden) % 1.0, 0.72, 0.55) for i in range(max(n, 1))]
+
+
+def text(
+    layout: Layout,
+    *,
+    ranks_per_node: int | None = None,
+    max_groups: int = 3,
+    max_grid: int = 256,
+) -> str:
+    """A terminal table: the grid (when it has at most ``max_grid`` ranks) and, for every dim
+    of the layout and its views, group size, number of groups, the first ``max_groups``
+    groups, and intra/inter-node status when ``ranks_per_node`` is given."""
+    lines = [repr(layout), f"world: {layout.world_size} ranks ({layout._describe_ranks()})"]
+    if layout.world_size <= max_grid:
+        rows, cols, _ = _grid_2d(layout, max_grid)
+        label_width = max(len(_row_label(layout, r)) for r in range(len(rows)))
+        width = max(len(str(layout.max_rank)), len(layout.names[-1]) + 2)
+        header = (
+            " " * label_width + " | " + " ".join(f"{layout.names[-1]}={c}".rjust(width) for c in range(cols))
+        )
+        lines += ["", header, "-" * len(header)]
+        for r, row in enumerate(rows):
+            cells = " ".join(str(v).rjust(width) for v in row.tolist())
+            lines.append(f"{_row_label(layout, r).ljust(label_width)} | {cells}")
+    table = [("dim", "size", "groups", "first groups") + (("nodes",) if ranks_per_node else ())]
+    factorisations = [("", layout)] + [(f"{k}.", v) for k, v in layout.views.items()]
+    for prefix, owner in factorisations:
+        for dim in owner.names:
+            if prefix and dim in layout.names:
+                continue  # a shared dim: identical groups, shown once
+            rows_d = owner.groups(dim)
+            first = ", ".join(str(r) for r in rows_d[:max_groups].tolist())
+            if len(rows_d) > max_groups:
+                first += ", …"
+            entry = (f"{prefix}{dim}", str(owner.size(dim)), str(len(rows_d)), first)
+            if ranks_per_node:
+                entry += (owner.node_locality(dim, ranks_per_node=ranks_per_node),)
+            table.append(entry)
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines.append("")
+    for i, row in enumerate(table):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def html(
+    layout: Layout,
+    color_by: str | Sequence[str] | None = None,
+    *,
+    highlight_rank: int | None = None,
+    ranks_per_node: int | None = None,
+    max_cells: int = 1024,
+) -> str:
+    """An HTML table of the grid, cells coloured by the groups of ``color_by`` (default: the
+    innermost dim); ``highlight_rank``'s group is outlined; node changes get a thick left edge."""
+    dims = _dims_arg(layout, color_by)
+    rows, cols, clipped = _grid_2d(layout, max_cells)
+    gids = group_ids(layout, *dims).reshape(-1, cols)[: len(rows)]
+    colors = _palette(int(gids.max()) + 1)
+    mine = set(layout.group_of(highlight_rank, *dims).tolist()) if highlight_rank in layout else set()
+    caption = f"{html_lib.escape(repr(layout))} — coloured by {'×'.join(dims)}"
+    if clipped:
+        caption += f" (first {rows.size} of {layout.world_size} ranks)"
+    out = [f"<table style='border-collapse:collapse;font-family:monospace'><caption>{caption}</caption>"]
+    out.append("<tr><th></th>" + "".join(f"<th>{layout.names[-1]}={c}</th>" for c in range(cols)) + "</tr>")
+    for r, row in enumerate(rows.tolist()):
+        cells = []
+        for c, rank in enumerate(row):
+            red, green, blue = (int(255 * x) for x in colors[int(gids[r, c])])
+            style = f"background:rgb({red},{green},{blue});padding:2px 6px;text-align:right"
+            if rank in mine:
+                style += ";outline:3px solid black"
+            if ranks_per_node and c and rank // ranks_per_node != row[c - 1] // ranks_per_node:
+                style += ";border-left:3px solid #333"
+            cells.append(f"<td style='{style}'>{rank}</td>")
+        out.append(f"<tr><th>{html_lib.escape(_row_label(layout, r))}</th>{''.join(cells)}</tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+def plot(
+    layout: Layout,
+    color_by: str | Sequence[str] | None = None,
+    *,
+    ranks_per_node: int | None = None,
+    highlight_rank: int | None = None,
+    max_cells: int = 1024,
+    ax: Any = None,
+) -> Figure:
+    """A matplotlib figure of the grid: one cell per rank (labelled when there are at most 512
+    cells), coloured by the groups of ``color_by``, node boundaries as thick lines,
+    ``highlight_rank``'s group outlined. Worlds beyond ``max_cells`` ranks show a window, their
+    first ``max_cells`` ranks (the title says so), so a 16k-rank layout draws in about a second."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import ListedColormap
+        from matplotlib.patches import Rectangle
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise ImportError("plot() needs matplotlib: pip install 'meshgroups[plot]'") from None
+    dims = _dims_arg(layout, color_by)
+    rows, cols, clipped = _grid_2d(layout, max_cells)
+    gids = group_ids(layout, *dims).reshape(-1, cols)[: len(rows)]
+    n_rows = len(rows)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(min(max(7.0, 2 + 0.6 * cols), 16), min(2 + 0.45 * n_rows, 12)))
+    else:
+        fig = ax.figure
+    ax.imshow(
+        gids % 20, cmap=ListedColormap(_palette(20)), vmin=0, vmax=19, aspect="auto", interpolation="nearest"
+    )
+    if rows.size <= 512:
+        for (r, c), rank in np.ndenumerate(rows):
+            ax.text(c, r, str(rank), ha="center", va="center", fontsize=8)
+    if ranks_per_node:
+        nodes = rows // ranks_per_node
+        width = 2.5 if n_rows <= 64 else 0.8
+        r, c = np.nonzero(nodes[:, 1:] != nodes[:, :-1])
+        ax.vlines(c + 0.5, r - 0.5, r + 0.5, colors="black", linewidth=width)
+        r, c = np.nonzero(nodes[1:, :] != nodes[:-1, :])
+        ax.hlines(r + 0.5, c - 0.5, c + 0.5, colors="black", linewidth=width)
+    if highlight_rank is not None and highlight_rank in layout:
+        members = np.isin(rows, layout.group_of(highlight_rank, *dims))
+        for r, c in zip(*np.nonzero(members)):
+            ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2))
+    ax.set_xticks(range(cols), [f"{layout.names[-1]}={c}" for c in range(cols)], fontsize=7)
+    step = max(1, n_rows // 32)
+    ax.set_yticks(range(0, n_rows, step), [_row_label(layout, r) for r in range(0, n_rows, step)], fontsize=7)
+    title = f"{layout!r}\ncoloured by {'×'.join(dims)} groups"
+    if ranks_per_node:
+        title += f", node boundaries every {ranks_per_node} ranks"
+    if clipped:
+        title += f"\n(first {rows.size} of {layout.world_size} ranks shown)"
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig

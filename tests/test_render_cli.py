@@ -1,0 +1,144 @@
+"""Rendering (text, HTML, matplotlib) and the command line, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from meshgroups import Layout
+from meshgroups.render import group_ids, html, plot, text
+
+
+def cli(*args, env=None, timeout=120):
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "meshgroups", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
+
+
+def test_text_shows_grid_and_groups():
+    out = Layout(pp=2, dp=2, cp=1, tp=4).render(ranks_per_node=8)
+    assert "pp=1 dp=1 cp=0 |   12   13   14   15" in out
+    assert "tp   4     4       [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], …  intra" in out
+    assert "pp   2     8" in out and "inter" in out
+    big = text(Layout(pp=16, dp=256, cp=4, tp=8))  # no grid for big worlds, still every dim
+    assert "|" not in big.split("\n")[2] and big.count("\n") < 12
+    views = Layout(pp=2, dp=4).with_views(expert=Layout(pp=2, ep=4)).render()
+    assert "expert.ep" in views and "expert.pp" not in views
+
+
+def test_group_ids_and_html():
+    lay = Layout(pp=2, dp=2, tp=2)
+    assert group_ids(lay, "tp").ravel().tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert group_ids(lay, "pp").ravel().tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    page = html(lay, "dp", highlight_rank=3, ranks_per_node=4)
+    assert page.count("<td") == 8 and page.count("outline:3px") == 2 and "coloured by dp" in page
+    assert "border-left:3px" not in page  # 2 columns never straddle a 4-rank node boundary
+    assert "first 4 of 8192 ranks" in html(Layout(a=4096, b=2), max_cells=4)
+    assert Layout(a=2)._repr_html_().startswith("<table")
+    with pytest.raises(ValueError, match="unknown dim 'zz'"):
+        html(lay, "zz")
+
+
+def test_plot_draws_and_windows_big_worlds(tmp_path):
+    fig = plot(Layout(pp=2, dp=2, cp=2, tp=4), ("dp", "cp"), ranks_per_node=8, highlight_rank=5)
+    fig.savefig(tmp_path / "small.png")
+    big = plot(Layout(pp=16, dp=64, cp=2, tp=8), ranks_per_node=16)
+    assert "first 1024 of 16384 ranks shown" in big.axes[0].get_title()
+    big.savefig(tmp_path / "big.png")
+    from matplotlib.image import imread
+
+    pixels = imread(tmp_path / "small.png")
+    assert pixels.shape[0] > 200 and np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0).shape[0] > 8
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"pip install 'meshgroups\[plot\]'"):
+        plot(Layout(a=2))
+
+
+def test_cli_show_text_rank_and_json():
+    out = cli("show", "pp=2", "dp=2", "cp=1", "tp=4", "--ranks-per-node", "8", "--rank", "5")
+    assert out.returncode == 0, out.stderr
+    assert "rank 5: pp=0, dp=1, cp=0, tp=1" in out.stdout and "tp group: [4, 5, 6, 7]" in out.stdout
+    out = cli("show", "tp=2", "cp=1", "dp=2", "pp=2", "--order", "tp-cp-dp-pp", "--json", "--rank", "3")
+    data = json.loads(out.stdout)
+    assert Layout.from_dict(data["layout"]) == Layout(pp=2, dp=2, cp=1, tp=2)
+    assert data["rank"]["coords"] == {"pp": 0, "dp": 1, "cp": 0, "tp": 1}
+    assert data["groups"]["dp"][0] == [0, 2]
+    out = cli("show", "pp=2", "dp=-1", "tp=4", "--world-size", "64")
+    assert "Layout(pp=2, dp=8, tp=4)" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["show", "pp=2", "tp=3", "--world-size", "16"], "pp=2 × tp=3 = 6 does not match world_size=16"),
+        (["show", "dp=-1", "tp=3", "--world-size", "16"], "tp=3 does not divide world_size=16"),
+        (["show", "tp=x"], "size of 'tp' must be an integer, got 'x'"),
+        (["show", "tp"], "dims are name=size words like tp=4, got 'tp'"),
+        (["show", "tp=2", "tp=2"], "duplicate dim name 'tp'"),
+        (["show", "tp=0"], "tp=0: dim sizes must be positive"),
+        (["show", "tp=2", "--rank", "9"], "--rank 9 is not in the layout"),
+        (["show", "tp=2", "dp=2", "--order", "tp-xp"], "token 'xp' of order 'tp-xp' has no size"),
+        (["plot", "tp=2", "--color-by", "zz"], "unknown dim 'zz'"),
+        (["demo", "--nproc", "4", "tp=3"], "tp=3 does not match world_size=4"),
+        (["show"], "give at least one dim"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_cli_bad_arguments_exit_2_without_traceback(args, message):
+    out = cli(*args)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cli_plot_writes_png(tmp_path):
+    out = cli(
+        "plot", "pp=2", "dp=2", "tp=4", "-o", str(tmp_path / "l.png"), "--color-by", "dp,tp", "--rank", "3"
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "l.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_demo_on_real_processes():
+    out = cli("demo", "--nproc", "4", "dp=2", "tp=2", timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "all 12 checks passed" in out.stdout  # 4 ranks × 3 groups each (dp, tp, dp×tp)
+    assert "4 processes (spawned on 127.0.0.1, gloo)" in out.stdout
+
+
+def test_cli_demo_joins_torchrun():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [*cmd, "-m", "meshgroups", "demo", "dp=2"], capture_output=True, text=True, timeout=180, env=env
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2 processes (torchrun, gloo)" in out.stdout and "checks passed" in out.stdout
+
+
+def test_demo_report_names_the_failing_group():
+    from meshgroups.demo import report
+
+    results = [
+        {"rank": 0, "build_seconds": 0.01, "checks": 2, "failures": []},
+        {
+            "rank": 1,
+            "build_seconds": 0.02,
+            "checks": 2,
+            "failures": ["group dp [0, 1]: all_reduce gave 2, expected 3"],
+        },
+    ]
+    text_out, ok = report(Layout(dp=2), results, None, "test")
+    assert not ok and "FAILED: 1 of 4 checks" in text_out and "group dp [0, 1]" in text_out
