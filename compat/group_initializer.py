@@ -231,12 +231,26 @@ class ProcessGroupInitializer(ABC):
     def _result(self) -> InitResult:
         return (self.local_rank, self.group_world_size, self.process_group, self.ranks_in_group, self.mode)
 
-    def _init_from_layout(self, backend: str, use_cpu: bool) -> InitResult:
+
+class _LayoutInitializer(ProcessGroupInitializer):
+    """An initializer whose groups are the ``group_dims`` groups of its ``layout``."""
+
+    def init_dist_group(self, backend: str = "nccl", use_cpu: bool = False) -> InitResult:
+        """Create this initializer's groups (a collective call: every rank makes it).
+
+        Args:
+            backend: Communication backend ('nccl' or 'gloo').
+            use_cpu: If True, use CPU tensors (forces 'gloo' backend).
+
+        Returns:
+            Tuple of (local_rank, group_world_size, process_group, ranks_in_group, mode);
+            the first four are ``None`` on a rank that is in none of the groups.
+        """
         self._update_from_layout(self.layout, self.group_dims, use_cpu, backend)
         return self._result()
 
 
-class _ExplicitRanksInitializer(ProcessGroupInitializer):
+class _ExplicitRanksInitializer(_LayoutInitializer):
     """One group of explicitly given ranks; other ranks get ``None``s (and ``mode``)."""
 
     _mode: str = ""
@@ -253,18 +267,6 @@ class _ExplicitRanksInitializer(ProcessGroupInitializer):
     @property
     def group_dims(self) -> tuple[str, ...]:
         return ("members",)
-
-    def init_dist_group(self, backend: str = "nccl", use_cpu: bool = False) -> InitResult:
-        """Initialize the group of ``self.ranks``; non-members get ``(None, None, None, None, mode)``.
-
-        Args:
-            backend: Communication backend ('nccl' or 'gloo').
-            use_cpu: If True, use CPU tensors.
-
-        Returns:
-            Tuple of (local_rank, group_world_size, process_group, ranks_in_group, mode).
-        """
-        return self._init_from_layout(backend, use_cpu)
 
 
 class TrainDPGroupInitializer(_ExplicitRanksInitializer):
@@ -297,7 +299,7 @@ class WeightTransferGroupInitializer(_ExplicitRanksInitializer):
     _mode = ParallelMode.WEIGHT_TRANSFER
 
 
-class DPGroupInitializer(ProcessGroupInitializer):
+class DPGroupInitializer(_LayoutInitializer):
     """Data parallel groups: ``Layout(dp=data_parallel_size, rest=world_size // data_parallel_size)``,
     the ``dp`` groups (dp outermost, so members are ``process_num_between_dp_rank`` apart).
 
@@ -322,16 +324,8 @@ class DPGroupInitializer(ProcessGroupInitializer):
     def group_dims(self) -> tuple[str, ...]:
         return ("dp",)
 
-    def init_dist_group(self, backend: str = "nccl", use_cpu: bool = False) -> InitResult:
-        """Initialize data parallel groups (every rank gets the strided group it belongs to).
 
-        Returns:
-            Tuple of (local_rank, group_world_size, process_group, ranks_in_group, mode).
-        """
-        return self._init_from_layout(backend, use_cpu)
-
-
-class TPGroupInitializer(ProcessGroupInitializer):
+class TPGroupInitializer(_LayoutInitializer):
     """Tensor parallel groups: ``Layout(rest=world_size // tensor_parallel_size, tp=...)``, the
     ``tp`` groups (blocks of consecutive ranks).
 
@@ -356,16 +350,8 @@ class TPGroupInitializer(ProcessGroupInitializer):
     def group_dims(self) -> tuple[str, ...]:
         return ("tp",)
 
-    def init_dist_group(self, backend: str = "nccl", use_cpu: bool = False) -> InitResult:
-        """Initialize tensor parallel groups of consecutive processes.
 
-        Returns:
-            Tuple of (local_rank, group_world_size, process_group, ranks_in_group, mode).
-        """
-        return self._init_from_layout(backend, use_cpu)
-
-
-class SPGroupInitializer(ProcessGroupInitializer):
+class SPGroupInitializer(_LayoutInitializer):
     """Sequence parallel groups: ``Layout(rest=world_size // sequence_parallel_size, sp=...)``,
     the ``sp`` groups (blocks of consecutive ranks).
 
@@ -390,16 +376,8 @@ class SPGroupInitializer(ProcessGroupInitializer):
     def group_dims(self) -> tuple[str, ...]:
         return ("sp",)
 
-    def init_dist_group(self, backend: str = "nccl", use_cpu: bool = False) -> InitResult:
-        """Initialize sequence parallel groups of consecutive processes.
 
-        Returns:
-            Tuple of (local_rank, group_world_size, process_group, ranks_in_group, mode).
-        """
-        return self._init_from_layout(backend, use_cpu)
-
-
-class InterNodeGroupInitializer(ProcessGroupInitializer):
+class InterNodeGroupInitializer(_LayoutInitializer):
     """Inter-node groups: ``Layout(node=node_count, local=local_world_size)``, the ``node``
     groups (the same local rank on every node).
 
@@ -421,11 +399,3 @@ class InterNodeGroupInitializer(ProcessGroupInitializer):
     @property
     def group_dims(self) -> tuple[str, ...]:
         return ("node",)
-
-    def init_dist_group(self, backend: str = "nccl", use_cpu: bool = False) -> InitResult:
-        """Initialize inter-node groups: one process per node in each group.
-
-        Returns:
-            Tuple of (local_rank, group_world_size, process_group, ranks_in_group, mode).
-        """
-        return self._init_from_layout(backend, use_cpu)

@@ -24,15 +24,9 @@ from typing import Any, Literal
 import numpy as np
 
 from . import _serialize, topology
-from ._checks import (
-    check_dims,
-    check_int,
-    check_names,
-    check_size,
-    formula,
-    is_int,
-    product,
-)
+from ._checks import check_dims, check_int, check_names, check_size, formula, is_int, product
+from ._grid import affine_form, freeze, infer_sizes, merged_stride
+from .views import check_views
 
 Locality = Literal["intra", "inter", "mixed"]
 
@@ -73,7 +67,7 @@ class Layout:
             if not (isinstance(pair, tuple) and len(pair) == 2):
                 raise TypeError(f"dims must be (name, size) pairs, got {pair!r}")
         names = check_names(name for name, _ in pairs)
-        shape = _infer_sizes(names, [size for _, size in pairs], world_size)
+        shape = infer_sizes(names, [size for _, size in pairs], world_size)
         offset = check_int(rank_offset, "rank_offset")
         if offset < 0:
             raise ValueError(f"rank_offset={offset} must be >= 0")
@@ -95,7 +89,7 @@ class Layout:
         self._shape = shape
         self._offset = offset
         self._strides = strides
-        self._grid = None if grid is None else _freeze(grid)
+        self._grid = None if grid is None else freeze(grid)
         self._inverse: np.ndarray | None = None
         self._views = views
         self._fp: str | None = None
@@ -110,7 +104,7 @@ class Layout:
     def _from_checked_grid(cls, grid: np.ndarray, names: tuple[str, ...]) -> Layout:
         """A layout over ``grid`` (already known to hold distinct non-negative ranks)."""
         shape = tuple(int(s) for s in grid.shape)
-        affine = _affine_form(grid)
+        affine = affine_form(grid)
         if affine is not None:
             offset, strides = affine
             return cls._make(names, shape, offset=offset, strides=strides, grid=grid)
@@ -206,7 +200,7 @@ class Layout:
                 index_shape = [1] * self.ndim
                 index_shape[axis] = size
                 grid += (np.arange(size, dtype=np.int64) * stride).reshape(index_shape)
-            self._grid = _freeze(grid)
+            self._grid = freeze(grid)
         return self._grid
 
     def size(self, *dims: str) -> int:
@@ -233,7 +227,7 @@ class Layout:
         rest = [i for i in range(owner.ndim) if i not in axes]
         size = product(owner._shape[i] for i in axes)
         rows = np.transpose(owner.grid, rest + axes).reshape(-1, size)
-        return _freeze(np.ascontiguousarray(rows))
+        return freeze(np.ascontiguousarray(rows))
 
     def group_of(self, rank: int, *dims: str) -> np.ndarray:
         """The group varying ``dims`` that contains ``rank``: one row of :meth:`groups`.
@@ -321,14 +315,12 @@ class Layout:
         names_t = check_names(names)
         shape = [s for i, s in enumerate(self._shape) if i not in axes]
         shape.insert(axes[0], product(self._shape[i] for i in axes))
-        merged_stride = (
-            _merged_stride([self._shape[i] for i in axes], [self._strides[i] for i in axes])
-            if self._strides
-            else None
-        )
-        if merged_stride is not None:
+        stride = None
+        if self._strides is not None:
+            stride = merged_stride([self._shape[i] for i in axes], [self._strides[i] for i in axes])
+        if stride is not None:
             strides = [s for i, s in enumerate(self._strides) if i not in axes]  # type: ignore[arg-type]
-            strides.insert(axes[0], merged_stride)
+            strides.insert(axes[0], stride)
             out = Layout._make(names_t, tuple(shape), offset=self._offset, strides=tuple(strides))
         else:
             order = [i for i in range(self.ndim) if i not in axes]
@@ -401,7 +393,7 @@ class Layout:
         out = Layout._make(
             self._names, self._shape, offset=self._offset, strides=self._strides, grid=self._grid
         )
-        out._views = _check_views(self, views)
+        out._views = check_views(self, views)
         return out
 
     def resolve(self, *dims: str) -> Layout:
@@ -479,124 +471,3 @@ class Layout:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_serialize.from_dict_unchecked, (self.to_dict(),))
-
-
-def _freeze(arr: np.ndarray) -> np.ndarray:
-    arr.setflags(write=False)
-    return arr
-
-
-def _infer_sizes(names: tuple[str, ...], sizes: list[object], world_size: int | None) -> tuple[int, ...]:
-    unknown = [i for i, s in enumerate(sizes) if is_int(s) and int(s) == -1]  # type: ignore[call-overload]
-    if unknown and world_size is None:
-        raise ValueError(f"{names[unknown[0]]}=-1 needs world_size= to infer it from")
-    if len(unknown) > 1:
-        raise ValueError(f"only one size may be -1 (inferred), got {', '.join(names[i] for i in unknown)}")
-    checked = [0 if i in unknown else check_size(n, s) for i, (n, s) in enumerate(zip(names, sizes))]
-    if world_size is None:
-        return tuple(checked)
-    world = check_int(world_size, "world_size")
-    if world < 1:
-        raise ValueError(f"world_size={world} must be positive")
-    known = [(n, s) for i, (n, s) in enumerate(zip(names, checked)) if i not in unknown]
-    known_product = product(s for _, s in known)
-    if unknown:
-        if world % known_product:
-            raise ValueError(
-                f"{formula([n for n, _ in known], [s for _, s in known])} does not divide "
-                f"world_size={world}, so {names[unknown[0]]} cannot be inferred"
-            )
-        checked[unknown[0]] = world // known_product
-    elif known_product != world:
-        raise ValueError(f"{formula(names, checked)} does not match world_size={world}")
-    return tuple(checked)
-
-
-def _affine_form(grid: np.ndarray) -> tuple[int, tuple[int, ...]] | None:
-    """``(offset, strides)`` if ``grid`` (distinct ranks) is a strided view of a contiguous
-    range ``offset..offset+W-1``, else None."""
-    offset = int(grid.flat[0])
-    if int(grid.max()) - offset != grid.size - 1 or int(grid.min()) != offset:
-        return None
-    strides = []
-    for axis, size in enumerate(grid.shape):
-        if size == 1:
-            strides.append(0)
-            continue
-        index = [0] * grid.ndim
-        index[axis] = 1
-        strides.append(int(grid[tuple(index)]) - offset)
-    expected = np.full(grid.shape, offset, dtype=np.int64)
-    for axis, (size, stride) in enumerate(zip(grid.shape, strides)):
-        index_shape = [1] * grid.ndim
-        index_shape[axis] = size
-        expected += (np.arange(size, dtype=np.int64) * stride).reshape(index_shape)
-    if not np.array_equal(expected, grid):
-        return None
-    return offset, tuple(strides)
-
-
-def _merged_stride(sizes: list[int], strides: list[int]) -> int | None:
-    """The single stride of dims merged in order, or None if they don't nest contiguously."""
-    live = [(n, s) for n, s in zip(sizes, strides) if n > 1]
-    if not live:
-        return 0
-    for (_, outer), (n_inner, inner) in zip(live, live[1:]):
-        if outer != inner * n_inner:
-            return None
-    return live[-1][1]
-
-
-def _check_views(main: Layout, views: tuple[tuple[str, Layout], ...]) -> tuple[tuple[str, Layout], ...]:
-    seen: dict[str, Layout] = {}
-    main_ranks = None
-    for name, view in views:
-        if not isinstance(view, Layout):
-            raise TypeError(f"view {name!r} must be a Layout, got {type(view).__name__}")
-        if not name.isidentifier():
-            raise ValueError(f"view name {name!r} is not a Python identifier")
-        if name in seen:
-            raise ValueError(f"view {name!r} declared twice")
-        if view._views:
-            raise ValueError(f"view {name!r} has views of its own; declare all views on the main layout")
-        if view.world_size != main.world_size:
-            raise ValueError(
-                f"view {name!r} has {view.world_size} ranks ({formula(view.names, view.shape)}) but the "
-                f"main layout has {main.world_size} ({formula(main.names, main.shape)})"
-            )
-        if main_ranks is None:
-            main_ranks = np.sort(main.grid, axis=None)
-        if not np.array_equal(np.sort(view.grid, axis=None), main_ranks):
-            raise ValueError(
-                f"view {name!r} covers other ranks than the main layout ({main._describe_ranks()})"
-            )
-        for other_name, other in [("main layout", main)] + [(f"view {k!r}", v) for k, v in seen.items()]:
-            for dim in set(view.names) & set(other.names):
-                # The same groups, each in the same member order; the order in which two
-                # factorisations enumerate their groups may differ and does not matter.
-                mine, theirs = _sorted_rows(view.groups(dim)), _sorted_rows(other.groups(dim))
-                if mine.shape != theirs.shape or not np.array_equal(mine, theirs):
-                    row = _first_differing_row(mine, theirs)
-                    rank = int(mine[row][0]) if row < len(mine) else int(theirs[row][0])
-                    raise ValueError(
-                        f"dim {dim!r} of view {name!r} does not match the {other_name}: rank {rank} is in "
-                        f"{_group_with(view, dim, rank)} in view {name!r} but in "
-                        f"{_group_with(other, dim, rank)} in the {other_name}"
-                    )
-        seen[name] = view
-    return views
-
-
-def _sorted_rows(rows: np.ndarray) -> np.ndarray:
-    return rows[np.lexsort(rows.T[::-1])]
-
-
-def _group_with(layout: Layout, dim: str, rank: int) -> str:
-    return str(layout.group_of(rank, dim).tolist()) if rank in layout else "(no group)"
-
-
-def _first_differing_row(a: np.ndarray, b: np.ndarray) -> int:
-    for i in range(min(len(a), len(b))):
-        if a[i].shape != b[i].shape or not np.array_equal(a[i], b[i]):
-            return i
-    return min(len(a), len(b))

@@ -272,3 +272,12 @@ def test_large_world_layout_only():
     assert lay.rank_at(**c) == rank
     row = lay.group_of(rank, "dp", "cp")
     assert rank in row and np.array_equal(row, dp_cp[np.nonzero((dp_cp == rank).any(axis=1))[0][0]])
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import meshgroups.layout
+
+    result = doctest.testmod(meshgroups.layout)
+    assert result.attempted >= 4 and result.failed == 0

@@ -254,6 +254,11 @@ def worker_errors(rank, world):
         init_mesh(Layout(dp=2, tp=2), timeout=20).group("dp", "tp")
     except ValueError as exc:
         errors["undeclared"] = str(exc)
+    # node-aware groups: two "nodes" of two ranks
+    nodes = init_mesh(Layout(world=4).split_by_node("world", 2), timeout=20)
+    assert nodes.ranks("world_intra") == [rank // 2 * 2, rank // 2 * 2 + 1]
+    assert nodes.ranks("world_inter") == [rank % 2, rank % 2 + 2]
+    assert nodes._repr_html_().startswith("<table") and "outline" in nodes._repr_html_()
     dist.barrier()
     return errors
 

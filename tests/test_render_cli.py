@@ -142,3 +142,12 @@ def test_demo_report_names_the_failing_group():
     ]
     text_out, ok = report(Layout(dp=2), results, None, "test")
     assert not ok and "FAILED: 1 of 4 checks" in text_out and "group dp [0, 1]" in text_out
+
+
+def test_console_script_is_installed():
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "meshgroups"
+    assert script.exists(), "pip install should create the meshgroups command"
+    out = subprocess.run([str(script), "show", "tp=2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "Layout(tp=2)" in out.stdout
