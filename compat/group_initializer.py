@@ -115,7 +115,7 @@ def _check_divides(name: str, size: object, world_size: int) -> int:
 def _check_ranks(ranks: object, world_size: int) -> list[int]:
     if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
         raise TypeError(f"ranks must be a list of ints, got {ranks!r}")
-    checked = [check_int(r, "each rank in ranks") for r in ranks]  # type: ignore[union-attr]
+    checked = [check_int(r, "each rank in ranks") for r in ranks]
     if not checked:
         raise ValueError("ranks is empty; a group needs at least one rank")
     for r in checked:

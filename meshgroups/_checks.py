@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import keyword
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -24,7 +25,7 @@ def is_int(value: object) -> bool:
 def check_int(value: object, what: str) -> int:
     if not is_int(value):
         raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})")
-    return int(value)  # type: ignore[arg-type]
+    return int(cast(int, value))
 
 
 def check_size(name: str, size: object) -> int:

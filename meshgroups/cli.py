@@ -54,13 +54,13 @@ def _layout(parser: argparse.ArgumentParser, args: argparse.Namespace, default: 
     raise AssertionError("unreachable")  # parser.error exits
 
 
-def _rank_report(layout: Layout, rank: int) -> dict[str, object]:
-    groups = {"×".join(d): layout.group_of(rank, *d).tolist() for d in [(n,) for n in layout.names]}
+def _rank_groups(layout: Layout, rank: int) -> dict[str, list[int]]:
+    groups = {d: layout.group_of(rank, d).tolist() for d in layout.names}
     for name, view in layout.views.items():
         groups.update(
             {f"{name}.{d}": view.group_of(rank, d).tolist() for d in view.names if d not in layout.names}
         )
-    return {"rank": rank, "coords": layout.coords(rank), "groups": groups}
+    return groups
 
 
 def _show(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -80,14 +80,17 @@ def _show(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 n: layout.node_locality(n, ranks_per_node=args.ranks_per_node) for n in layout.names
             }
         if args.rank is not None:
-            data["rank"] = _rank_report(layout, args.rank)
+            data["rank"] = {
+                "rank": args.rank,
+                "coords": layout.coords(args.rank),
+                "groups": _rank_groups(layout, args.rank),
+            }
         print(json.dumps(data, indent=1))
         return 0
     print(layout.render(ranks_per_node=args.ranks_per_node))
     if args.rank is not None:
-        info = _rank_report(layout, args.rank)
-        print(f"\nrank {args.rank}: " + ", ".join(f"{k}={v}" for k, v in info["coords"].items()))  # type: ignore[union-attr]
-        for dims, ranks in info["groups"].items():  # type: ignore[union-attr]
+        print(f"\nrank {args.rank}: " + ", ".join(f"{k}={v}" for k, v in layout.coords(args.rank).items()))
+        for dims, ranks in _rank_groups(layout, args.rank).items():
             print(f"  {dims} group: {ranks}")
     return 0
 
@@ -142,28 +145,27 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="print a layout and its groups")
     layout_args(show)
     show.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    show.set_defaults(run=_show)
+    show.set_defaults(run=_show, parser=show)
     plot = sub.add_parser("plot", help="draw a layout to a PNG (needs matplotlib)")
     layout_args(plot)
     plot.add_argument("-o", "--output", default="layout.png", help="output file (default layout.png)")
     plot.add_argument("--color-by", help="dim or comma-separated dims whose groups get colours")
     plot.add_argument("--dpi", type=int, default=120)
-    plot.set_defaults(run=_plot)
+    plot.set_defaults(run=_plot, parser=plot)
     demo = sub.add_parser("demo", help="build the mesh on real processes and verify every group")
     demo.add_argument("dims", nargs="*", help="name=size words (default: pp=2 dp=2 cp=1 tp=2 for 8)")
     demo.add_argument("--nproc", type=int, default=8, help="processes to spawn (ignored under torchrun)")
     demo.add_argument("--order", help="Megatron order string, fastest first")
     demo.add_argument("--strategy", choices=["global", "local"], default="global")
     demo.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck job fails")
-    demo.set_defaults(run=_demo, world_size=None)
+    demo.set_defaults(run=_demo, parser=demo, world_size=None)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
-    return int(args.run(sub, args))
+    return int(args.run(args.parser, args))
 
 
 if __name__ == "__main__":

@@ -28,11 +28,10 @@ from .layout import Layout
 
 def families(layout: Layout) -> list[tuple[str, ...]]:
     """Every dim of the layout and its views, and every pair of the layout's own dims."""
-    single = [(d,) for d in layout.names] + [
-        (d,) for view in layout.views.values() for d in view.names if d not in layout.names
-    ]
-    pairs = [p for p in itertools.combinations(layout.names, 2)]
-    return single + pairs
+    out: list[tuple[str, ...]] = [(d,) for d in layout.names]
+    out += [(d,) for view in layout.views.values() for d in view.names if d not in layout.names]
+    out += list(itertools.combinations(layout.names, 2))
+    return out
 
 
 def run_checks(layout: Layout, device: str, strategy: str, timeout: float) -> dict[str, Any]:

@@ -178,16 +178,19 @@ class _Builder:
     def family_local(self, mine: tuple[int, ...] | None) -> list[dist.ProcessGroup | None]:
         out: list[dist.ProcessGroup | None] = []
         for backend in self.backends:
-            key = (mine, _backend_key(backend))
-            if mine is not None and key not in self.cache._groups:
-                if self._is_world(mine) and backend == self.backend:
-                    self.cache._groups[key] = dist.group.WORLD
-                    self._pad()  # WORLD needs no creation, but the step must still count
-                else:
-                    self.cache._groups[key] = self._new_group(list(mine), backend, local=True)
-            else:
+            if mine is None:
                 self._pad()
-            out.append(self.cache._groups[key] if mine is not None else None)
+                out.append(None)
+                continue
+            key = (mine, _backend_key(backend))
+            if key in self.cache._groups:
+                self._pad()
+            elif self._is_world(mine) and backend == self.backend:
+                self.cache._groups[key] = dist.group.WORLD
+                self._pad()  # WORLD needs no creation, but the step must still count
+            else:
+                self.cache._groups[key] = self._new_group(list(mine), backend, local=True)
+            out.append(self.cache._groups[key])
         return out
 
     def _pad(self) -> None:
@@ -197,13 +200,13 @@ class _Builder:
     def family_split(self, rows: np.ndarray, mine: tuple[int, ...] | None) -> list[dist.ProcessGroup | None]:
         self.cache.calls += 1
         group = dist.split_group(split_ranks=rows.tolist(), timeout=self.timeout, group_desc="meshgroups")
-        out: list[dist.ProcessGroup | None] = []
-        key = (mine, _backend_key(self.backend))
+        out: list[dist.ProcessGroup | None] = [None]
         if mine is not None:
             # Reuse an equal cached group; the fresh split (all ranks had to make it) is dropped.
+            key = (mine, _backend_key(self.backend))
             self.cache._groups.setdefault(key, group)
             self.cache.created += 1
-        out.append(self.cache._groups.get(key) if mine is not None else None)
+            out[0] = self.cache._groups[key]
         if self.twin_backend:
             out.append(self._twin_global(rows, mine))
         return out

@@ -211,7 +211,7 @@ class Layout:
     def __contains__(self, rank: object) -> bool:
         if not is_int(rank):
             return False
-        return self._position(int(rank)) is not None  # type: ignore[arg-type]
+        return self._position(check_int(rank, "rank")) is not None
 
     # ------------------------------------------------------------------------------ groups
     def groups(self, *dims: str) -> np.ndarray:

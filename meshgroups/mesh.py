@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -76,7 +76,7 @@ class MeshGroups:
             )
         groups = [self._handles[(d,)].group for d in layout.names]
         return DeviceMesh.from_group(
-            groups,
+            cast(list[dist.ProcessGroup], groups),
             self.device_type,
             mesh=torch.tensor(layout.grid, dtype=torch.int64),
             mesh_dim_names=layout.names,

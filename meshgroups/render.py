@@ -81,7 +81,9 @@ def text(
         for r, row in enumerate(rows):
             cells = " ".join(str(v).rjust(width) for v in row.tolist())
             lines.append(f"{_row_label(layout, r).ljust(label_width)} | {cells}")
-    table = [("dim", "size", "groups", "first groups") + (("nodes",) if ranks_per_node else ())]
+    table: list[tuple[str, ...]] = [
+        ("dim", "size", "groups", "first groups") + (("nodes",) if ranks_per_node else ())
+    ]
     factorisations = [("", layout)] + [(f"{k}.", v) for k, v in layout.views.items()]
     for prefix, owner in factorisations:
         for dim in owner.names:
@@ -91,7 +93,7 @@ def text(
             first = ", ".join(str(r) for r in rows_d[:max_groups].tolist())
             if len(rows_d) > max_groups:
                 first += ", …"
-            entry = (f"{prefix}{dim}", str(owner.size(dim)), str(len(rows_d)), first)
+            entry: tuple[str, ...] = (f"{prefix}{dim}", str(owner.size(dim)), str(len(rows_d)), first)
             if ranks_per_node:
                 entry += (owner.node_locality(dim, ranks_per_node=ranks_per_node),)
             table.append(entry)
@@ -118,7 +120,9 @@ def html(
     rows, cols, clipped = _grid_2d(layout, max_cells)
     gids = group_ids(layout, *dims).reshape(-1, cols)[: len(rows)]
     colors = _palette(int(gids.max()) + 1)
-    mine = set(layout.group_of(highlight_rank, *dims).tolist()) if highlight_rank in layout else set()
+    mine = set()
+    if highlight_rank is not None and highlight_rank in layout:
+        mine = set(layout.group_of(highlight_rank, *dims).tolist())
     caption = f"{html_lib.escape(repr(layout))} — coloured by {'×'.join(dims)}"
     if clipped:
         caption += f" (first {rows.size} of {layout.world_size} ranks)"
