@@ -23,9 +23,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from . import _serialize, topology
-from ._checks import check_dims, check_int, check_names, check_size, formula, is_int, product
-from ._grid import affine_form, freeze, infer_sizes, merged_stride
+from . import _serialize, algebra, topology
+from ._checks import check_dims, check_int, check_names, is_int, product
+from ._grid import affine_form, freeze, infer_sizes
 from .views import check_views
 
 Locality = Literal["intra", "inter", "mixed"]
@@ -304,75 +304,18 @@ class Layout:
         The merged dim takes the place of the outermost merged dim; its ranks follow the
         layout's order, so ``flatten("dp", "cp").groups("dp_cp")`` equals ``groups("dp", "cp")``.
         """
-        if not dims:
-            raise ValueError("flatten needs at least one dim")
-        dims = check_dims(dims, self._names, "this layout")
-        axes = sorted(self._names.index(d) for d in dims)
-        new_name = name if name is not None else "_".join(self._names[i] for i in axes)
-        kept = [n for i, n in enumerate(self._names) if i not in axes]
-        names = list(kept)
-        names.insert(axes[0], new_name)
-        names_t = check_names(names)
-        shape = [s for i, s in enumerate(self._shape) if i not in axes]
-        shape.insert(axes[0], product(self._shape[i] for i in axes))
-        stride = None
-        if self._strides is not None:
-            stride = merged_stride([self._shape[i] for i in axes], [self._strides[i] for i in axes])
-        if stride is not None:
-            strides = [s for i, s in enumerate(self._strides) if i not in axes]  # type: ignore[arg-type]
-            strides.insert(axes[0], stride)
-            out = Layout._make(names_t, tuple(shape), offset=self._offset, strides=tuple(strides))
-        else:
-            order = [i for i in range(self.ndim) if i not in axes]
-            order[axes[0] : axes[0]] = axes
-            grid = np.ascontiguousarray(np.transpose(self.grid, order)).reshape(shape)
-            out = Layout._from_checked_grid(grid, names_t)
-        return out._with_views_checked(self._views)
+        return algebra.flatten(self, *dims, name=name)
 
     def split(self, dim: str, **subdims: int) -> Layout:
         """Unflatten ``dim`` into ``subdims`` (outermost first), e.g.
         ``split("dp", dp_replicate=2, dp_shard=4)``; the sizes must multiply to ``dim``'s size."""
-        (dim,) = check_dims((dim,), self._names, "this layout")
-        if not subdims:
-            raise ValueError(f"split({dim!r}) needs at least one sub-dim, e.g. split({dim!r}, a=2, b=2)")
-        axis = self._names.index(dim)
-        sub_sizes = [check_size(n, s) for n, s in subdims.items()]
-        if product(sub_sizes) != self._shape[axis]:
-            raise ValueError(
-                f"split sizes {formula(list(subdims), sub_sizes)} do not multiply to "
-                f"{dim}={self._shape[axis]}"
-            )
-        names = check_names(self._names[:axis] + tuple(subdims) + self._names[axis + 1 :])
-        shape = self._shape[:axis] + tuple(sub_sizes) + self._shape[axis + 1 :]
-        if self._strides is not None:
-            s = self._strides[axis]
-            sub_strides = tuple(s * product(sub_sizes[i + 1 :]) for i in range(len(sub_sizes)))
-            strides = self._strides[:axis] + sub_strides + self._strides[axis + 1 :]
-            out = Layout._make(names, shape, offset=self._offset, strides=strides)
-        else:
-            out = Layout._from_checked_grid(self.grid.reshape(shape), names)
-        return out._with_views_checked(self._views)
+        return algebra.split(self, dim, **subdims)
 
     def select(self, dim: str, indices: int | Iterable[int]) -> Layout:
         """The sub-layout keeping only ``indices`` of ``dim`` (negative indices allowed;
         repeated indices collapse). ``select("pp", [0, -1])`` gives Megatron's embedding ranks.
         Views are not carried over: the result covers fewer ranks."""
-        (dim,) = check_dims((dim,), self._names, "this layout")
-        axis = self._names.index(dim)
-        size = self._shape[axis]
-        raw = [indices] if is_int(indices) else list(indices)  # type: ignore[arg-type]
-        if not raw:
-            raise ValueError(f"select({dim!r}, []) keeps no ranks; give at least one index")
-        picked: list[int] = []
-        for i in raw:
-            i = check_int(i, f"index of dim {dim!r}")
-            if not -size <= i < size:
-                raise ValueError(f"index {i} is out of range for dim {dim!r} of size {size}")
-            i %= size
-            if i not in picked:
-                picked.append(i)
-        grid = np.ascontiguousarray(np.take(self.grid, picked, axis=axis))
-        return Layout._from_checked_grid(grid, self._names)
+        return algebra.select(self, dim, indices)
 
     # ------------------------------------------------------------------------------- views
     def with_views(self, **views: Layout) -> Layout:
@@ -382,8 +325,9 @@ class Layout:
             both = dense.with_views(expert=Layout(pp=2, edp=1, ep=4, etp=1))
             both.groups("ep")      # resolved in the expert view
 
-        A dim name present in several factorisations must enumerate identical groups in each
-        (``ValueError`` naming the first differing group otherwise).
+        A dim name present in several factorisations must give the same groups in each (each
+        with the same member order; the order of the rows may differ) — ``ValueError`` naming a
+        rank whose groups differ otherwise.
         """
         return self._with_views_checked(self._views + tuple(views.items()))
 
