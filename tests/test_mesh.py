@@ -285,3 +285,26 @@ def test_init_mesh_without_process_group():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="needs an initialised default process group"):
         init_mesh(Layout(dp=2))
+
+
+def worker_local_uneven_dedup(rank, world):
+    """Where one rank finds its group already built and another must create one, the local
+    strategy pads so the next shared group still gets the same name on every member."""
+
+    from meshgroups import GroupCache, init_mesh
+
+    main = Layout(a=3, b=2)  # b groups: {0,1} {2,3} {4,5}
+    view = Layout.from_grid([[0, 1], [2, 4], [3, 5]], ("c", "d"))  # d groups: {0,1} {2,4} {3,5}
+    lay = main.with_views(v=view)
+    cache = GroupCache()
+    mg = init_mesh(lay, strategy="local", cache=cache, timeout=20)
+    _check_every_family(mg, lay, rank)
+    if rank in (0, 1):
+        assert mg.group("d") is mg.group("b")  # same ranks: reused, and this rank padded instead
+    return cache.calls, len(cache.pads)
+
+
+def test_local_strategy_pads_when_only_some_ranks_reuse_a_group_world6():
+    results = run(worker_local_uneven_dedup, 6, timeout=90)
+    assert len({calls for calls, _ in results}) == 1  # every rank took the same number of steps
+    assert [pads for _, pads in results][:2] == [1, 1] and all(pads == 0 for _, pads in results[2:])

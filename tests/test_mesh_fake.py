@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from meshgroups import GroupCache, Layout, init_mesh
@@ -71,3 +74,32 @@ def test_subset_non_member_gets_none(fake_rank):
     assert mg.ranks("embd") == [5, 773] and mg.local_rank("embd") == 0
     mg_far = init_mesh(Layout(tp=8, rank_offset=512), strategy="local")
     assert mg_far.mesh is None and mg_far.group("tp") is None and mg_far.size("tp") == 8
+
+
+@st.composite
+def _layout_and_rank(draw):
+    n = draw(st.integers(1, 4))
+    sizes = draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
+    lay = Layout(dict(zip("abcd", sizes)))
+    if draw(st.booleans()):
+        perm = draw(st.permutations(range(lay.world_size)))
+        lay = Layout.from_grid(np.array(perm).reshape(lay.shape), lay.names)
+    return lay, draw(st.integers(0, lay.world_size - 1)), draw(st.sampled_from(["global", "local"]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(_layout_and_rank())
+def test_every_group_matches_the_layout_for_random_layouts(args):
+    lay, rank, strategy = args
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=lay.world_size)
+    try:
+        pairs = [(a, b) for i, a in enumerate(lay.names) for b in lay.names[i + 1 :]]
+        mg = init_mesh(lay, flatten=pairs, strategy=strategy)
+        for dims in [(d,) for d in lay.names] + pairs:
+            expected = lay.group_of(rank, *dims).tolist()
+            assert mg.ranks(*dims) == expected
+            assert dist.get_process_group_ranks(mg.group(*dims)) == expected
+            assert dist.get_rank(mg.group(*dims)) == expected.index(rank) == mg.local_rank(*dims)
+        assert tuple(mg.mesh.get_coordinate()) == tuple(lay.coords(rank).values())
+    finally:
+        dist.destroy_process_group()
