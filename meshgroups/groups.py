@@ -121,7 +121,6 @@ class _Builder:
             main = (backend or str(dist.get_backend())).lower()
             self.twin_backend = None if main in ("gloo", "cpu:gloo") else "gloo"
         self.backends = [backend] + ([self.twin_backend] if self.twin_backend else [])
-        self._singleton: dict[str | None, dist.ProcessGroup] = {}
 
     # -- one group ------------------------------------------------------------------------
     def _new_group(self, ranks: list[int], backend: str | None, local: bool) -> dist.ProcessGroup | None:
@@ -140,11 +139,20 @@ class _Builder:
         return group
 
     def singleton(self, backend: str | None) -> dist.ProcessGroup:
-        """This rank alone. Created with local synchronisation: it has no peers to wait for,
-        and it leaves the global creation counter untouched."""
+        """This rank alone; every rank calls this at the same point of the sequence.
+
+        Created with local synchronisation (no peers to wait for, and the global creation
+        counter is left alone), except under ``"split"``, where a device-bound default group
+        splits communicators collectively: there one ``split_group`` makes every rank's group."""
         key = ((self.rank,), _backend_key(backend))
         if key not in self.cache._groups:
-            self.cache._groups[key] = self._new_group([self.rank], backend, local=True)
+            if self.strategy == "split" and backend == self.backend:
+                self.cache.calls += 1
+                alone = [[r] for r in range(self.world_size)]
+                self.cache._groups[key] = dist.split_group(split_ranks=alone, timeout=self.timeout)
+                self.cache.created += 1
+            else:
+                self.cache._groups[key] = self._new_group([self.rank], backend, local=True)
         return self.cache._groups[key]  # type: ignore[return-value]
 
     def _is_world(self, row: tuple[int, ...]) -> bool:
@@ -241,6 +249,12 @@ def check_strategy_inputs(strategy: str, specs: Sequence[GroupSpec]) -> None:
     """Errors that must fire before any group is created."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not one of {', '.join(map(repr, STRATEGIES))}")
+    if strategy == "local" and bound_device_id() is not None:
+        raise ValueError(
+            "strategy='local' cannot be used with a default process group bound to a device "
+            "(init_process_group(device_id=...)): torch creates such groups by splitting the default "
+            "communicator, which every rank must join (pytorch#129965); use strategy='split' there"
+        )
     if strategy == "split":
         if bound_device_id() is None:
             raise ValueError(

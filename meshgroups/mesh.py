@@ -217,7 +217,7 @@ def init_mesh(
             everywhere, cost O(world) calls per rank), ``"local"`` (each rank creates only its
             own groups with ``use_local_synchronization=True`` — cost O(number of families);
             requires every rank to hold the same number of process groups on entry, which the
-            cross-rank check verifies; not for MPI, nor for NCCL with a device-bound default
+            cross-rank check verifies; not for MPI, and refused with a device-bound default
             group, where torch splits communicators collectively, pytorch#129965), or
             ``"split"`` (``dist.split_group`` per family; needs a device-bound default group,
             e.g. NCCL with ``device_id``; groups must have increasing ranks; untested in CI).
