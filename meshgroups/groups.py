@@ -283,10 +283,10 @@ def build_groups(
 ) -> dict[Hashable, GroupHandle]:
     """Create the groups of every spec (in order) and return this rank's group of each.
 
-    Every rank must call this with the same specs in the same order; ``init_mesh`` checks that.
+    Every rank must call this with the same specs in the same order, after
+    ``check_strategy_inputs`` (errors must fire before any collective); ``init_mesh`` does both.
     """
     cache = cache if cache is not None else GroupCache()
-    check_strategy_inputs(strategy, specs)
     if cache.strategy not in (None, strategy):
         raise ValueError(
             f"this GroupCache was filled with strategy={cache.strategy!r}; "
