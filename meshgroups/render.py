@@ -46,6 +46,17 @@ def _grid_2d(layout: Layout, max_cells: int) -> tuple[np.ndarray, int, bool]:
     return flat[:max_rows], cols, flat.shape[0] > max_rows
 
 
+def _coloured_window(
+    layout: Layout, color_by: str | Sequence[str] | None, max_cells: int
+) -> tuple[tuple[str, ...], np.ndarray, int, bool, np.ndarray]:
+    """What html() and plot() draw: the colour dims, the 2-D window of ranks, its column count,
+    whether it was clipped, and each cell's group index."""
+    dims = _dims_arg(layout, color_by)
+    rows, cols, clipped = _grid_2d(layout, max_cells)
+    gids = group_ids(layout, *dims).reshape(-1, cols)[: len(rows)]
+    return dims, rows, cols, clipped, gids
+
+
 def _row_label(layout: Layout, row: int) -> str:
     outer = layout.shape[:-1]
     if not outer:
@@ -116,9 +127,7 @@ def html(
 ) -> str:
     """An HTML table of the grid, cells coloured by the groups of ``color_by`` (default: the
     innermost dim); ``highlight_rank``'s group is outlined; node changes get a thick left edge."""
-    dims = _dims_arg(layout, color_by)
-    rows, cols, clipped = _grid_2d(layout, max_cells)
-    gids = group_ids(layout, *dims).reshape(-1, cols)[: len(rows)]
+    dims, rows, cols, clipped, gids = _coloured_window(layout, color_by, max_cells)
     colors = _palette(int(gids.max()) + 1)
     mine = set()
     if highlight_rank is not None and highlight_rank in layout:
@@ -165,9 +174,7 @@ def plot(
         from matplotlib.patches import Rectangle
     except ImportError:  # pragma: no cover - depends on the environment
         raise ImportError("plot() needs matplotlib: pip install 'meshgroups[plot]'") from None
-    dims = _dims_arg(layout, color_by)
-    rows, cols, clipped = _grid_2d(layout, max_cells)
-    gids = group_ids(layout, *dims).reshape(-1, cols)[: len(rows)]
+    dims, rows, cols, clipped, gids = _coloured_window(layout, color_by, max_cells)
     n_rows = len(rows)
     if ax is None:
         fig, ax = plt.subplots(figsize=(min(max(7.0, 2 + 0.6 * cols), 16), min(2 + 0.45 * n_rows, 12)))
