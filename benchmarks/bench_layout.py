@@ -1,8 +1,11 @@
-"""Layout core speed: all groups of every dim plus ("dp", "cp"), meshgroups vs a Python loop.
+"""Layout core speed: all groups of every dim plus ("dp", "cp"), meshgroups vs a Python loop;
+then the identity operations (hash, ==, fingerprint, ``in``) of a fresh layout.
 
-Run: ``python benchmarks/bench_layout.py [--max-world 1048576]``. Prints a Markdown table.
-The baseline is the straightforward enumeration most codebases use (nested loops over
-coordinates and strides, one Python int at a time), run in the same process on the same layouts.
+Run: ``python benchmarks/bench_layout.py [--max-world 1048576]``. Prints two Markdown tables.
+The baseline of the first is the straightforward enumeration most codebases use (nested loops
+over coordinates and strides, one Python int at a time), run in the same process on the same
+layouts. The second compares affine layouts with the same placement given as an explicit grid
+(``Layout.from_grid``; a permuted one stays explicit): the affine columns must stay flat in W.
 """
 
 from __future__ import annotations
@@ -77,6 +80,35 @@ def bench_one(world: int) -> str:
     )
 
 
+def identity_costs(make) -> tuple[float, float, float, float]:
+    """µs per operation on a fresh layout (nothing cached): hash, ==, fingerprint, ``in``."""
+
+    def fresh_op(op):
+        layouts = [make() for _ in range(5)]
+        others = [make() for _ in range(5)]
+        t0 = time.perf_counter()
+        for a, b in zip(layouts, others):
+            op(a, b)
+        return (time.perf_counter() - t0) / len(layouts) * 1e6
+
+    return (
+        fresh_op(lambda a, b: hash(a)),
+        fresh_op(lambda a, b: a == b),
+        fresh_op(lambda a, b: a.fingerprint()),
+        fresh_op(lambda a, b: (a.world_size // 3) in a),
+    )
+
+
+def bench_identity(world: int) -> str:
+    lay = layout_for(world)
+    sizes = dict(zip(lay.names, lay.shape))
+    affine = identity_costs(lambda: Layout(sizes))
+    grid = lay.grid[..., ::-1].copy()  # reversed tp: not affine, so it stays an explicit array
+    explicit = identity_costs(lambda: Layout.from_grid(grid, lay.names))
+    cells = " | ".join(f"{a:.1f} | {e:.0f}" for a, e in zip(affine, explicit))
+    return f"| {world:,} | {cells} |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-world", type=int, default=1 << 20)
@@ -89,6 +121,16 @@ def main() -> None:
         if world > args.max_world:
             break
         print(bench_one(world), flush=True)
+    print()
+    print(
+        "| W | hash affine (µs) | hash explicit (µs) | == affine | == explicit | fingerprint affine "
+        "| fingerprint explicit | in affine | in explicit |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for world in (1024, 16384, 131072, 1 << 20):
+        if world > args.max_world:
+            break
+        print(bench_identity(world), flush=True)
 
 
 if __name__ == "__main__":

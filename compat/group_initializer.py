@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from meshgroups import GroupCache, Layout, init_mesh
-from meshgroups._checks import check_int
+from meshgroups.checks import check_int
 
 __all__ = [
     "CommMode",

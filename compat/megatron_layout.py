@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from meshgroups import Layout
-from meshgroups._checks import check_int, formula, product
+from meshgroups.checks import check_int, formula, product
 
 RanksCallback = Callable[[list[int]], list[int]]
 

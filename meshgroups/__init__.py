@@ -9,13 +9,37 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .errors import (
+    ConcurrentInitError,
+    GroupStateDiverged,
+    LayoutError,
+    MeshConfigError,
+    MismatchError,
+    RendezvousTimeout,
+    StoreConnectionError,
+)
 from .layout import Layout, Locality
 
 if TYPE_CHECKING:
     from .groups import GroupCache, GroupSpec, Strategy
     from .mesh import MeshGroups, init_mesh
 
-__all__ = ["GroupCache", "GroupSpec", "Layout", "Locality", "MeshGroups", "Strategy", "init_mesh"]
+__all__ = [
+    "ConcurrentInitError",
+    "GroupCache",
+    "GroupSpec",
+    "GroupStateDiverged",
+    "Layout",
+    "LayoutError",
+    "Locality",
+    "MeshConfigError",
+    "MeshGroups",
+    "MismatchError",
+    "RendezvousTimeout",
+    "StoreConnectionError",
+    "Strategy",
+    "init_mesh",
+]
 __version__ = "0.1.0"
 
 _TORCH_NAMES = {

@@ -1,49 +1,97 @@
-"""Grid helpers of the layout core: sizes, affine forms, merged strides (numpy only)."""
+"""Grid arithmetic of the layout core (numpy only): sizes, affine forms, positions.
+
+An *affine* placement is ``rank = offset + Σ coord[i] · stride[i]`` with non-negative strides
+that *nest*: sorted by stride, each stride exceeds the largest sum the smaller ones reach. Nested
+strides make the map injective and invertible digit by digit (``coords_of``), so every query on
+such a layout is O(ndim). Size-1 dims have stride 0 (canonical: equal placements have equal
+strides). Any other placement is kept as an explicit array of ranks.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from ._checks import check_int, check_size, formula, is_int, product
+from .checks import MAX_RANK, check_int, check_size, check_world, formula, is_int, product
+from .errors import LayoutError
 
 
-def freeze(arr: np.ndarray) -> np.ndarray:
+def readonly(arr: np.ndarray) -> np.ndarray:
     arr.setflags(write=False)
     return arr
 
 
-def infer_sizes(names: tuple[str, ...], sizes: list[object], world_size: int | None) -> tuple[int, ...]:
+def infer_sizes(names: tuple[str, ...], sizes: list[object], world_size: object) -> tuple[int, ...]:
     unknown = [i for i, s in enumerate(sizes) if is_int(s) and int(s) == -1]  # type: ignore[call-overload]
     if unknown and world_size is None:
-        raise ValueError(f"{names[unknown[0]]}=-1 needs world_size= to infer it from")
+        raise LayoutError(f"{names[unknown[0]]}=-1 needs world_size= to infer it from")
     if len(unknown) > 1:
-        raise ValueError(f"only one size may be -1 (inferred), got {', '.join(names[i] for i in unknown)}")
+        raise LayoutError(f"only one size may be -1 (inferred), got {', '.join(names[i] for i in unknown)}")
     checked = [0 if i in unknown else check_size(n, s) for i, (n, s) in enumerate(zip(names, sizes))]
     if world_size is None:
+        check_world(names, checked)
         return tuple(checked)
     world = check_int(world_size, "world_size")
     if world < 1:
-        raise ValueError(f"world_size={world} must be positive")
+        raise LayoutError(f"world_size={world} must be positive")
     known = [(n, s) for i, (n, s) in enumerate(zip(names, checked)) if i not in unknown]
     known_product = product(s for _, s in known)
     if unknown:
         if world % known_product:
-            raise ValueError(
+            raise LayoutError(
                 f"{formula([n for n, _ in known], [s for _, s in known])} does not divide "
                 f"world_size={world}, so {names[unknown[0]]} cannot be inferred"
             )
         checked[unknown[0]] = world // known_product
     elif known_product != world:
-        raise ValueError(f"{formula(names, checked)} does not match world_size={world}")
+        raise LayoutError(f"{formula(names, checked)} does not match world_size={world}")
+    check_world(names, checked)
     return tuple(checked)
 
 
+def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    return canonical_strides(shape, [product(shape[i + 1 :]) for i in range(len(shape))])
+
+
+def canonical_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
+    return tuple(0 if n == 1 else int(s) for n, s in zip(shape, strides))
+
+
+def nests(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """True if the (non-negative) strides nest, i.e. the affine map is injective digit by digit."""
+    reach = 0  # the largest offset the smaller strides reach
+    for stride, size in sorted((s, n) for n, s in zip(shape, strides) if n > 1):
+        if stride <= reach:
+            return False
+        reach += (size - 1) * stride
+    return True
+
+
+def span(shape: Sequence[int], strides: Sequence[int]) -> int:
+    """Largest rank minus smallest of an affine layout."""
+    return sum((n - 1) * s for n, s in zip(shape, strides))
+
+
+def is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Nested strides that cover ``offset..offset+W-1`` exactly (a permuted mixed radix)."""
+    return span(shape, strides) == product(shape) - 1
+
+
+def affine_grid(shape: Sequence[int], strides: Sequence[int], offset: int) -> np.ndarray:
+    grid = np.full(tuple(shape), offset, dtype=np.int64)
+    for axis, (size, stride) in enumerate(zip(shape, strides)):
+        if size > 1:
+            index_shape = [1] * len(shape)
+            index_shape[axis] = size
+            grid += (np.arange(size, dtype=np.int64) * stride).reshape(index_shape)
+    return grid
+
+
 def affine_form(grid: np.ndarray) -> tuple[int, tuple[int, ...]] | None:
-    """``(offset, strides)`` if ``grid`` (distinct ranks) is a strided view of a contiguous
-    range ``offset..offset+W-1``, else None."""
+    """``(offset, strides)`` if ``grid`` (distinct ranks) is an affine placement with nested
+    non-negative strides, else None. O(W)."""
     offset = int(grid.flat[0])
-    if int(grid.max()) - offset != grid.size - 1 or int(grid.min()) != offset:
-        return None
     strides = []
     for axis, size in enumerate(grid.shape):
         if size == 1:
@@ -51,15 +99,61 @@ def affine_form(grid: np.ndarray) -> tuple[int, tuple[int, ...]] | None:
             continue
         index = [0] * grid.ndim
         index[axis] = 1
-        strides.append(int(grid[tuple(index)]) - offset)
-    expected = np.full(grid.shape, offset, dtype=np.int64)
-    for axis, (size, stride) in enumerate(zip(grid.shape, strides)):
-        index_shape = [1] * grid.ndim
-        index_shape[axis] = size
-        expected += (np.arange(size, dtype=np.int64) * stride).reshape(index_shape)
-    if not np.array_equal(expected, grid):
+        stride = int(grid[tuple(index)]) - offset
+        if stride <= 0:
+            return None
+        strides.append(stride)
+    if not nests(grid.shape, strides):
+        return None
+    if not np.array_equal(affine_grid(grid.shape, strides, offset), grid):
         return None
     return offset, tuple(strides)
+
+
+def coords_of(rank: int, shape: Sequence[int], strides: Sequence[int], offset: int) -> tuple[int, ...] | None:
+    """Coordinates of ``rank`` in an affine layout with nested strides, or None if absent. O(ndim)."""
+    r = rank - offset
+    if r < 0 or r > span(shape, strides):
+        return None
+    coords = [0] * len(shape)
+    for stride, axis in sorted(
+        ((s, i) for i, (n, s) in enumerate(zip(shape, strides)) if n > 1), reverse=True
+    ):
+        c = r // stride
+        if c >= shape[axis]:
+            return None
+        coords[axis] = c
+        r -= c * stride
+    return tuple(coords) if r == 0 else None
+
+
+def check_affine(
+    shape: Sequence[int], strides: Sequence[object], offset: object
+) -> tuple[tuple[int, ...], int]:
+    """Validate ``from_strides`` input: canonical strides and the offset."""
+    if isinstance(strides, (str, bytes)) or not isinstance(strides, Sequence):
+        raise TypeError(f"strides must be a sequence of ints, got {strides!r}")
+    if len(strides) != len(shape):
+        raise LayoutError(f"{len(strides)} strides given for {len(shape)} dims")
+    checked = [check_int(s, "stride") for s in strides]
+    off = check_int(offset, "rank_offset")
+    if off < 0:
+        raise LayoutError(f"rank_offset={off} must be >= 0")
+    canon = canonical_strides(shape, checked)
+    if any(s <= 0 for n, s in zip(shape, canon) if n > 1):
+        bad = next(s for n, s in zip(shape, canon) if n > 1 and s <= 0)
+        raise LayoutError(f"stride {bad} must be positive for dims of size > 1 (use from_grid for others)")
+    if off > MAX_RANK or span(shape, canon) > MAX_RANK - off:
+        raise LayoutError(
+            f"rank_offset={off} with strides {tuple(canon)} reaches rank {off + span(shape, canon)}, "
+            f"above the largest rank {MAX_RANK}"
+        )
+    if not nests(shape, canon):
+        raise LayoutError(
+            f"strides {tuple(canon)} for shape {tuple(shape)} map two coordinates to one rank (or do not "
+            "nest: sorted by stride, each must exceed what the smaller ones reach); use from_grid"
+        )
+    return canon, off
 
 
 def merged_stride(sizes: list[int], strides: list[int]) -> int | None:

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from .layout import Layout
+from .render import text as render_text
 
 DEFAULT_DEMO = ["pp=2", "dp=2", "cp=1", "tp=2"]
 
@@ -87,7 +88,7 @@ def _show(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             }
         print(json.dumps(data, indent=1))
         return 0
-    print(layout.render(ranks_per_node=args.ranks_per_node))
+    print(render_text(layout, ranks_per_node=args.ranks_per_node))
     if args.rank is not None:
         print(f"\nrank {args.rank}: " + ", ".join(f"{k}={v}" for k, v in layout.coords(args.rank).items()))
         for dims, ranks in _rank_groups(layout, args.rank).items():

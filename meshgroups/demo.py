@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 from .layout import Layout
+from .render import text as render_text
 
 
 def families(layout: Layout) -> list[tuple[str, ...]]:
@@ -82,7 +83,7 @@ def report(
     lines = [
         f"meshgroups demo: {len(results)} processes ({how})",
         "",
-        layout.render(ranks_per_node=ranks_per_node),
+        render_text(layout, ranks_per_node=ranks_per_node),
         "",
         f"families checked: {', '.join('×'.join(f) for f in families(layout))}",
         f"time to build the mesh: {slowest * 1e3:.1f} ms (slowest rank)",

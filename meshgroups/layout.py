@@ -1,4 +1,4 @@
-"""``Layout``: a named, row-major n-D grid of global ranks (numpy only, never torch).
+"""``Layout``: a named n-D grid of global ranks, as an immutable value (numpy only, never torch).
 
 The first dim is the outermost (slowest varying), the last the innermost (contiguous ranks),
 as in ``init_device_mesh``, torchtitan and JAX::
@@ -9,24 +9,46 @@ as in ``init_device_mesh``, torchtitan and JAX::
     >>> lay.group_of(5, "dp", "cp").tolist()
     [1, 5]
 
-A layout is immutable and hashable. Most layouts are *affine* (``rank = offset + Σ coord·stride``),
-and single-rank queries (``coords``, ``rank_at``, ``group_of``) are index arithmetic on them.
-Explicit placements (``from_grid``) and subsets (``select``) keep the grid itself and answer the
-same queries through an inverse index built once, on first use.
+The value model. A layout *is* ``(names, shape, strides, offset)`` when its placement is affine
+(``rank = offset + Σ coord·stride`` with non-negative strides that nest; every row-major layout,
+every ``split``/``flatten`` of one, most subsets), plus — only for other placements — an
+explicit read-only array of ranks. Whichever constructor built it, one placement has one form,
+so equality, ``hash`` and ``fingerprint()`` agree between ``Layout(dp=2, tp=2)`` and
+``Layout.from_grid([[0, 1], [2, 3]], ("dp", "tp"))``, and cost O(ndim) for affine layouts.
+
+A layout is frozen: attributes cannot be assigned, ``__init__`` cannot run twice, and no array
+it hands out (``grid``, ``groups``, ``group_of``) shares memory with its state, so writing
+through one (``torch.from_numpy(lay.grid).add_(1)``) cannot change the layout. Derived data
+(the grid, inverse lookups, the fingerprint) is computed once and cached.
+
+Explicit placements answer rank lookups through a sorted copy of their ranks (memory O(W), time
+O(log W)); affine ones by digit arithmetic (O(ndim)).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable, Mapping, Sequence
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any, Literal
 
 import numpy as np
 
-from . import _serialize, algebra, topology
-from ._checks import check_dims, check_int, check_names, is_int, product
-from ._grid import affine_form, freeze, infer_sizes
-from .views import check_views
+from . import _grid, algebra, topology, views
+from .checks import (
+    MAX_RANK,
+    MAX_WORLD_SIZE,
+    check_dims,
+    check_int,
+    check_name,
+    check_names,
+    check_world,
+    is_int,
+    product,
+)
+from .errors import LayoutError
 
 Locality = Literal["intra", "inter", "mixed"]
 
@@ -43,11 +65,10 @@ class Layout:
 
     Raises:
         TypeError: a size or the offset is not an int; both ``dims`` and keywords are given.
-        ValueError: a size is not positive, names repeat or are not identifiers, or the sizes
-            do not multiply to ``world_size``.
+        LayoutError: (a ``ValueError``) a size is not positive, names repeat or are not
+            identifiers, the sizes do not multiply to ``world_size``, or the layout would hold
+            more than 2**24 ranks or a rank above 2**31 - 1.
     """
-
-    __slots__ = ("_fp", "_grid", "_inverse", "_names", "_offset", "_shape", "_strides", "_views")
 
     def __init__(
         self,
@@ -58,57 +79,80 @@ class Layout:
         world_size: int | None = None,
         **sizes: int,
     ) -> None:
+        if "_names" in self.__dict__:
+            raise TypeError("a Layout is immutable; build a new one instead of calling __init__ again")
         if dims is not None and sizes:
             raise TypeError("give dims either as one mapping/sequence or as keywords, not both")
+        if dims is not None and (isinstance(dims, (str, bytes)) or not isinstance(dims, (Mapping, Iterable))):
+            raise TypeError(f"dims must be a mapping or a sequence of (name, size) pairs, got {dims!r}")
         pairs = list(dims.items() if isinstance(dims, Mapping) else dims or sizes.items())
         if not pairs:
-            raise ValueError("a Layout needs at least one dim, e.g. Layout(dp=8)")
+            raise LayoutError("a Layout needs at least one dim, e.g. Layout(dp=8)")
         for pair in pairs:
             if not (isinstance(pair, tuple) and len(pair) == 2):
                 raise TypeError(f"dims must be (name, size) pairs, got {pair!r}")
-        names = check_names(name for name, _ in pairs)
-        shape = infer_sizes(names, [size for _, size in pairs], world_size)
-        offset = check_int(rank_offset, "rank_offset")
-        if offset < 0:
-            raise ValueError(f"rank_offset={offset} must be >= 0")
-        strides = tuple(product(shape[i + 1 :]) for i in range(len(shape)))
-        self._init(names, shape, offset=offset, strides=strides)
+        names = check_names([name for name, _ in pairs])
+        shape = _grid.infer_sizes(names, [size for _, size in pairs], world_size)
+        strides, offset = _grid.check_affine(shape, _grid.row_major_strides(shape), rank_offset)
+        self._set(names, shape, strides, offset, None, ())
 
-    # ---------------------------------------------------------------- construction helpers
-    def _init(
+    # ---------------------------------------------------------------- construction
+    def _set(
         self,
         names: tuple[str, ...],
         shape: tuple[int, ...],
-        *,
-        offset: int = 0,
-        strides: tuple[int, ...] | None = None,
-        grid: np.ndarray | None = None,
-        views: tuple[tuple[str, Layout], ...] = (),
+        strides: tuple[int, ...] | None,
+        offset: int,
+        ranks: np.ndarray | None,
+        view_items: tuple[tuple[str, Layout], ...],
     ) -> None:
-        self._names = names
-        self._shape = shape
-        self._offset = offset
-        self._strides = strides
-        self._grid = None if grid is None else freeze(grid)
-        self._inverse: np.ndarray | None = None
-        self._views = views
-        self._fp: str | None = None
+        for attr, value in (
+            ("_names", names),
+            ("_shape", shape),
+            ("_strides", strides),
+            ("_offset", offset),
+            ("_ranks", ranks),
+            ("_views", view_items),
+        ):
+            object.__setattr__(self, attr, value)
 
     @classmethod
-    def _make(cls, names: tuple[str, ...], shape: tuple[int, ...], **kw: Any) -> Layout:
+    def _new(
+        cls,
+        names: tuple[str, ...],
+        shape: tuple[int, ...],
+        strides: tuple[int, ...] | None,
+        offset: int,
+        ranks: np.ndarray | None = None,
+        view_items: tuple[tuple[str, Layout], ...] = (),
+    ) -> Layout:
         layout = cls.__new__(cls)
-        layout._init(names, shape, **kw)
+        layout._set(names, shape, strides, offset, ranks, view_items)
         return layout
 
     @classmethod
-    def _from_checked_grid(cls, grid: np.ndarray, names: tuple[str, ...]) -> Layout:
-        """A layout over ``grid`` (already known to hold distinct non-negative ranks)."""
-        shape = tuple(int(s) for s in grid.shape)
-        affine = affine_form(grid)
-        if affine is not None:
-            offset, strides = affine
-            return cls._make(names, shape, offset=offset, strides=strides, grid=grid)
-        return cls._make(names, shape, offset=int(grid.min()), grid=grid)
+    def from_strides(
+        cls, names: Sequence[str], shape: Sequence[int], strides: Sequence[int], rank_offset: int = 0
+    ) -> Layout:
+        """The affine layout ``rank = rank_offset + Σ coord[i] · strides[i]``, like torch's
+        ``_MeshLayout(shape, stride)``::
+
+            >>> Layout.from_strides(("dp", "tp"), (2, 2), (1, 2)).groups("tp").tolist()
+            [[0, 2], [1, 3]]
+
+        Strides must be positive for dims of size > 1 and *nest* (sorted, each exceeds what the
+        smaller ones reach), which makes every rank distinct; a size-1 dim's stride is ignored.
+        """
+        names_t = check_names(names)
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+            raise TypeError(f"shape must be a sequence of ints, got {shape!r}")
+        if len(shape) != len(names_t):
+            raise LayoutError(f"{len(shape)} sizes given for {len(names_t)} names {names_t}")
+        if not names_t:
+            raise LayoutError("a Layout needs at least one dim")
+        shape_t = _grid.infer_sizes(names_t, list(shape), None)
+        strides_t, offset = _grid.check_affine(shape_t, strides, rank_offset)
+        return cls._new(names_t, shape_t, strides_t, offset)
 
     @classmethod
     def from_grid(cls, grid: Any, names: Sequence[str]) -> Layout:
@@ -119,29 +163,41 @@ class Layout:
 
             >>> Layout.from_grid([[3, 1], [2, 0]], ("dp", "tp")).groups("tp").tolist()
             [[3, 1], [2, 0]]
+
+        An affine placement becomes the affine form (equal to the layout built with strides).
         """
-        names = check_names(names)
-        try:
-            arr = np.array(grid)
-        except ValueError as exc:  # ragged nested lists
-            raise ValueError(f"grid is not a rectangular array: {exc}") from None
-        if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
-            raise TypeError(f"grid must hold integer ranks, got dtype {arr.dtype}")
-        if arr.ndim != len(names):
-            raise ValueError(f"grid has {arr.ndim} dims but {len(names)} names were given: {names}")
+        names_t = check_names(names)
+        if not names_t:
+            raise LayoutError("a Layout needs at least one dim; give one name per grid dim")
+        arr = _as_rank_array(grid)
+        if arr.ndim != len(names_t):
+            raise LayoutError(f"grid has {arr.ndim} dims but {len(names_t)} names were given: {names_t}")
         if arr.size == 0:
-            raise ValueError(f"grid of shape {arr.shape} is empty; every dim needs size >= 1")
-        arr = np.ascontiguousarray(arr, dtype=np.int64)
-        if arr.min() < 0:
-            raise ValueError(f"grid holds negative rank {int(arr.min())}; ranks must be >= 0")
+            raise LayoutError(f"grid of shape {arr.shape} is empty; every dim needs size >= 1")
+        check_world(names_t, arr.shape)
+        low, high = int(arr.min()), int(arr.max())
+        if low < 0 or high > MAX_RANK:
+            bad = low if low < 0 else high
+            raise LayoutError(f"grid holds rank {bad}; ranks must be between 0 and {MAX_RANK}")
         flat = np.sort(arr, axis=None)
         repeated = flat[1:][flat[1:] == flat[:-1]]
         if repeated.size:
-            raise ValueError(f"grid holds rank {int(repeated[0])} more than once; ranks must be distinct")
-        return cls._from_checked_grid(arr, names)
+            raise LayoutError(f"grid holds rank {int(repeated[0])} more than once; ranks must be distinct")
+        return cls._from_distinct(names_t, arr)
 
     @classmethod
-    def from_order(cls, order: str, *, rank_offset: int = 0, **sizes: int) -> Layout:
+    def _from_distinct(cls, names: tuple[str, ...], arr: np.ndarray) -> Layout:
+        """``arr`` holds distinct, in-range ranks (checked by the caller)."""
+        arr = np.array(arr, dtype=np.int64, order="C", copy=True)
+        shape = tuple(int(s) for s in arr.shape)
+        affine = _grid.affine_form(arr)
+        if affine is not None:
+            offset, strides = affine
+            return cls._new(names, shape, strides, offset)
+        return cls._new(names, shape, None, int(arr.min()), _grid.readonly(arr))
+
+    @classmethod
+    def from_order(cls, order: str, /, *, rank_offset: int = 0, **sizes: int) -> Layout:
         """Megatron-Core order strings: the first token varies fastest.
 
         ``Layout.from_order("tp-cp-ep-dp-pp", tp=2, cp=1, ep=1, dp=2, pp=2)`` is
@@ -151,10 +207,23 @@ class Layout:
         """
         from .order import parse_order
 
-        pairs = parse_order(order, sizes)
-        return cls(pairs, rank_offset=rank_offset)
+        return cls(parse_order(order, sizes), rank_offset=rank_offset)
 
-    # ---------------------------------------------------------------------------- properties
+    # ---------------------------------------------------------------- immutability
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a Layout is immutable; cannot set {name!r} (build a new layout instead)")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"a Layout is immutable; cannot delete {name!r}")
+
+    # ---------------------------------------------------------------- properties
+    _names: tuple[str, ...]
+    _shape: tuple[int, ...]
+    _strides: tuple[int, ...] | None
+    _offset: int
+    _ranks: np.ndarray | None
+    _views: tuple[tuple[str, Layout], ...]
+
     @property
     def names(self) -> tuple[str, ...]:
         """Dim names, outermost first."""
@@ -175,33 +244,57 @@ class Layout:
         return product(self._shape)
 
     @property
+    def strides(self) -> tuple[int, ...] | None:
+        """Rank strides of an affine layout (0 for size-1 dims), ``None`` for an explicit one."""
+        return self._strides
+
+    @property
+    def is_affine(self) -> bool:
+        """True if the layout is ``(names, shape, strides, offset)`` (see the module docstring)."""
+        return self._strides is not None
+
+    @property
+    def is_contiguous(self) -> bool:
+        """True if the ranks are exactly ``rank_offset .. rank_offset + world_size - 1``."""
+        return self.max_rank - self._offset == self.world_size - 1
+
+    @property
+    def is_row_major(self) -> bool:
+        """True if the layout is what ``Layout(**sizes, rank_offset=...)`` builds."""
+        return self._strides == _grid.row_major_strides(self._shape)
+
+    @property
     def rank_offset(self) -> int:
-        """The smallest rank of the layout (its offset for affine layouts)."""
+        """The smallest rank of the layout (the rank at coordinates 0 for affine layouts)."""
         return self._offset
 
     @property
     def max_rank(self) -> int:
         """The largest rank of the layout."""
         if self._strides is not None:
-            return self._offset + self.world_size - 1
-        return int(self.grid.max())
+            return self._offset + _grid.span(self._shape, self._strides)
+        return int(self._sorted_ranks[0][-1])
 
     @property
     def views(self) -> Mapping[str, Layout]:
         """Other factorisations of the same ranks declared with :meth:`with_views`."""
         return MappingProxyType(dict(self._views))
 
+    @cached_property
+    def _rank_array(self) -> np.ndarray:
+        """The grid; read-only and never handed out (callers get copies)."""
+        if self._ranks is not None:
+            return self._ranks
+        assert self._strides is not None
+        return _grid.readonly(_grid.affine_grid(self._shape, self._strides, self._offset))
+
     @property
     def grid(self) -> np.ndarray:
-        """Read-only C-contiguous int64 array of global ranks, of shape :attr:`shape`."""
-        if self._grid is None:
-            grid = np.full(self._shape, self._offset, dtype=np.int64)
-            for axis, (size, stride) in enumerate(zip(self._shape, self._strides or ())):
-                index_shape = [1] * self.ndim
-                index_shape[axis] = size
-                grid += (np.arange(size, dtype=np.int64) * stride).reshape(index_shape)
-            self._grid = freeze(grid)
-        return self._grid
+        """A fresh read-only C-contiguous int64 array of global ranks, of shape :attr:`shape`.
+
+        A copy: writing to it (after ``setflags``, or through ``torch.from_numpy``) leaves the
+        layout unchanged. O(W) per access; single-rank queries never need it."""
+        return _grid.readonly(self._rank_array.copy())
 
     def size(self, *dims: str) -> int:
         """Size of one dim, or the product for several (a flattened group's size)."""
@@ -211,11 +304,11 @@ class Layout:
     def __contains__(self, rank: object) -> bool:
         if not is_int(rank):
             return False
-        return self._position(check_int(rank, "rank")) is not None
+        return self._position(int(rank)) is not None  # type: ignore[call-overload]
 
     # ------------------------------------------------------------------------------ groups
     def groups(self, *dims: str) -> np.ndarray:
-        """All groups varying ``dims``: an int64 array ``(n_groups, group_size)``.
+        """All groups varying ``dims``: a fresh int64 array ``(n_groups, group_size)``.
 
         Ranks in a row follow the layout's dim order (row-major over ``dims``, whatever order
         they are given in); rows enumerate the other dims row-major. ``groups()`` is every rank
@@ -226,13 +319,13 @@ class Layout:
         axes = sorted(owner._names.index(d) for d in dims)
         rest = [i for i in range(owner.ndim) if i not in axes]
         size = product(owner._shape[i] for i in axes)
-        rows = np.transpose(owner.grid, rest + axes).reshape(-1, size)
-        return freeze(np.ascontiguousarray(rows))
+        rows = np.transpose(owner._rank_array, rest + axes).reshape(-1, size)
+        return _grid.readonly(np.array(rows, dtype=np.int64, order="C", copy=True))
 
-    def group_of(self, rank: int, *dims: str) -> np.ndarray:
+    def group_of(self, rank: int, /, *dims: str) -> np.ndarray:
         """The group varying ``dims`` that contains ``rank``: one row of :meth:`groups`.
 
-        O(ndim + group size): never scans the world.
+        O(ndim + group size) for affine layouts, O(log W + group size) for explicit ones.
         """
         owner = self.resolve(*dims) if dims else self
         coords = owner._coords_tuple(rank)
@@ -245,56 +338,57 @@ class Layout:
                 ranks = (ranks[:, None] + step[None, :]).ravel()
             return ranks
         index = tuple(slice(None) if i in varying else c for i, c in enumerate(coords))
-        return np.array(owner.grid[index], dtype=np.int64).ravel()
+        return np.array(owner._rank_array[index], dtype=np.int64).ravel()
 
-    def coords(self, rank: int) -> dict[str, int]:
-        """``{dim: index}`` of ``rank``; raises ``ValueError`` if it is not in the layout."""
+    def coords(self, rank: int, /) -> dict[str, int]:
+        """``{dim: index}`` of ``rank``; raises ``LayoutError`` if it is not in the layout."""
         return dict(zip(self._names, self._coords_tuple(rank)))
 
-    def rank_at(self, **coords: int) -> int:
+    def rank_at(self, /, **coords: int) -> int:
         """The global rank at the given index of every dim: the inverse of :meth:`coords`."""
         missing = [n for n in self._names if n not in coords]
         if missing:
-            raise ValueError(f"rank_at needs an index for every dim; missing {', '.join(missing)}")
+            raise LayoutError(f"rank_at needs an index for every dim; missing {', '.join(missing)}")
         check_dims(tuple(coords), self._names, "this layout")
         index = []
         for name, size in zip(self._names, self._shape):
             i = check_int(coords[name], f"index of dim {name!r}")
             if not 0 <= i < size:
-                raise ValueError(f"{name}={i} is out of range; dim {name!r} has size {size}")
+                raise LayoutError(f"{name}={i} is out of range; dim {name!r} has size {size}")
             index.append(i)
         if self._strides is not None:
             return self._offset + sum(i * s for i, s in zip(index, self._strides))
-        return int(self.grid[tuple(index)])
+        return int(self._rank_array[tuple(index)])
 
-    def _coords_tuple(self, rank: int) -> tuple[int, ...]:
-        rank = check_int(rank, "rank")
-        position = self._position(rank)
+    def _coords_tuple(self, rank: object) -> tuple[int, ...]:
+        r = check_int(rank, "rank")
+        position = self._position(r)
         if position is None:
-            raise ValueError(f"rank {rank} is not in this layout ({self._describe_ranks()})")
+            raise LayoutError(f"rank {r} is not in this layout ({self.describe_ranks()})")
         return position
+
+    @cached_property
+    def _sorted_ranks(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ranks sorted, flat index of each) for explicit layouts: memory O(W), not O(max rank)."""
+        flat = self._rank_array.ravel()
+        order = np.argsort(flat, kind="stable")
+        return _grid.readonly(flat[order]), _grid.readonly(order)
 
     def _position(self, rank: int) -> tuple[int, ...] | None:
         if self._strides is not None:
-            r = rank - self._offset
-            if not 0 <= r < self.world_size:
-                return None
-            # Affine layouts are a permutation of mixed-radix digits: each dim's coordinate is
-            # one digit, read off with its own stride.
-            return tuple((r // s) % n if n > 1 else 0 for n, s in zip(self._shape, self._strides))
-        if self._inverse is None:
-            flat = self.grid.ravel()
-            inverse = np.full(int(flat.max()) - self._offset + 1, -1, dtype=np.int64)
-            inverse[flat - self._offset] = np.arange(flat.size, dtype=np.int64)
-            self._inverse = inverse
-        r = rank - self._offset
-        if not 0 <= r < self._inverse.size or self._inverse[r] < 0:
+            return _grid.coords_of(rank, self._shape, self._strides, self._offset)
+        if not 0 <= rank <= MAX_RANK:
             return None
-        return tuple(int(i) for i in np.unravel_index(int(self._inverse[r]), self._shape))
+        ranks, where = self._sorted_ranks
+        i = int(np.searchsorted(ranks, rank))
+        if i >= ranks.size or int(ranks[i]) != rank:
+            return None
+        return tuple(int(c) for c in np.unravel_index(int(where[i]), self._shape))
 
-    def _describe_ranks(self) -> str:
-        if self._strides is not None:
-            return f"ranks {self._offset}..{self._offset + self.world_size - 1}"
+    def describe_ranks(self) -> str:
+        """``"ranks 0..15"`` or ``"16 ranks between 0 and 31"``, for messages."""
+        if self.is_contiguous:
+            return f"ranks {self._offset}..{self.max_rank}"
         return f"{self.world_size} ranks between {self._offset} and {self.max_rank}"
 
     # ----------------------------------------------------------------------------- algebra
@@ -306,19 +400,20 @@ class Layout:
         """
         return algebra.flatten(self, *dims, name=name)
 
-    def split(self, dim: str, **subdims: int) -> Layout:
+    def split(self, dim: str, /, **subdims: int) -> Layout:
         """Unflatten ``dim`` into ``subdims`` (outermost first), e.g.
         ``split("dp", dp_replicate=2, dp_shard=4)``; the sizes must multiply to ``dim``'s size."""
         return algebra.split(self, dim, **subdims)
 
-    def select(self, dim: str, indices: int | Iterable[int]) -> Layout:
+    def select(self, dim: str, indices: int | Iterable[int], /) -> Layout:
         """The sub-layout keeping only ``indices`` of ``dim`` (negative indices allowed;
-        repeated indices collapse). ``select("pp", [0, -1])`` gives Megatron's embedding ranks.
-        Views are not carried over: the result covers fewer ranks."""
+        repeated indices collapse). ``select("pp", [0, -1])`` gives Megatron's embedding ranks
+        (with ``pp=4``: stages 0 and 3). Views are not carried over: the result covers fewer
+        ranks."""
         return algebra.select(self, dim, indices)
 
     # ------------------------------------------------------------------------------- views
-    def with_views(self, **views: Layout) -> Layout:
+    def with_views(self, /, **views_: Layout) -> Layout:
         """Declare other factorisations of the same ranks, e.g. a dense and an expert layout::
 
             dense = Layout(pp=2, dp=2, cp=1, tp=2)
@@ -326,19 +421,22 @@ class Layout:
             both.groups("ep")      # resolved in the expert view
 
         A dim name present in several factorisations must give the same groups in each (each
-        with the same member order; the order of the rows may differ) — ``ValueError`` naming a
-        rank whose groups differ otherwise.
+        with the same member order; the order of the rows may differ) — ``LayoutError`` naming a
+        rank whose groups differ otherwise. O(ndim) for contiguous affine layouts.
         """
-        return self._with_views_checked(self._views + tuple(views.items()))
-
-    def _with_views_checked(self, views: tuple[tuple[str, Layout], ...]) -> Layout:
-        if not views:
+        items = tuple(views_.items())
+        for name, _ in items:
+            check_name(name, "view name")
+        if not items:
             return self
-        out = Layout._make(
-            self._names, self._shape, offset=self._offset, strides=self._strides, grid=self._grid
-        )
-        out._views = check_views(self, views)
-        return out
+        checked = views.check_views(self.without_views(), self._views + items)
+        return type(self)._new(self._names, self._shape, self._strides, self._offset, self._ranks, checked)
+
+    def without_views(self) -> Layout:
+        """The same placement with no views."""
+        if not self._views:
+            return self
+        return type(self)._new(self._names, self._shape, self._strides, self._offset, self._ranks)
 
     def resolve(self, *dims: str) -> Layout:
         """The factorisation (this layout or one of its views) that has every dim in ``dims``."""
@@ -350,12 +448,12 @@ class Layout:
         known = list(self._names) + [n for v in owners[1:] for n in v._names if n not in self._names]
         for d in dims:
             if not isinstance(d, str) or d not in known:
-                check_dims((d,), known, "this layout and its views")
+                check_dims((d,), known, "this layout and its views" if self._views else "this layout")
         where = "; ".join(
             [f"main: {', '.join(self._names)}"]
             + [f"view {k!r}: {', '.join(v._names)}" for k, v in self._views]
         )
-        raise ValueError(f"dims {dims} are not all in one factorisation ({where})")
+        raise LayoutError(f"dims {dims} are not all in one factorisation ({where})")
 
     # ---------------------------------------------------------------------------- topology
     def node_locality(self, *dims: str, ranks_per_node: int) -> Locality:
@@ -368,50 +466,99 @@ class Layout:
         inter, intra = topology.node_split_sizes(self.groups(dim), ranks_per_node, dim)
         return self.split(dim, **{f"{dim}_inter": inter, f"{dim}_intra": intra})
 
-    # ------------------------------------------------------------------------ serialisation
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-compatible dict; :meth:`from_dict` rebuilds an equal layout."""
-        return _serialize.to_dict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Layout:
-        return _serialize.from_dict(cls, data)
+    # ------------------------------------------------------------------------ identity
+    @cached_property
+    def _identity(self) -> tuple[Any, ...]:
+        """What equality means: the canonical form (O(ndim) for affine layouts)."""
+        explicit = None if self._ranks is None else hashlib.sha256(self._ranks.tobytes()).hexdigest()
+        return (
+            self._names,
+            self._shape,
+            self._strides,
+            self._offset,
+            explicit,
+            tuple((name, view._identity) for name, view in self._views),
+        )
 
     def fingerprint(self) -> str:
-        """16 hex chars, equal for equal layouts in any process, different otherwise."""
-        if self._fp is None:
-            self._fp = _serialize.fingerprint(self)
-        return self._fp
+        """16 hex chars, equal for equal layouts in any process, different otherwise.
+        O(ndim) for affine layouts (O(W) once for explicit ones)."""
+        return self._fingerprint
+
+    @cached_property
+    def _fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self._identity).encode()).hexdigest()[:16]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Layout):
             return NotImplemented
         if self is other:
             return True
-        return (
-            self._names == other._names
-            and self._shape == other._shape
-            and self._offset == other._offset
-            and np.array_equal(self.grid, other.grid)
-            and self._views == other._views
-        )
+        if (self._names, self._shape, self._strides, self._offset) != (
+            other._names,
+            other._shape,
+            other._strides,
+            other._offset,
+        ):
+            return False
+        if self._ranks is not None and not np.array_equal(self._ranks, other._ranks):  # type: ignore[arg-type]
+            return False
+        return self._views == other._views
 
     def __hash__(self) -> int:
-        return hash(self.fingerprint())
+        return hash(self._identity)
+
+    # ------------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-compatible dict; :meth:`from_dict` rebuilds an equal layout."""
+        from ._serialize import to_dict
+
+        return to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], /) -> Layout:
+        """The layout of a :meth:`to_dict` dict; unknown keys are refused."""
+        from ._serialize import from_dict
+
+        return from_dict(cls, data)
 
     def __repr__(self) -> str:
-        return _serialize.layout_repr(self)
+        from ._serialize import layout_repr
 
-    def render(self, **kwargs: Any) -> str:
-        """Long text form: the grid (small worlds) and every dim's groups. See ``render.text``."""
-        from .render import text
-
-        return text(self, **kwargs)
+        return layout_repr(self)
 
     def _repr_html_(self) -> str:
-        from .render import html
+        from .render import html  # lazily: the core imports no renderer
 
         return html(self)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_serialize.from_dict_unchecked, (self.to_dict(),))
+        return (_unpickle, (self.to_dict(),))
+
+
+def _unpickle(data: Mapping[str, Any]) -> Layout:
+    return Layout.from_dict(data)
+
+
+def _as_rank_array(grid: Any) -> np.ndarray:
+    if isinstance(grid, Layout):
+        raise TypeError("from_grid takes an array of ranks; a Layout is already a layout")
+    try:
+        arr = np.asarray(grid)
+    except (ValueError, TypeError) as exc:  # ragged nested lists
+        raise LayoutError(f"grid is not a rectangular array of ranks: {exc}") from None
+    if arr.dtype == object:
+        items = arr.ravel().tolist()
+        if items and all(is_int(v) for v in items):
+            bad = next(v for v in items if not 0 <= v <= MAX_RANK)
+            raise LayoutError(f"grid holds rank {bad}; ranks must be between 0 and {MAX_RANK}")
+        raise TypeError(f"grid must hold integer ranks, got {type(grid).__name__} of objects")
+    if arr.size > MAX_WORLD_SIZE:
+        raise LayoutError(f"grid holds {arr.size} ranks, more than the {MAX_WORLD_SIZE} a layout may hold")
+    if not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0) or arr.dtype == np.bool_:
+        raise TypeError(f"grid must hold integer ranks, got dtype {arr.dtype}")
+    if arr.ndim == 0:
+        raise LayoutError("grid is a single number; a layout needs at least one dim (e.g. [5] with ('dp',))")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > MAX_RANK:
+        raise LayoutError(f"grid holds rank {int(arr.max())}; ranks must be between 0 and {MAX_RANK}")
+    return arr.astype(np.int64, copy=False)

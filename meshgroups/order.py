@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ._checks import check_name, check_size
+from .checks import check_name, check_size
+from .errors import LayoutError
 
 
 def parse_order(order: str, sizes: Mapping[str, object]) -> list[tuple[str, int]]:
     """``(name, size)`` pairs, outermost first, for ``Layout.from_order``.
 
-    Rules (each broken one is a ``ValueError`` naming the token):
+    Rules (each broken one is a ``LayoutError`` naming the token):
     every token needs a size; no token repeats; a size given for a dim missing from ``order``
     must be 1, and such a dim is added as the outermost (Megatron appends it to the order).
     """
@@ -22,22 +23,22 @@ def parse_order(order: str, sizes: Mapping[str, object]) -> list[tuple[str, int]
         raise TypeError(f"order must be a str like 'tp-cp-ep-dp-pp', got {order!r}")
     tokens = [t.strip() for t in order.lower().split("-")]
     if any(not t for t in tokens):
-        raise ValueError(f"order {order!r} has an empty token; tokens are separated by single '-'")
+        raise LayoutError(f"order {order!r} has an empty token; tokens are separated by single '-'")
     seen: list[str] = []
     for token in tokens:
         check_name(token)
         if token in seen:
-            raise ValueError(f"token {token!r} appears twice in order {order!r}")
+            raise LayoutError(f"token {token!r} appears twice in order {order!r}")
         if token not in sizes:
             given = ", ".join(sizes) or "none"
-            raise ValueError(f"token {token!r} of order {order!r} has no size; sizes were given for {given}")
+            raise LayoutError(f"token {token!r} of order {order!r} has no size; sizes were given for {given}")
         seen.append(token)
     checked = {name: check_size(name, size) for name, size in sizes.items()}
     appended = []
     for name, size in checked.items():
         if name not in tokens:
             if size != 1:
-                raise ValueError(f"{name}={size} but {name!r} is missing from order {order!r}")
+                raise LayoutError(f"{name}={size} but {name!r} is missing from order {order!r}")
             appended.append(name)
     fastest_first = tokens + appended
     return [(name, checked[name]) for name in reversed(fastest_first)]

@@ -33,10 +33,12 @@ def group_ids(layout: Layout, *dims: str) -> np.ndarray:
     """For every cell of ``layout.grid``, the index of its group varying ``dims`` (a row of
     ``groups(*dims)``, dims of a view allowed)."""
     owner = layout.resolve(*dims) if dims else layout
-    by_rank = np.full(owner.max_rank + 1, -1, dtype=np.int64)
     rows = owner.groups(*dims)
-    by_rank[rows] = np.arange(len(rows))[:, None]
-    return by_rank[layout.grid]
+    # Sorted lookup, not a table indexed by rank: memory follows the layout, not its rank range.
+    members = rows.ravel()
+    order = np.argsort(members)
+    ids = np.repeat(np.arange(len(rows)), rows.shape[1])[order]
+    return ids[np.searchsorted(members[order], layout.grid)]
 
 
 def _grid_2d(layout: Layout, max_cells: int) -> tuple[np.ndarray, int, bool]:
@@ -80,7 +82,7 @@ def text(
     """A terminal table: the grid (when it has at most ``max_grid`` ranks) and, for every dim
     of the layout and its views, group size, number of groups, the first ``max_groups``
     groups, and intra/inter-node status when ``ranks_per_node`` is given."""
-    lines = [repr(layout), f"world: {layout.world_size} ranks ({layout._describe_ranks()})"]
+    lines = [repr(layout), f"world: {layout.world_size} ranks ({layout.describe_ranks()})"]
     if layout.world_size <= max_grid:
         rows, cols, _ = _grid_2d(layout, max_grid)
         label_width = max(len(_row_label(layout, r)) for r in range(len(rows)))

@@ -10,14 +10,12 @@ from typing import Literal
 
 import numpy as np
 
-from ._checks import check_int
+from .checks import MAX_RANK, check_positive
+from .errors import LayoutError
 
 
 def _nodes(rows: np.ndarray, ranks_per_node: int) -> np.ndarray:
-    per_node = check_int(ranks_per_node, "ranks_per_node")
-    if per_node < 1:
-        raise ValueError(f"ranks_per_node={per_node} must be positive")
-    return rows // per_node
+    return rows // check_positive(ranks_per_node, "ranks_per_node", MAX_RANK + 1)
 
 
 def node_locality(rows: np.ndarray, ranks_per_node: int) -> Literal["intra", "inter", "mixed"]:
@@ -46,7 +44,7 @@ def node_split_sizes(rows: np.ndarray, ranks_per_node: int, dim: str) -> tuple[i
         heads = np.sort(blocks[:, :, 0], axis=1)  # type: ignore[index]
         ok = bool((heads[:, 1:] != heads[:, :-1]).all())
     if not ok:
-        raise ValueError(
+        raise LayoutError(
             f"the groups of dim {dim!r} do not split into an inter-node part and an intra-node part "
             f"with ranks_per_node={ranks_per_node}: group {rows[0].tolist()} lies on nodes "
             f"{nodes[0].tolist()}, and every group must be equal-sized runs of one node each"

@@ -229,7 +229,7 @@ def test_split_select_rank_errors():
 def test_from_grid_errors():
     with pytest.raises(ValueError, match="holds rank 1 more than once"):
         Layout.from_grid([[0, 1], [1, 2]], ("a", "b"))
-    with pytest.raises(ValueError, match="negative rank -1"):
+    with pytest.raises(ValueError, match="holds rank -1; ranks must be between 0"):
         Layout.from_grid([[0, -1]], ("a", "b"))
     with pytest.raises(ValueError, match="grid has 2 dims but 1 names were given"):
         Layout.from_grid([[0, 1]], ("a",))

@@ -26,13 +26,13 @@ def cli(*args, env=None, timeout=120):
 
 
 def test_text_shows_grid_and_groups():
-    out = Layout(pp=2, dp=2, cp=1, tp=4).render(ranks_per_node=8)
+    out = text(Layout(pp=2, dp=2, cp=1, tp=4), ranks_per_node=8)
     assert "pp=1 dp=1 cp=0 |   12   13   14   15" in out
     assert "tp   4     4       [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], …  intra" in out
     assert "pp   2     8" in out and "inter" in out
     big = text(Layout(pp=16, dp=256, cp=4, tp=8))  # no grid for big worlds, still every dim
     assert "|" not in big.split("\n")[2] and big.count("\n") < 12
-    views = Layout(pp=2, dp=4).with_views(expert=Layout(pp=2, ep=4)).render()
+    views = text(Layout(pp=2, dp=4).with_views(expert=Layout(pp=2, ep=4)))
     assert "expert.ep" in views and "expert.pp" not in views
 
 

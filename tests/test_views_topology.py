@@ -73,7 +73,7 @@ def test_node_locality():
     assert lay.node_locality("dp", "tp", ranks_per_node=4) == "mixed"
     assert lay.node_locality("dp", "tp", ranks_per_node=8) == "intra"
     assert lay.node_locality(ranks_per_node=1) == "intra"
-    with pytest.raises(ValueError, match="ranks_per_node=0 must be positive"):
+    with pytest.raises(ValueError, match="ranks_per_node=0 must be between 1 and"):
         lay.node_locality("tp", ranks_per_node=0)
 
 

@@ -1,0 +1,68 @@
+"""Typed errors of meshgroups, one module so the layout core and the torch bridge share them.
+
+Each subclasses the builtin that callers already catch (``ValueError``, ``TimeoutError``,
+``RuntimeError``), so existing ``except ValueError`` clauses keep working while new code can
+tell a bad layout from a cross-rank mismatch or a rank that never arrived::
+
+    >>> from meshgroups import Layout
+    >>> try:
+    ...     Layout(pp=2, tp=3, world_size=16)
+    ... except LayoutError as exc:
+    ...     print(exc)
+    pp=2 × tp=3 = 6 does not match world_size=16
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+
+class LayoutError(ValueError):
+    """A layout, or an argument about a layout, breaks a rule (size, name, rank, index)."""
+
+
+class MeshConfigError(ValueError):
+    """An ``init_mesh`` argument is invalid on this rank (found before any collective)."""
+
+
+class MismatchError(ValueError):
+    """Ranks called ``init_mesh`` with different arguments; raised on every rank alike.
+
+    Attributes:
+        argument: the name of the first argument that differs (``"layout"``, ``"flatten"``, ...).
+        ranks: the ranks whose value differs from rank 0's (as far as they were seen).
+    """
+
+    def __init__(self, message: str, argument: str = "", ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.argument = argument
+        self.ranks = ranks
+
+
+class RendezvousTimeout(TimeoutError):
+    """Some rank never reached (or reached too late) the cross-rank check of ``init_mesh``."""
+
+
+class StoreConnectionError(RuntimeError):
+    """The connection to the rendezvous store was lost (e.g. the store's host, rank 0, died)."""
+
+
+class GroupStateDiverged(RuntimeError):
+    """Ranks no longer agree on torch's process-group state (an earlier ``init_mesh`` failed
+    part-way on some ranks). Building more groups would wire them between the wrong ranks, so
+    the job must re-initialise ``torch.distributed`` (or restart)."""
+
+
+class ConcurrentInitError(RuntimeError):
+    """``init_mesh`` was called from a second thread while another call was in progress."""
+
+
+__all__ = [
+    "ConcurrentInitError",
+    "GroupStateDiverged",
+    "LayoutError",
+    "MeshConfigError",
+    "MismatchError",
+    "RendezvousTimeout",
+    "StoreConnectionError",
+]
