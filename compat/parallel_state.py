@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshgroups import GroupCache, MeshGroups, init_mesh
+from meshgroups import GroupCache, MeshConfigError, MeshGroups, init_mesh
 
 from .megatron_layout import MegatronPlan, RanksCallback, megatron_plan
 
@@ -157,7 +157,7 @@ def destroy_model_parallel() -> None:
     """Destroy every group ``initialize_model_parallel`` created and reset the state."""
     global _STATE
     if _STATE is not None and dist.is_initialized():
-        _STATE.cache.destroy()
+        _STATE.mesh_groups.close()
     _STATE = None
 
 
@@ -175,7 +175,7 @@ def _get(name: str, what: str, check_initialized: bool, gloo: bool = False) -> d
         return None
     try:
         group = _STATE.group(name, gloo=gloo)
-    except ValueError:  # no gloo twins were built
+    except MeshConfigError:  # no gloo twins were built
         raise RuntimeError(
             f"{what} (gloo) is not initialized: pass create_gloo_process_groups=True"
         ) from None

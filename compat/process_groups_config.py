@@ -93,11 +93,8 @@ class _ProcessGroupFields:
         values = {}
         for name, dims in mapping.items():
             dims_t = (dims,) if isinstance(dims, str) else tuple(dims)
-            try:
-                values[name] = mesh_groups.group(*dims_t)
-            except ValueError:
-                if name in explicit:
-                    raise
+            if mesh_groups.has(*dims_t) or name in explicit:
+                values[name] = mesh_groups.group(*dims_t)  # an explicit unknown name raises here
         return cls(**values)
 
 

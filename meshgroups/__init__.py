@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     ConcurrentInitError,
-    GroupStateDiverged,
     LayoutError,
+    MeshBuildError,
     MeshConfigError,
     MismatchError,
     RendezvousTimeout,
@@ -21,17 +21,19 @@ from .errors import (
 from .layout import Layout, Locality
 
 if TYPE_CHECKING:
-    from .groups import GroupCache, GroupSpec, Strategy
+    from .groups import GroupCache
     from .mesh import MeshGroups, init_mesh
+    from .plan import GroupSpec
+    from .strategies import Strategy
 
 __all__ = [
     "ConcurrentInitError",
     "GroupCache",
     "GroupSpec",
-    "GroupStateDiverged",
     "Layout",
     "LayoutError",
     "Locality",
+    "MeshBuildError",
     "MeshConfigError",
     "MeshGroups",
     "MismatchError",
@@ -46,8 +48,8 @@ _TORCH_NAMES = {
     "init_mesh": "mesh",
     "MeshGroups": "mesh",
     "GroupCache": "groups",
-    "GroupSpec": "groups",
-    "Strategy": "groups",
+    "GroupSpec": "plan",
+    "Strategy": "strategies",
 }
 
 

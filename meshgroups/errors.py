@@ -47,10 +47,9 @@ class StoreConnectionError(RuntimeError):
     """The connection to the rendezvous store was lost (e.g. the store's host, rank 0, died)."""
 
 
-class GroupStateDiverged(RuntimeError):
-    """Ranks no longer agree on torch's process-group state (an earlier ``init_mesh`` failed
-    part-way on some ranks). Building more groups would wire them between the wrong ranks, so
-    the job must re-initialise ``torch.distributed`` (or restart)."""
+class MeshBuildError(RuntimeError):
+    """Some rank failed while creating the groups of an ``init_mesh`` call; raised on every rank
+    after each destroyed what that call had created, so the same call can simply be retried."""
 
 
 class ConcurrentInitError(RuntimeError):
@@ -59,8 +58,8 @@ class ConcurrentInitError(RuntimeError):
 
 __all__ = [
     "ConcurrentInitError",
-    "GroupStateDiverged",
     "LayoutError",
+    "MeshBuildError",
     "MeshConfigError",
     "MismatchError",
     "RendezvousTimeout",

@@ -25,7 +25,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, args, queue, backend, env):
+def _entry(fn, rank, world, port, args, queue, backend, env, pg_timeout):
     os.environ.update(env)
     try:
         import torch.distributed as dist
@@ -35,7 +35,7 @@ def _entry(fn, rank, world, port, args, queue, backend, env):
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
-            timeout=timedelta(seconds=60),
+            timeout=timedelta(seconds=pg_timeout),
         )
         try:
             queue.put((rank, "ok", fn(rank, world, *args)))
@@ -46,9 +46,19 @@ def _entry(fn, rank, world, port, args, queue, backend, env):
 
 
 def run(
-    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120, backend: str = "gloo", env=None
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 120,
+    backend: str = "gloo",
+    env=None,
+    pg_timeout: float = 60,
+    may_exit: frozenset[int] | set[int] = frozenset(),
 ) -> list[Any]:
-    """``[fn(rank, world, *args) for each rank]`` computed in ``world`` real processes."""
+    """``[fn(rank, world, *args) for each rank]`` computed in ``world`` real processes.
+
+    ``pg_timeout`` is the default group's timeout; ranks in ``may_exit`` may die without a
+    result (fault injection): their entry is ``None``."""
     # forkserver with torch preloaded: children start in ~0.1 s from a clean, thread-free server
     # process, instead of ~2 s each importing torch (spawn) or inheriting pytest's state (fork).
     ctx = mp.get_context("forkserver")
@@ -57,7 +67,9 @@ def run(
     port = free_port()
     procs = [
         ctx.Process(
-            target=_entry, args=(fn, r, world, port, args, queue, backend, dict(env or {})), daemon=True
+            target=_entry,
+            args=(fn, r, world, port, args, queue, backend, dict(env or {}), pg_timeout),
+            daemon=True,
         )
         for r in range(world)
     ]
@@ -76,6 +88,9 @@ def run(
                 pass
             missing = sorted(set(range(world)) - set(results) - set(errors))
             dead = [r for r in missing if not procs[r].is_alive() and procs[r].exitcode is not None]
+            for r in [r for r in dead if r in may_exit]:
+                results[r] = None
+                dead.remove(r)
             if dead and queue.empty():
                 time.sleep(0.5)  # a result may still be in flight from a rank that just exited
                 if queue.empty():

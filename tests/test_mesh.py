@@ -176,6 +176,9 @@ def worker_mismatch(rank, world):
     try:
         init_mesh(lay, timeout=20)
     except ValueError as exc:
+        from meshgroups import MismatchError
+
+        assert isinstance(exc, MismatchError) and exc.argument == "layout" and exc.ranks == (2,)
         return str(exc)
     return None
 
@@ -184,8 +187,9 @@ def test_layout_mismatch_raises_on_every_rank_world4():
     messages = run(worker_mismatch, 4, timeout=90)
     good, bad = Layout(dp=2, tp=2).fingerprint(), Layout(dp=4, tp=1).fingerprint()
     for msg in messages:
-        assert msg is not None and "different layouts on different ranks" in msg
-        assert "rank 2 has" in msg and good in msg and bad in msg
+        assert msg is not None and "was made with a different 'layout' on rank 2" in msg
+        assert "rank 2 has layout=Layout(dp=4, tp=1)" in msg and "rank 0 has layout=Layout(dp=2, tp=2)" in msg
+        assert good in msg and bad in msg
 
 
 def worker_local_strategy(rank, world):
@@ -216,6 +220,8 @@ def test_local_strategy_world8():
 
 
 def worker_errors(rank, world):
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from meshgroups import init_mesh
@@ -230,6 +236,16 @@ def worker_errors(rank, world):
         "unknown": lambda: init_mesh(Layout(dp=2, tp=2), flatten=[("dp", "xp")]),
         "timeout": lambda: init_mesh(Layout(dp=4), timeout=-1),
         "type": lambda: init_mesh({"dp": 4}),
+        "tpu": lambda: init_mesh(Layout(dp=4), "tpu"),
+        "twins": lambda: init_mesh(Layout(dp=4), gloo_twins="no"),
+        "check": lambda: init_mesh(Layout(dp=4), check="no"),
+        "empty_set": lambda: init_mesh(Layout(dp=4), flatten=[()]),
+        "zero": lambda: init_mesh(Layout(dp=4), timeout=timedelta(0)),
+        "inf": lambda: init_mesh(Layout(dp=4), timeout=float("inf")),
+        "huge": lambda: init_mesh(Layout(dp=4), timeout=1e20),
+        "cache": lambda: init_mesh(Layout(dp=4), cache="x"),
+        "subset_list": lambda: init_mesh(Layout(dp=4), subsets=[("embd", Layout(dp=4))]),
+        "backend": lambda: init_mesh(Layout(dp=4), backend="glo"),
     }.items():
         try:
             call()
@@ -274,6 +290,16 @@ def test_errors_before_any_collective_world4():
         assert "timeout=-1" in errors["timeout"]
         assert errors["type"].startswith("TypeError: layout must be a meshgroups.Layout")
         assert "unknown dim 'xx'" in errors["unknown_dim"]
+        assert "device_type='tpu' is not a torch device type" in errors["tpu"]
+        assert errors["twins"].startswith("TypeError: gloo_twins must be True or False")
+        assert errors["check"].startswith("TypeError: check must be True, False or None")
+        assert "empty dim set" in errors["empty_set"]
+        assert "timeout=datetime.timedelta(0) must be positive" in errors["zero"]
+        assert "timeout=inf must be a positive number" in errors["inf"]
+        assert "timeout=1e+20 must be a positive number" in errors["huge"]
+        assert errors["cache"].startswith("TypeError: cache must be a meshgroups.GroupCache")
+        assert errors["subset_list"].startswith("TypeError: subsets must map names")
+        assert "'glo' is not a registered backend" in errors["backend"]
         assert "group ('dp', 'tp') was not built" in errors["undeclared"]
 
 

@@ -1,0 +1,196 @@
+"""What ``init_mesh`` will build, decided without torch: group families and the argument digests
+that every rank must agree on.
+
+A ``Plan`` is pure data: the main layout, one ``GroupSpec`` per family (every dim of the layout
+and its views, the flattened dim sets, the named subsets), and the options. ``Plan.digests()``
+gives one short digest per argument, so the cross-rank check can say *which* argument differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from .errors import MeshConfigError
+from .layout import Layout
+
+SubsetSpec = tuple[Layout, "str | Sequence[str]"]
+#: The longest timeout accepted (torch passes timeouts to C++ as milliseconds).
+MAX_TIMEOUT = timedelta(days=7)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One family of groups: the groups of ``layout`` varying ``dims`` (in layout order)."""
+
+    key: Hashable
+    layout: Layout
+    dims: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return self.layout.size(*self.dims) if self.dims else 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything every rank must agree on before the first group is created."""
+
+    layout: Layout
+    specs: tuple[GroupSpec, ...]
+    subsets: Mapping[str, GroupSpec]
+    device_type: str
+    backend: str | None
+    strategy: str
+    gloo_twins: bool
+    timeout: timedelta
+    flatten: tuple[tuple[str, ...], ...] = ()
+    only: tuple[tuple[str, ...], ...] | None = None
+    _subset_digest: str = field(default="", repr=False)
+
+    def digests(self) -> dict[str, str]:
+        """``{argument: digest}`` in the order arguments are reported when they differ."""
+        return {
+            "layout": self.layout.fingerprint(),
+            "flatten": _digest(self.flatten),
+            "subsets": self._subset_digest,
+            "only": _digest(self.only),
+            "strategy": self.strategy,
+            "device_type": self.device_type,
+            "backend": str(self.backend),
+            "gloo_twins": str(self.gloo_twins),
+            "timeout": f"{self.timeout.total_seconds():g}s",
+        }
+
+    def shown(self) -> dict[str, str]:
+        """``{argument: short readable value}`` for error messages (same keys as ``digests``)."""
+        subsets = {name: f"{spec.layout!r} over {spec.dims}" for name, spec in self.subsets.items()}
+        return {
+            "layout": f"{_cut(repr(self.layout))} (fingerprint {self.layout.fingerprint()})",
+            "flatten": _cut(str(list(self.flatten))),
+            "subsets": _cut(str(subsets)),
+            "only": _cut(str(None if self.only is None else list(self.only))),
+            "strategy": repr(self.strategy),
+            "device_type": repr(self.device_type),
+            "backend": repr(self.backend),
+            "gloo_twins": str(self.gloo_twins),
+            "timeout": f"{self.timeout.total_seconds():g}s",
+        }
+
+
+def _cut(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _digest(value: object) -> str:
+    return hashlib.sha256(json.dumps(value, default=str).encode()).hexdigest()[:12]
+
+
+def as_timedelta(timeout: timedelta | float | None, default: timedelta) -> timedelta:
+    """A positive, finite timeout of at most ``MAX_TIMEOUT``; ``None`` means ``default``."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, timedelta)):
+        raise TypeError(f"timeout must be seconds (int/float) or a timedelta, got {timeout!r}")
+    if isinstance(timeout, timedelta):
+        value = timeout
+    else:
+        if timeout != timeout or not 0 < timeout <= MAX_TIMEOUT.total_seconds():  # NaN, <= 0, inf, huge
+            raise MeshConfigError(
+                f"timeout={timeout!r} must be a positive number of seconds up to {MAX_TIMEOUT.total_seconds():g}"
+            )
+        value = timedelta(seconds=timeout)
+    if not timedelta(0) < value <= MAX_TIMEOUT:
+        raise MeshConfigError(f"timeout={timeout!r} must be positive and at most {MAX_TIMEOUT}")
+    return value
+
+
+def _dim_sets(value: Iterable[Sequence[str]] | None, what: str) -> tuple[tuple[str, ...], ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{what} takes a list of dim sets like [('dp', 'cp')], got {value!r}")
+    out = []
+    for dims in value:
+        if isinstance(dims, str):
+            raise TypeError(f"flatten/only take dim sets like [('dp', 'cp')], got the string {dims!r}")
+        if not isinstance(dims, Iterable):
+            raise TypeError(f"{what} takes dim sets like ('dp', 'cp'), got {dims!r}")
+        dims_t = tuple(dims)
+        if not dims_t:
+            raise MeshConfigError(
+                f"{what} holds an empty dim set (); name at least one dim, e.g. ('dp', 'cp')"
+            )
+        out.append(dims_t)
+    return tuple(out)
+
+
+def make_plan(
+    layout: Layout,
+    *,
+    device_type: str,
+    flatten: Iterable[Sequence[str]],
+    subsets: Mapping[str, SubsetSpec] | None,
+    only: Iterable[Sequence[str]] | None,
+    backend: str | None,
+    strategy: str,
+    gloo_twins: bool,
+    timeout: timedelta,
+) -> Plan:
+    """Validate the torch-free arguments of ``init_mesh`` and list the families to build."""
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a meshgroups.Layout, got {type(layout).__name__}")
+    flatten_t = _dim_sets(flatten, "flatten") or ()
+    only_t = _dim_sets(only, "only")
+    if only_t is not None and flatten_t:
+        raise MeshConfigError("give either only= (exactly these groups) or flatten= (extra groups), not both")
+    if subsets is not None and not isinstance(subsets, Mapping):
+        raise TypeError(
+            f"subsets must map names to (Layout, dims), e.g. {{'embd': (lay.select('pp', [0, -1]), 'pp')}}; "
+            f"got {type(subsets).__name__}"
+        )
+    specs: list[GroupSpec] = []
+    if only_t is None:
+        specs = [GroupSpec((d,), layout, (d,)) for d in layout.names]
+        for view in layout.views.values():
+            specs += [GroupSpec((d,), view, (d,)) for d in view.names if d not in layout.names]
+    keys = {spec.key for spec in specs}
+    for dims in only_t if only_t is not None else flatten_t:
+        owner = layout.resolve(*dims)
+        key = tuple(d for d in owner.names if d in dims)
+        if key not in keys:
+            keys.add(key)
+            specs.append(GroupSpec(key, owner, key))
+    subset_specs: dict[str, GroupSpec] = {}
+    subset_state = []
+    all_dims = set(layout.names).union(*(v.names for v in layout.views.values()))
+    for name, value in (subsets or {}).items():
+        if not isinstance(name, str) or not name.isidentifier() or name in all_dims:
+            raise MeshConfigError(f"subset name {name!r} must be an identifier that is not a dim name")
+        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], Layout)):
+            raise TypeError(
+                f"subset {name!r} must be (Layout, dims), e.g. (layout.select('pp', [0, -1]), 'pp')"
+            )
+        sub, sub_dims = value
+        dims_t = (sub_dims,) if isinstance(sub_dims, str) else tuple(sub_dims)
+        sub.resolve(*dims_t)  # validates
+        spec = GroupSpec(name, sub, tuple(d for d in sub.names if d in dims_t))
+        subset_specs[name] = spec
+        specs.append(spec)
+        subset_state.append((name, sub.fingerprint(), spec.dims))
+    return Plan(
+        layout=layout,
+        specs=tuple(specs),
+        subsets=subset_specs,
+        device_type=device_type,
+        backend=backend,
+        strategy=strategy,
+        gloo_twins=gloo_twins,
+        timeout=timeout,
+        flatten=flatten_t,
+        only=only_t,
+        _subset_digest=_digest(subset_state),
+    )

@@ -1,0 +1,285 @@
+"""Faults on real gloo processes (world 4): a rank that raises before, during or after the check,
+never arrives, arrives late, dies; retries; two threads; argument mismatches; close() cycles.
+
+Every group is verified by an all_gather of global ranks inside it, so a cross-wired group
+(members other than declared) fails the test. Every wait has a timeout; elapsed times are
+checked against it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from meshgroups import Layout
+
+from ._dist import run
+
+LAYOUT = Layout(dp=2, tp=2)
+FLATTEN = [("dp", "tp")]
+
+
+def _subsets(lay):
+    return {"first": (lay.select("dp", 0), "tp")}
+
+
+def verify_groups(mg, lay, rank):
+    """Members by all_gather inside every family's group equal the layout's: never cross-wired."""
+    import torch
+    import torch.distributed as dist
+
+    for fam in mg.families:
+        if isinstance(fam, str):
+            continue
+        group, expected = mg.group(*fam), lay.group_of(rank, *fam).tolist()
+        assert mg.ranks(*fam) == expected
+        if group is None:
+            continue
+        got = [torch.zeros(1, dtype=torch.int64) for _ in expected]
+        dist.all_gather(got, torch.tensor([rank]), group=group)
+        assert [int(t) for t in got] == expected, (fam, [int(t) for t in got], expected)
+    return True
+
+
+def _timed(call):
+    start = time.monotonic()
+    try:
+        call()
+        return None, time.monotonic() - start
+    except Exception as exc:
+        return exc, time.monotonic() - start
+
+
+def worker_retries(rank, world):
+    import random
+
+    import torch.distributed as dist
+
+    from meshgroups import LayoutError, MeshBuildError, MismatchError, init_mesh
+
+    out = {}
+    # 1. A rank raises before the check (a bad argument there only): every rank raises the same
+    #    class at once, not after the timeout.
+    flatten = FLATTEN if rank != 2 else [("dp", "xp")]
+    exc, elapsed = _timed(lambda: init_mesh(LAYOUT, flatten=flatten, timeout=20))
+    assert isinstance(exc, LayoutError), repr(exc)
+    out["early"] = (type(exc).__name__, str(exc), elapsed)
+    # 2. The identical retry builds correct groups (the failed call used up its number everywhere).
+    with init_mesh(LAYOUT, flatten=FLATTEN, timeout=20) as mg:
+        verify_groups(mg, LAYOUT, rank)
+
+    # 3. A rank raises inside group creation, after the check; the others are left waiting for
+    #    it. Every rank raises MeshBuildError, within the timeout plus a margin.
+    real_new_group = dist.new_group
+    calls = {"n": 0}
+
+    def failing_new_group(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure in group creation")
+        return real_new_group(*args, **kwargs)
+
+    from meshgroups._torch_seam import held_group_count
+
+    for strategy in ("global", "local"):
+        calls["n"] = 0
+        held = held_group_count()
+        if rank == 1:
+            dist.new_group = failing_new_group
+        try:
+            exc, elapsed = _timed(lambda s=strategy: init_mesh(LAYOUT, flatten=FLATTEN, timeout=4, strategy=s))
+        finally:
+            dist.new_group = real_new_group
+        assert isinstance(exc, MeshBuildError), repr(exc)
+        assert "failed on rank 1 while creating groups" in str(exc) and "injected failure" in str(exc)
+        assert elapsed < 4 + 6, elapsed
+        out[f"during_{strategy}"] = elapsed
+        assert held_group_count() == held  # the failed call destroyed what it had created
+        # 4. The identical retry on every rank: correct groups, never cross-wired.
+        with init_mesh(
+            LAYOUT, flatten=FLATTEN, subsets=_subsets(LAYOUT), timeout=20, strategy=strategy
+        ) as mg:
+            verify_groups(mg, LAYOUT, rank)
+
+    # 5. Property: one argument differs on one rank -> every rank raises MismatchError naming it.
+    rnd = random.Random(1234)  # same draws on every rank
+    alternatives = {
+        "layout": {"layout": Layout(dp=4, tp=1)},
+        "flatten": {"flatten": []},
+        "subsets": {"subsets": {}},
+        "only": {"only": [("tp",)]},
+        "strategy": {"strategy": "local"},
+        "gloo_twins": {"gloo_twins": True},
+        "backend": {"backend": "gloo"},
+        "device_type": {"device_type": "meta"},
+        "timeout": {"timeout": 21},
+    }
+    seen = []
+    for _ in range(12):
+        argument = rnd.choice(sorted(alternatives))
+        bad_rank = rnd.randrange(world)
+        kwargs = {"layout": LAYOUT, "flatten": FLATTEN, "subsets": _subsets(LAYOUT), "timeout": 20}
+        if argument == "only":
+            kwargs["flatten"] = ()  # only= and flatten= exclude each other
+        if rank == bad_rank:
+            kwargs.update(alternatives[argument])
+        exc, _ = _timed(lambda kwargs=kwargs: init_mesh(kwargs.pop("layout"), **kwargs))
+        assert isinstance(exc, MismatchError), (argument, bad_rank, repr(exc))
+        assert exc.argument == argument and exc.ranks == (bad_rank,), (argument, bad_rank, str(exc))
+        assert f"different {argument!r} on rank {bad_rank}" in str(exc)
+        seen.append(argument)
+    with init_mesh(LAYOUT, flatten=FLATTEN, timeout=20) as mg:
+        verify_groups(mg, LAYOUT, rank)
+
+    # 6. A global build whose subset leaves some ranks with fewer groups, then a local build:
+    #    held-group counts differ, and the local strategy levels them instead of failing.
+    lay = Layout(a=2, b=2)
+    keep = init_mesh(lay, subsets={"only_first": (lay.select("a", 0), "b")}, timeout=20)
+    with init_mesh(lay, strategy="local", timeout=20) as mg:
+        verify_groups(mg, lay, rank)
+    keep.close()
+    out["mismatches"] = sorted(set(seen))
+    return out
+
+
+def test_failures_then_retries_never_cross_wire():
+    results = run(worker_retries, 4, timeout=240)
+    for rank, out in enumerate(results):
+        name, message, elapsed = out["early"]
+        assert name == "LayoutError" and elapsed < 5, (rank, elapsed)
+        if rank != 2:
+            assert "rank 2 failed before the cross-rank check" in message and "unknown dim 'xp'" in message
+    assert len(results[0]["mismatches"]) >= 6  # the property covered most arguments
+
+
+def worker_late_and_missing(rank, world):
+    import threading
+
+    from meshgroups import ConcurrentInitError, RendezvousTimeout, init_mesh
+
+    out = {}
+    # 1. Rank 3 never arrives; no timeout given: the default group's (4 s) bounds the wait.
+    if rank != 3:
+        exc, elapsed = _timed(lambda: init_mesh(LAYOUT))
+        assert isinstance(exc, RendezvousTimeout), repr(exc)
+        assert "rank 3 never arrived" in str(exc), str(exc)
+        assert 3.8 <= elapsed < 4 + 3, elapsed
+        out["missing"] = elapsed
+    else:
+        time.sleep(5)
+        # Now it comes, late, for the same call: it must not pass alone.
+        exc, elapsed = _timed(lambda: init_mesh(LAYOUT))
+        assert isinstance(exc, RendezvousTimeout), repr(exc)
+        assert "gave up waiting" in str(exc) and elapsed < 1, (str(exc), elapsed)
+    # 2. Everyone in step again: the next call works.
+    with init_mesh(LAYOUT, flatten=FLATTEN) as mg:
+        verify_groups(mg, LAYOUT, rank)
+
+    # 3. Two threads: rank 0 is slow, so on ranks 1-3 the first call is still waiting when a
+    #    second thread calls; that one is refused at once and takes no generation number.
+    results = {}
+
+    def first_call():
+        if rank == 0:
+            time.sleep(2)
+        results["mg"] = init_mesh(LAYOUT, timeout=20)
+
+    thread = threading.Thread(target=first_call)
+    thread.start()
+    if rank != 0:
+        time.sleep(0.5)
+        exc, elapsed = _timed(lambda: init_mesh(LAYOUT, timeout=20))
+        assert isinstance(exc, ConcurrentInitError) and elapsed < 0.5, repr(exc)
+    thread.join(30)
+    verify_groups(results["mg"], LAYOUT, rank)
+    results["mg"].close()
+    with init_mesh(LAYOUT, timeout=20) as mg:  # and the next call still pairs up
+        verify_groups(mg, LAYOUT, rank)
+    return out
+
+
+def test_late_missing_and_concurrent_calls():
+    run(worker_late_and_missing, 4, timeout=180, pg_timeout=4)
+
+
+def worker_rank_dies(rank, world, victim):
+    import os
+
+    from meshgroups import RendezvousTimeout, StoreConnectionError, init_mesh
+
+    with init_mesh(LAYOUT, timeout=10) as mg:
+        verify_groups(mg, LAYOUT, rank)
+    if rank == victim:
+        os._exit(1)
+    exc, elapsed = _timed(lambda: init_mesh(LAYOUT, timeout=3))
+    expected = StoreConnectionError if victim == 0 else RendezvousTimeout
+    assert isinstance(exc, expected), repr(exc)
+    if victim != 0:
+        assert f"rank {victim} never arrived" in str(exc)
+    assert elapsed < 3 + 3, elapsed
+    return type(exc).__name__
+
+
+def test_a_rank_that_dies_is_reported_not_waited_for():
+    assert run(worker_rank_dies, 4, 3, timeout=90, may_exit={3})[:3] == ["RendezvousTimeout"] * 3
+
+
+def test_losing_the_store_host_is_not_a_timeout():
+    assert run(worker_rank_dies, 4, 0, timeout=90, may_exit={0})[1:] == ["StoreConnectionError"] * 3
+
+
+def _resources():
+    import os
+
+    from meshgroups._torch_seam import default_store, held_group_count
+
+    return {
+        "groups": held_group_count(),
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": len(os.listdir("/proc/self/task")),
+        "keys": len(default_store().list_keys()),
+    }
+
+
+def worker_cycles(rank, world, cycles):
+    import torch.distributed as dist
+
+    from meshgroups import GroupCache, init_mesh
+
+    out = {}
+    lay = Layout(dp=2, tp=2).with_views(expert=Layout(ep=4))
+    for strategy in ("global", "local"):
+        with init_mesh(lay, flatten=FLATTEN, subsets=_subsets(lay), strategy=strategy, timeout=20) as mg:
+            verify_groups(mg, lay, rank)  # warm-up: gloo's first-collective threads are not leaks
+        dist.barrier()
+        before = _resources()
+        for _ in range(cycles):
+            with init_mesh(lay, flatten=FLATTEN, subsets=_subsets(lay), strategy=strategy, timeout=20) as mg:
+                verify_groups(mg, lay, rank)
+        dist.barrier()
+        after = _resources()
+        out[strategy] = (before, after)
+    # Two meshes sharing a cache: closing one keeps the groups the other still uses.
+    cache = GroupCache()
+    a = init_mesh(LAYOUT, cache=cache, timeout=20)
+    b = init_mesh(LAYOUT, flatten=FLATTEN, cache=cache, timeout=20)
+    assert a.group("tp") is b.group("tp")
+    a.close()
+    verify_groups(b, LAYOUT, rank)
+    assert b.close() > 0 and len(cache) == 0 and b.close() == 0
+    try:
+        b.group("tp")
+        raise AssertionError("a closed mesh answered")
+    except RuntimeError as exc:
+        assert "closed" in str(exc)
+    return out
+
+
+def test_init_close_cycles_leak_nothing():
+    cycles = 50
+    for rank, out in enumerate(run(worker_cycles, 4, cycles, timeout=300)):
+        for strategy, (before, after) in out.items():
+            assert after["groups"] == before["groups"], (rank, strategy, before, after)
+            assert after["threads"] <= before["threads"], (rank, strategy, before, after)
+            assert after["fds"] <= before["fds"] + 2, (rank, strategy, before, after)
+            # store keys: our rendezvous keys and gloo's connection keys are deleted every call
+            assert after["keys"] <= before["keys"] + 8, (rank, strategy, before, after)
