@@ -86,7 +86,9 @@ def worker_retries(rank, world):
         if rank == 1:
             dist.new_group = failing_new_group
         try:
-            exc, elapsed = _timed(lambda s=strategy: init_mesh(LAYOUT, flatten=FLATTEN, timeout=4, strategy=s))
+            exc, elapsed = _timed(
+                lambda s=strategy: init_mesh(LAYOUT, flatten=FLATTEN, timeout=4, strategy=s)
+            )
         finally:
             dist.new_group = real_new_group
         assert isinstance(exc, MeshBuildError), repr(exc)
