@@ -217,6 +217,18 @@ def worker_rank_dies(rank, world, victim):
     assert isinstance(exc, expected), repr(exc)
     if victim != 0:
         assert f"rank {victim} never arrived" in str(exc)
+        # rank 0 hosts the store: it waits for the other survivors before its process exits
+        from meshgroups._torch_seam import default_store
+
+        store = default_store()
+        store.add("survivors_done", 1)
+        deadline = time.monotonic() + 20
+        while int(store.add("survivors_done", 0)) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if rank != 0:
+            store.add("survivors_left", 1)  # after this rank's last store call
+        while rank == 0 and int(store.add("survivors_left", 0)) < world - 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
     assert elapsed < 3 + 3, elapsed
     return type(exc).__name__
 
