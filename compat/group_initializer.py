@@ -3,7 +3,7 @@
 Change one import line::
 
     from rlightning.utils.distributed.group_initializer import TPGroupInitializer   # before
-    from compat.group_initializer import TPGroupInitializer                        # after
+    from meshgroups.compat.group_initializer import TPGroupInitializer                        # after
 
 Same class names, constructor arguments, attributes, ``mode`` values and
 ``init_dist_group(backend="nccl", use_cpu=False)`` 5-tuples
@@ -33,7 +33,7 @@ from abc import ABC, abstractmethod
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from meshgroups import GroupCache, Layout, init_mesh
+from meshgroups import GroupCache, Layout, Strategy, init_mesh
 from meshgroups.checks import check_int
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "WeightTransferGroupInitializer",
     "group_cache",
     "reset_group_cache",
+    "set_group_strategy",
 ]
 
 InitResult = tuple[int | None, int | None, ProcessGroup | None, list[int] | None, str | None]
@@ -56,6 +57,23 @@ InitResult = tuple[int | None, int | None, ProcessGroup | None, list[int] | None
 # The compat layer's one piece of process state: groups shared by every initializer, so that
 # equal rank sets get one process group. ``reset_group_cache()`` destroys and forgets them.
 _CACHE = GroupCache()
+_STRATEGY: Strategy = "global"
+
+
+def set_group_strategy(strategy: Strategy) -> None:
+    """How the initializers create groups from now on (``meshgroups.init_mesh``'s strategies):
+    ``"global"`` (default, safe everywhere: every rank makes every creation call) or
+    ``"local"`` (each rank creates only its own groups: per-rank cost flat in the world size).
+    Every rank must choose the same (the cross-rank check compares it). Set it before the first
+    ``init_dist_group`` or after ``reset_group_cache()``: one cache holds one strategy's groups."""
+    global _STRATEGY
+    if strategy not in ("global", "local", "split"):
+        raise ValueError(f"strategy={strategy!r} is not one of 'global', 'local', 'split'")
+    if len(_CACHE) and _CACHE.strategy not in (None, strategy):
+        raise ValueError(
+            f"groups were already created with strategy={_CACHE.strategy!r}; call reset_group_cache() first"
+        )
+    _STRATEGY = strategy
 
 
 def group_cache() -> GroupCache:
@@ -220,7 +238,9 @@ class ProcessGroupInitializer(ABC):
             raise ValueError(
                 f"rank={self.rank} but this process is rank {dist.get_rank()} of the default group"
             )
-        built = init_mesh(layout, backend="gloo" if use_cpu else backend, only=[dims], cache=_CACHE)
+        built = init_mesh(
+            layout, backend="gloo" if use_cpu else backend, only=[dims], cache=_CACHE, strategy=_STRATEGY
+        )
         ranks = built.ranks(*dims)
         if ranks is not None:
             self.local_rank = built.local_rank(*dims)

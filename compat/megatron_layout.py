@@ -31,6 +31,8 @@ FIELD_DIMS: dict[str, tuple[str, ...] | str] = {
     "tp_cp": ("cp", "tp"),
     "dp": ("dp",),
     "dp_cp": ("dp", "cp"),
+    "tp_dp": ("dp", "tp"),
+    "tp_dp_cp": ("dp", "cp", "tp"),
     "ep": ("ep",),
     "expt_tp": ("expt_tp",),
     "tp_ep": ("ep", "expt_tp"),
@@ -39,6 +41,7 @@ FIELD_DIMS: dict[str, tuple[str, ...] | str] = {
     "intra_dp_cp": ("intra_dp_cp",),
     "intra_expt_dp": ("intra_expt_dp",),
     "inter_dist_opt": ("inter_dist_opt",),
+    "intra_dist_opt": ("pp", "intra_expt_dp", "ep", "expt_cp", "expt_tp"),
     "embd": "embd",
     "pos_embd": "pos_embd",
 }
@@ -169,12 +172,14 @@ def megatron_plan(
         views["hcp"] = dense.split("cp", **{names[i]: sizes[i] for i in reversed(range(len(sizes)))})
         hcp_levels = [(n,) for n in names]
         fields.update({n: (n,) for n in names})
-    pp_rows = dense.groups("pp").tolist()
+    # Only callbacks need every pipeline group (O(world)); the defaults are O(ndim) subsets.
     subsets = {
-        "embd": _callback_subset("get_embedding_ranks", get_embedding_ranks, pp_rows)
+        "embd": _callback_subset("get_embedding_ranks", get_embedding_ranks, dense.groups("pp").tolist())
         if get_embedding_ranks
         else (dense.select("pp", [0, -1]), ("pp",)),
-        "pos_embd": _callback_subset("get_position_embedding_ranks", get_position_embedding_ranks, pp_rows)
+        "pos_embd": _callback_subset(
+            "get_position_embedding_ranks", get_position_embedding_ranks, dense.groups("pp").tolist()
+        )
         if get_position_embedding_ranks
         else (dense.select("pp", [0]), ("pp",)),
     }

@@ -1,7 +1,7 @@
 """A Megatron-style parallel state served by meshgroups.
 
     import torch.distributed as dist
-    from compat import parallel_state as ps
+    from meshgroups.compat import parallel_state as ps
 
     dist.init_process_group("nccl")
     ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
@@ -15,7 +15,8 @@ cross-rank check). The state is one explicit module-level object, reset by
 
 Differences from Megatron: misuse raises ``RuntimeError``/``ValueError`` instead of
 ``AssertionError``; equal rank sets share one group (e.g. ``dp_cp`` is ``dp`` when cp=1);
-``create_gloo_process_groups`` (default False here) builds a gloo twin of every group.
+``create_gloo_process_groups`` (default True, as in Megatron) builds a gloo twin of every group
+(Megatron twins only the data-parallel family; with a gloo default group the twin is the group).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshgroups import GroupCache, MeshConfigError, MeshGroups, init_mesh
+from meshgroups import GroupCache, MeshConfigError, MeshGroups, Strategy, init_mesh
 
 from .megatron_layout import MegatronPlan, RanksCallback, megatron_plan
 
@@ -44,20 +45,22 @@ __all__ = [
     "get_expert_tensor_parallel_group",
     "get_hierarchical_context_parallel_groups",
     "get_inter_distributed_optimizer_instance_group",
+    "get_intra_distributed_optimizer_instance_group",
     "get_mesh_groups",
     "get_model_parallel_group",
     "get_pipeline_model_parallel_group",
     "get_position_embedding_group",
     "get_tensor_and_context_parallel_group",
+    "get_tensor_and_data_parallel_group",
     "get_tensor_model_parallel_group",
     "initialize_model_parallel",
+    "is_initialized",
     "model_parallel_is_initialized",
 ]
 
 # Megatron keywords this layer does not implement, with the value that means "off". Passing the
 # "off" value is accepted (callers often spell out every keyword); anything else is refused.
 _UNSUPPORTED: dict[str, Any] = {
-    "virtual_pipeline_model_parallel_size": None,
     "pipeline_model_parallel_comm_backend": None,
     "use_sharp": False,
     "hybrid_context_parallel": False,
@@ -94,8 +97,10 @@ def initialize_model_parallel(
     order: str = "tp-cp-ep-dp-pp",
     get_embedding_ranks: RanksCallback | None = None,
     get_position_embedding_ranks: RanksCallback | None = None,
-    create_gloo_process_groups: bool = False,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    create_gloo_process_groups: bool = True,
     distributed_timeout_minutes: int = 30,
+    strategy: Strategy = "global",
     **megatron_only: Any,
 ) -> None:
     """Build Megatron's model- and data-parallel groups on the default process group.
@@ -103,6 +108,12 @@ def initialize_model_parallel(
     The data-parallel size is ``world_size // (tp × pp × cp)``; the expert data-parallel size
     ``world_size // (expert_tp × ep × pp)``. Call on every rank. Other Megatron keywords raise
     ``NotImplementedError`` naming the keyword unless given their "off" value.
+
+    ``strategy`` (meshgroups' own keyword, not Megatron's) picks how groups are created:
+    ``"global"`` (default; every rank makes every creation call, what Megatron does) or
+    ``"local"`` (each rank creates only its own groups: per-rank start-up cost flat in the
+    world size, ~1000x faster than Megatron at 131k ranks; see ``benchmarks/bench_megatron.py``).
+    Both run the cross-rank check; ``destroy_model_parallel`` closes either.
 
     Raises:
         RuntimeError: no default process group, or already initialised.
@@ -115,10 +126,12 @@ def initialize_model_parallel(
             raise TypeError(f"initialize_model_parallel() got an unexpected keyword argument {key!r}")
         if value != _UNSUPPORTED[key]:
             raise NotImplementedError(
-                f"{key}={value!r} is not supported by compat.parallel_state (only {_UNSUPPORTED[key]!r})"
+                f"{key}={value!r} is not supported by meshgroups.compat.parallel_state (only {_UNSUPPORTED[key]!r})"
             )
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs an initialised default process group")
+    if virtual_pipeline_model_parallel_size is not None and pipeline_model_parallel_size <= 1:
+        raise RuntimeError("pipeline-model-parallel size should be greater than 1 with interleaved schedule")
     if _STATE is not None:
         raise RuntimeError(
             "model parallel groups are already initialized; call destroy_model_parallel() first"
@@ -144,8 +157,23 @@ def initialize_model_parallel(
         gloo_twins=create_gloo_process_groups,
         timeout=timedelta(minutes=distributed_timeout_minutes),
         cache=cache,
+        strategy=strategy,
     )
     _STATE = _State(plan, mesh_groups, cache)
+    if virtual_pipeline_model_parallel_size is not None:
+        set_virtual_pipeline_model_parallel_rank(0)
+        set_virtual_pipeline_model_parallel_world_size(virtual_pipeline_model_parallel_size)
+
+
+def _require(what: str) -> _State:
+    if _STATE is None:
+        raise RuntimeError(f"{what} is not initialized: call initialize_model_parallel first")
+    return _STATE
+
+
+def is_initialized() -> bool:
+    """Megatron's check for code that runs with or without model parallelism."""
+    return _STATE is not None
 
 
 def model_parallel_is_initialized() -> bool:
@@ -159,6 +187,7 @@ def destroy_model_parallel() -> None:
     if _STATE is not None and dist.is_initialized():
         _STATE.mesh_groups.close()
     _STATE = None
+    reset_overrides()
 
 
 def get_mesh_groups() -> MeshGroups:
@@ -295,6 +324,22 @@ def _dp_name(with_context_parallel: bool, partial_data_parallel: bool) -> str:
     return "dp_cp" if with_context_parallel else "dp"
 
 
+def get_tensor_and_data_parallel_group(
+    check_initialized: bool = True, with_context_parallel: bool = False
+) -> dist.ProcessGroup | None:
+    """Get the tensor × data parallel group (× context parallel with ``with_context_parallel``)."""
+    name = "tp_dp_cp" if with_context_parallel else "tp_dp"
+    return _get(name, "tensor and data parallel group", check_initialized)
+
+
+def get_intra_distributed_optimizer_instance_group(
+    check_initialized: bool = True,
+) -> dist.ProcessGroup | None:
+    """Get the group of every rank of this rank's distributed-optimizer instance (the world
+    with one instance)."""
+    return _get("intra_dist_opt", "intra distributed optimizer instance group", check_initialized)
+
+
 def get_inter_distributed_optimizer_instance_group(
     check_initialized: bool = True,
 ) -> dist.ProcessGroup | None:
@@ -307,3 +352,15 @@ def get_inter_distributed_optimizer_instance_group(
             )
         return None
     return _get("inter_dist_opt", "inter distributed optimizer instance group", check_initialized)
+
+
+# Megatron's rank/size/stage helpers live beside this module and are part of its namespace.
+from .parallel_state_ranks import *  # noqa: E402, F403
+from .parallel_state_ranks import __all__ as _rank_helpers  # noqa: E402
+from .parallel_state_ranks import (  # noqa: E402
+    reset_overrides,
+    set_virtual_pipeline_model_parallel_rank,
+    set_virtual_pipeline_model_parallel_world_size,
+)
+
+__all__ += _rank_helpers

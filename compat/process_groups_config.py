@@ -29,7 +29,7 @@ from meshgroups import MeshGroups
 from . import parallel_state
 from .megatron_layout import FIELD_DIMS
 
-__all__ = ["GradCommProcessGroups", "ModelCommProcessGroups"]
+__all__ = ["GradCommProcessGroups", "ModelCommProcessGroups", "ProcessGroupCollection"]
 
 
 class _ProcessGroupFields:
@@ -90,11 +90,16 @@ class _ProcessGroupFields:
         if unknown:
             raise ValueError(f"Unknown attribute: {unknown[0]}")
         mapping = {name: FIELD_DIMS[name] for name in names if name in FIELD_DIMS} | explicit
-        values = {}
+        values: dict[str, Any] = {}
         for name, dims in mapping.items():
             dims_t = (dims,) if isinstance(dims, str) else tuple(dims)
             if mesh_groups.has(*dims_t) or name in explicit:
                 values[name] = mesh_groups.group(*dims_t)  # an explicit unknown name raises here
+        if "hcp" in names and "hcp" not in explicit:
+            hcp_layout = mesh_groups.layout.views.get("hcp", mesh_groups.layout)
+            levels = sorted(d for d in hcp_layout.names if d.startswith("hcp_"))
+            if levels:
+                values["hcp"] = [mesh_groups.group(level) for level in levels]
         return cls(**values)
 
 
@@ -154,18 +159,6 @@ class ModelCommProcessGroups(_ProcessGroupFields):
         "expt_dp": lambda: parallel_state.get_expert_data_parallel_group(False),
     }
 
-    @classmethod
-    def from_mesh_groups(
-        cls, mesh_groups: MeshGroups, field_dims: Mapping[str, Sequence[str] | str] | None = None
-    ) -> ModelCommProcessGroups:
-        out = super().from_mesh_groups(mesh_groups, field_dims)
-        levels = sorted(
-            d for d in mesh_groups.layout.views.get("hcp", mesh_groups.layout).names if d.startswith("hcp_")
-        )
-        if levels and "hcp" not in (field_dims or {}):
-            out.hcp = [mesh_groups.group(level) for level in levels]
-        return out
-
 
 @dataclass(init=False, repr=False, eq=False)
 class GradCommProcessGroups(_ProcessGroupFields):
@@ -198,4 +191,42 @@ class GradCommProcessGroups(_ProcessGroupFields):
             False, partial_expert_data_parallel=True
         ),
         "inter_dist_opt": lambda: parallel_state.get_inter_distributed_optimizer_instance_group(False),
+    }
+
+
+@dataclass(init=False, repr=False, eq=False)
+class ProcessGroupCollection(_ProcessGroupFields):
+    """megatron-core's current single collection: every model and gradient group, plus
+    ``tp_dp_cp`` (tensor × data × context) and ``intra_dist_opt`` (one distributed-optimizer
+    instance). Same behaviour as the two dataclasses above (unknown names rejected, unset
+    fields absent, ``use_mpu_process_groups(required_pgs)``, ``from_mesh_groups``)."""
+
+    tp: torch.distributed.ProcessGroup = field(init=False)
+    pp: torch.distributed.ProcessGroup = field(init=False)
+    mp: torch.distributed.ProcessGroup = field(init=False)
+    embd: torch.distributed.ProcessGroup = field(init=False)
+    pos_embd: torch.distributed.ProcessGroup = field(init=False)
+    cp: torch.distributed.ProcessGroup = field(init=False)
+    tp_cp: torch.distributed.ProcessGroup = field(init=False)
+    hcp: list[torch.distributed.ProcessGroup] = field(init=False)
+    ep: torch.distributed.ProcessGroup = field(init=False)
+    expt_tp: torch.distributed.ProcessGroup = field(init=False)
+    tp_ep: torch.distributed.ProcessGroup = field(init=False)
+    tp_ep_pp: torch.distributed.ProcessGroup = field(init=False)
+    tp_dp_cp: torch.distributed.ProcessGroup = field(init=False)
+    dp: torch.distributed.ProcessGroup = field(init=False)
+    dp_cp: torch.distributed.ProcessGroup = field(init=False)
+    expt_dp: torch.distributed.ProcessGroup = field(init=False)
+    intra_dp_cp: torch.distributed.ProcessGroup = field(init=False)
+    intra_expt_dp: torch.distributed.ProcessGroup = field(init=False)
+    inter_dist_opt: torch.distributed.ProcessGroup = field(init=False)
+    intra_dist_opt: torch.distributed.ProcessGroup = field(init=False)
+
+    _getters: ClassVar[dict[str, Callable[[], Any]]] = {
+        **ModelCommProcessGroups._getters,
+        **GradCommProcessGroups._getters,
+        "tp_dp_cp": lambda: parallel_state.get_tensor_and_data_parallel_group(
+            False, with_context_parallel=True
+        ),
+        "intra_dist_opt": lambda: parallel_state.get_intra_distributed_optimizer_instance_group(False),
     }

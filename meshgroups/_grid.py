@@ -78,13 +78,15 @@ def is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
     return span(shape, strides) == product(shape) - 1
 
 
-def affine_grid(shape: Sequence[int], strides: Sequence[int], offset: int) -> np.ndarray:
-    grid = np.full(tuple(shape), offset, dtype=np.int64)
+def affine_grid(
+    shape: Sequence[int], strides: Sequence[int], offset: int, dtype: np.dtype | type = np.int64
+) -> np.ndarray:
+    grid = np.full(tuple(shape), offset, dtype=dtype)
     for axis, (size, stride) in enumerate(zip(shape, strides)):
         if size > 1:
             index_shape = [1] * len(shape)
             index_shape[axis] = size
-            grid += (np.arange(size, dtype=np.int64) * stride).reshape(index_shape)
+            grid += (np.arange(size, dtype=dtype) * stride).reshape(index_shape)
     return grid
 
 

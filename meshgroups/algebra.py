@@ -94,4 +94,18 @@ def select(layout: Layout, dim: str, indices: int | Iterable[int]) -> Layout:
         i %= size
         if i not in picked:
             picked.append(i)
+    strides = layout.strides
+    steps = {b - a for a, b in zip(picked, picked[1:])}
+    if strides is not None and (len(picked) == 1 or (len(steps) == 1 and min(steps) > 0)):
+        # Evenly spaced indices of an affine layout: affine again, O(ndim) (no grid).
+        step = steps.pop() if steps else 1
+        new_strides = list(strides)
+        new_strides[axis] = strides[axis] * step
+        shape = list(layout.shape)
+        shape[axis] = len(picked)
+        offset = layout.rank_offset + picked[0] * strides[axis]
+        try:
+            return type(layout).from_strides(layout.names, shape, new_strides, offset)
+        except ValueError:
+            pass  # strides that no longer nest: keep the explicit grid
     return type(layout).from_grid(np.take(layout.grid, picked, axis=axis), layout.names)

@@ -296,6 +296,19 @@ class Layout:
         layout unchanged. O(W) per access; single-rank queries never need it."""
         return _grid.readonly(self._rank_array.copy())
 
+    def grid_as(self, dtype: Any = np.int64) -> np.ndarray:
+        """A fresh, writable C-contiguous array of the grid in an integer ``dtype``, built once
+        (no intermediate int64 copy): what a consumer keeps as its own, e.g. the int32 rank map
+        of a ``DeviceMesh``. Refused if a rank does not fit the dtype."""
+        kind = np.dtype(dtype)
+        if kind.kind not in "iu":
+            raise TypeError(f"grid_as needs an integer dtype, got {kind}")
+        if self.max_rank > np.iinfo(kind).max:
+            raise LayoutError(f"rank {self.max_rank} does not fit {kind}")
+        if self._strides is not None:
+            return _grid.affine_grid(self._shape, self._strides, self._offset, kind)
+        return self._rank_array.astype(kind)
+
     def size(self, *dims: str) -> int:
         """Size of one dim, or the product for several (a flattened group's size)."""
         owner = self.resolve(*dims)

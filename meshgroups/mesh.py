@@ -128,12 +128,11 @@ class MeshGroups:
                 "(init_mesh was called with only=...)"
             )
         groups = [self._handles[(d,)].group for d in layout.names]
-        grid = layout.grid  # a fresh copy: torch may take it as it is
-        grid.setflags(write=True)
         root = make_root(
             cast(list[dist.ProcessGroup], groups),
             self.device_type,
-            torch.from_numpy(grid),
+            # int32, what torch keeps as its rank map: built once, taken without a copy
+            torch.from_numpy(layout.grid_as(np.int32)),
             layout.names,
             self._build_for_torch,
         )

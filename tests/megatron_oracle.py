@@ -1,5 +1,5 @@
 """Megatron-Core's group semantics written out independently (tests only): the oracle that
-compat.megatron_layout / compat.parallel_state are checked against."""
+meshgroups.compat.megatron_layout / meshgroups.compat.parallel_state are checked against."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ def megatron_expected(world, tp=1, pp=1, cp=1, ep=1, etp=None, n_opt=1, order="t
             ("tp_cp", dense, "tp-cp"),
             ("dp", dense, "dp"),
             ("dp_cp", dense, "dp-cp"),
+            ("tp_dp", dense, "tp-dp"),
+            ("tp_dp_cp", dense, "tp-dp-cp"),
             ("ep", expert, "ep"),
             ("expt_tp", expert, "tp"),
             ("tp_ep", expert, "tp-ep"),
@@ -39,6 +41,12 @@ def megatron_expected(world, tp=1, pp=1, cp=1, ep=1, etp=None, n_opt=1, order="t
         row[i * e_intra : (i + 1) * e_intra] for row in out["expt_dp"] for i in range(n_opt)
     ]
     out["inter_dist_opt"] = [row[i::e_intra] for row in out["expt_dp"] for i in range(e_intra)]
+    # Megatron: consecutive runs of e_intra tp-ep-pp groups, concatenated (new_group sorts them)
+    model_groups = megatron_groups(order, expert, "tp-ep-pp")
+    out["intra_dist_opt"] = [
+        sorted(r for g in model_groups[i : i + e_intra] for r in g)
+        for i in range(0, len(model_groups), e_intra)
+    ]
     for level, s in enumerate(hcp or []):
         u, rest = prod(hcp[:level]), prod(hcp[level + 1 :])
         out[f"hcp_{level}"] = [

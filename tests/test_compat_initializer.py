@@ -1,4 +1,4 @@
-"""compat.group_initializer against a literal re-implementation of the legacy loops."""
+"""meshgroups.compat.group_initializer against a literal re-implementation of the legacy loops."""
 
 from __future__ import annotations
 
@@ -55,18 +55,18 @@ def configs(world):
 
 
 def make(kind, rank, world, arg):
-    from compat import group_initializer as gi
+    from meshgroups.compat import group_initializer as gi
 
     cls = getattr(gi, f"{kind}GroupInitializer")
     return cls(rank, world, list(arg) if isinstance(arg, list) else arg)
 
 
-def worker_oracle(rank, world):
+def worker_oracle(rank, world, strategy="global"):
     import torch
     import torch.distributed as dist
+    from meshgroups.compat import group_initializer as gi
 
-    from compat import group_initializer as gi
-
+    gi.set_group_strategy(strategy)
     checked = 0
     for i, (kind, arg) in enumerate(configs(world)):
         init = make(kind, rank, world, arg)
@@ -92,19 +92,22 @@ def worker_oracle(rank, world):
         assert value.item() == sum(r + 1 for r in ranks)
         checked += 1
     # equal rank sets share one group: TP and SP of equal size; DP and an equal explicit list
-    calls = gi.group_cache().calls
+    calls, held = gi.group_cache().calls, len(gi.group_cache())
     tp = gi.TPGroupInitializer(rank, world, 2).init_dist_group(use_cpu=True)
     sp = gi.SPGroupInitializer(rank, world, 2).init_dist_group(use_cpu=True)
-    assert sp[2] is tp[2] and gi.group_cache().calls == calls
+    assert sp[2] is tp[2]
     dp = gi.DPGroupInitializer(rank, world, world // 2).init_dist_group(use_cpu=True)
     evens = list(range(0, world, 2))
     train = gi.TrainDPGroupInitializer(rank, world, evens).init_dist_group(use_cpu=True)
-    assert gi.group_cache().calls == calls
+    assert len(gi.group_cache()) == held  # no new group (local takes a one-rank pad step instead)
+    if strategy == "global":
+        assert gi.group_cache().calls == calls
     if rank in evens:
         assert train[2] is dp[2]
     else:
         assert train[:4] == (None, None, None, None)
     gi.reset_group_cache()
+    gi.set_group_strategy("global")
     return checked
 
 
@@ -114,10 +117,14 @@ def test_every_initializer_matches_the_legacy_loops(world):
     assert all(c > 10 for c in checked)
 
 
+def test_every_initializer_with_the_local_strategy_world8():
+    checked = run(worker_oracle, 8, "local", timeout=180)
+    assert all(c > 10 for c in checked)
+
+
 def worker_subclass_and_errors(rank, world):
     import torch.distributed as dist
-
-    from compat.group_initializer import ParallelMode, ProcessGroupInitializer, TPGroupInitializer
+    from meshgroups.compat.group_initializer import ParallelMode, ProcessGroupInitializer, TPGroupInitializer
 
     class PairsInitializer(ProcessGroupInitializer):
         """A user subclass in the legacy style: enumerates its groups itself."""
@@ -175,7 +182,7 @@ def test_user_subclass_and_world_mismatch_world4():
     ],
 )
 def test_bad_input_raises_value_error(call, message):
-    from compat import group_initializer as gi
+    from meshgroups.compat import group_initializer as gi
 
     with pytest.raises(ValueError, match=message):
         call(gi)
@@ -184,7 +191,7 @@ def test_bad_input_raises_value_error(call, message):
 def test_api_surface_matches_the_seed():
     import inspect
 
-    from compat import group_initializer as gi
+    from meshgroups.compat import group_initializer as gi
 
     assert (gi.CommMode.GLOBAL, gi.CommMode.INTRA_NODE, gi.CommMode.INTER_NODE) == (
         "GLOBAL",

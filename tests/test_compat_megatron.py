@@ -1,10 +1,9 @@
-"""compat.parallel_state / process_groups_config against an independent Megatron oracle."""
+"""meshgroups.compat.parallel_state / process_groups_config against an independent Megatron oracle."""
 
 from __future__ import annotations
 
 import pytest
-
-from compat.megatron_layout import megatron_plan
+from meshgroups.compat.megatron_layout import megatron_plan
 
 from ._dist import run
 from .megatron_oracle import CONFIGS_8, megatron_expected, row_of
@@ -39,21 +38,28 @@ def test_plan_rows_equal_megatron_without_processes(cfg):
     for name, rows in expected.items():
         got = plan.rows(name)
         assert sorted(map(tuple, got)) == sorted(map(tuple, rows)), name
-        if name not in ("intra_dp_cp", "intra_expt_dp", "inter_dist_opt") and not name.startswith("hcp"):
+        if name not in (
+            "intra_dp_cp",
+            "intra_expt_dp",
+            "inter_dist_opt",
+            "intra_dist_opt",
+        ) and not name.startswith("hcp"):
             assert got == rows, name  # same order too, as Megatron enumerates them
 
 
-def worker_parallel_state(rank, world):
+def worker_parallel_state(rank, world, strategy="global"):
     import torch
     import torch.distributed as dist
-
-    from compat import parallel_state as ps
-    from compat.process_groups_config import GradCommProcessGroups, ModelCommProcessGroups
+    from meshgroups.compat import parallel_state as ps
+    from meshgroups.compat.process_groups_config import GradCommProcessGroups, ModelCommProcessGroups
 
     checked = 0
     for cfg in CONFIGS_8:
         kwargs = plan_kwargs(cfg)
-        ps.initialize_model_parallel(**kwargs, create_gloo_process_groups=cfg.get("n_opt", 1) > 1)
+        ps.initialize_model_parallel(
+            **kwargs, create_gloo_process_groups=cfg.get("n_opt", 1) > 1, strategy=strategy
+        )
+        assert ps.get_mesh_groups().strategy == strategy
         expected = megatron_expected(world, **cfg)
         model = ModelCommProcessGroups.use_mpu_process_groups()
         grad = GradCommProcessGroups.use_mpu_process_groups()
@@ -121,8 +127,13 @@ def test_parallel_state_and_dataclasses_world8():
     assert all(c > 40 for c in checked)
 
 
+def test_parallel_state_with_the_local_strategy_world8():
+    checked = run(worker_parallel_state, 8, "local", timeout=240)
+    assert all(c > 40 for c in checked)
+
+
 def test_dataclass_behaviour_without_processes():
-    from compat.process_groups_config import GradCommProcessGroups, ModelCommProcessGroups
+    from meshgroups.compat.process_groups_config import GradCommProcessGroups, ModelCommProcessGroups
 
     with pytest.raises(ValueError, match="Unknown attribute: nope"):
         ModelCommProcessGroups(nope=1)
@@ -163,8 +174,8 @@ def test_dataclass_behaviour_without_processes():
 
 def worker_from_mesh_groups(rank, world):
     import torch.distributed as dist
+    from meshgroups.compat.process_groups_config import GradCommProcessGroups, ModelCommProcessGroups
 
-    from compat.process_groups_config import GradCommProcessGroups, ModelCommProcessGroups
     from meshgroups import Layout, init_mesh
 
     lay = Layout(pp=2, dp=2, cp=1, tp=2)
@@ -223,3 +234,98 @@ def test_custom_embedding_callbacks():
     assert plan.rows("pos_embd") == [[6], [7]]
     with pytest.raises(ValueError, match="different sizes"):
         megatron_plan(8, 1, 4, get_embedding_ranks=lambda r: r[: 1 + r[0] % 2])
+
+
+GETTER_CONFIGS = [
+    *CONFIGS_8,
+    {"tp": 2, "pp": 2, "vp": 2},  # virtual pipelining
+    {"pp": 4, "embd_first_only": True},  # an embedding callback: only the first stage
+]
+
+
+def _ps_kwargs(cfg):
+    from meshgroups.compat.megatron_layout import megatron_plan  # noqa: F401  (same module as ps uses)
+
+    kwargs = plan_kwargs(cfg)
+    if cfg.get("vp"):
+        kwargs["virtual_pipeline_model_parallel_size"] = cfg["vp"]
+    if cfg.get("embd_first_only"):
+        kwargs["get_embedding_ranks"] = lambda ranks: [ranks[0]]
+    return kwargs
+
+
+def _oracle_rows(world, cfg):
+    rows = megatron_expected(world, **{k: v for k, v in cfg.items() if k not in ("vp", "embd_first_only")})
+    if cfg.get("embd_first_only"):
+        rows["embd"] = [[r[0]] for r in rows["pp"]]
+    return rows
+
+
+def worker_getters(rank, world):
+    import meshgroups.compat.parallel_state as ps
+    from meshgroups.compat.process_groups_config import ProcessGroupCollection
+
+    from .megatron_getters import expected_snapshot, snapshot
+
+    compared = 0
+    for cfg in GETTER_CONFIGS:
+        ps.initialize_model_parallel(**_ps_kwargs(cfg))
+        got = snapshot(ps, cfg.get("vp"))
+        want = expected_snapshot(_oracle_rows(world, cfg), rank, cfg.get("vp"))
+        for key, value in want.items():
+            assert got[key] == value, (cfg, key, got[key], value)
+            compared += 1
+        collection = ProcessGroupCollection.use_mpu_process_groups()
+        assert collection.tp_dp_cp is ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        assert collection.intra_dist_opt is ps.get_intra_distributed_optimizer_instance_group()
+        assert collection.tp is ps.get_tensor_model_parallel_group() and ps.is_initialized()
+        # Megatron's setters override, destroy resets them
+        ps.set_tensor_model_parallel_world_size(3)
+        ps.set_pipeline_model_parallel_rank(5)
+        assert ps.get_tensor_model_parallel_world_size() == 3 and ps.get_pipeline_model_parallel_rank() == 5
+        ps.destroy_model_parallel()
+        assert not ps.is_initialized() and ps.get_virtual_pipeline_model_parallel_world_size() is None
+    with pytest.raises(RuntimeError, match="greater than 1 with interleaved schedule"):
+        ps.initialize_model_parallel(2, virtual_pipeline_model_parallel_size=2)
+    with pytest.raises(RuntimeError, match="not initialized: call initialize_model_parallel"):
+        ps.get_tensor_model_parallel_rank()
+    return compared
+
+
+def test_every_getter_matches_megatron_semantics_world8():
+    compared = run(worker_getters, 8, timeout=240)
+    assert all(c > 7 * 40 for c in compared)
+
+
+def worker_against_megatron_core(rank, world):
+    """Side by side in the same processes: megatron-core's own helpers, then ours."""
+    import meshgroups.compat.parallel_state as ps
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mcore
+
+    from .megatron_getters import snapshot
+
+    compared = 0
+    for cfg in GETTER_CONFIGS:
+        kwargs = _ps_kwargs(cfg)
+        # megatron-core's destroy leaves these set (a stale embedding group would answer True)
+        mcore._EMBEDDING_GLOBAL_RANKS = mcore._POSITION_EMBEDDING_GLOBAL_RANKS = None
+        mcore.initialize_model_parallel(**kwargs)
+        theirs = snapshot(mcore, cfg.get("vp"))
+        groups = [g for g in mcore._get_all_pgs()] if hasattr(mcore, "_get_all_pgs") else []
+        mcore.destroy_model_parallel()
+        for g in groups:
+            dist.destroy_process_group(g)
+        ps.initialize_model_parallel(**kwargs)
+        ours = snapshot(ps, cfg.get("vp"))
+        ps.destroy_model_parallel()
+        assert ours == theirs, (cfg, {k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs.get(k)})
+        compared += len(ours)
+    return compared
+
+
+def test_getters_equal_megatron_core_world8():
+    pytest.importorskip(
+        "megatron.core", reason="optional: pip install --no-deps megatron-core==0.16.1 packaging einops"
+    )
+    assert all(c > 200 for c in run(worker_against_megatron_core, 8, timeout=300))

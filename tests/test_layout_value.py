@@ -335,3 +335,35 @@ def test_max_rank_bounds():
     top = Layout(a=2, rank_offset=MAX_RANK - 1)
     assert top.max_rank == MAX_RANK and MAX_RANK in top
     assert Layout.from_grid([MAX_RANK, 0], ("a",)).max_rank == MAX_RANK
+
+
+@settings(max_examples=60, deadline=None)
+@given(placements(), st.data())
+def test_select_stays_affine_and_equals_the_grid_selection(case, data):
+    lay, _ = case
+    dim = data.draw(st.sampled_from(lay.names))
+    size = lay.size(dim)
+    indices = data.draw(st.lists(st.integers(-size, size - 1), min_size=1, max_size=4))
+    picked = lay.select(dim, indices)
+    axis = lay.names.index(dim)
+    order = list(dict.fromkeys(i % size for i in indices))
+    expected = np.take(lay.grid, order, axis=axis)
+    assert np.array_equal(picked.grid, expected)
+    assert picked == Layout.from_grid(expected, lay.names)
+    steps = {b - a for a, b in zip(order, order[1:])}
+    if len(steps) <= 1 and (not steps or min(steps) > 0):
+        assert picked.is_affine  # evenly spaced picks of an affine layout: no grid kept
+
+
+def test_grid_as():
+    lay = Layout(pp=2, tp=3, rank_offset=5)
+    small = lay.grid_as(np.int32)
+    assert small.dtype == np.int32 and small.flags.writeable and small.tolist() == lay.grid.tolist()
+    small += 1  # the caller's own array
+    assert lay.grid.min() == 5
+    explicit = Layout.from_grid([[3, 1], [2, 0]], ("a", "b"))
+    assert explicit.grid_as(np.int16).tolist() == [[3, 1], [2, 0]]
+    with pytest.raises(TypeError, match="integer dtype"):
+        lay.grid_as(np.float32)
+    with pytest.raises(LayoutError, match="does not fit int8"):
+        Layout(a=2, rank_offset=200).grid_as(np.int8)
