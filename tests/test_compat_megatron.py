@@ -329,3 +329,28 @@ def test_getters_equal_megatron_core_world8():
         "megatron.core", reason="optional: pip install --no-deps megatron-core==0.16.1 packaging einops"
     )
     assert all(c > 200 for c in run(worker_against_megatron_core, 8, timeout=300))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS_1024)
+@pytest.mark.parametrize("rank", [0, 517, 1023])
+def test_every_getter_at_1024_ranks_on_the_fake_backend(cfg, rank):
+    import meshgroups.compat.parallel_state as ps
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .megatron_getters import expected_snapshot, snapshot
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=1024)
+    try:
+        ps.initialize_model_parallel(
+            **plan_kwargs(cfg),
+            strategy="local",
+            virtual_pipeline_model_parallel_size=2,
+            create_gloo_process_groups=False,  # gloo twins cannot live on the fake store
+        )
+        got = snapshot(ps, 2)
+        want = expected_snapshot(megatron_expected(1024, **cfg), rank, 2)
+        assert {k: got[k] for k in want} == want
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
