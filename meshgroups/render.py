@@ -146,12 +146,43 @@ def html(
             style = f"background:rgb({red},{green},{blue});padding:2px 6px;text-align:right"
             if rank in mine:
                 style += ";outline:3px solid black"
+            # node boundaries wherever they fall: between columns and between rows
             if ranks_per_node and c and rank // ranks_per_node != row[c - 1] // ranks_per_node:
                 style += ";border-left:3px solid #333"
+            if ranks_per_node and r and rank // ranks_per_node != int(rows[r - 1, c]) // ranks_per_node:
+                style += ";border-top:3px solid #333"
             cells.append(f"<td style='{style}'>{rank}</td>")
         out.append(f"<tr><th>{html_lib.escape(_row_label(layout, r))}</th>{''.join(cells)}</tr>")
     out.append("</table>")
+    out.append(_legend(layout, dims, gids, colors, ranks_per_node))
     return "".join(out)
+
+
+def _legend(
+    layout: Layout,
+    dims: tuple[str, ...],
+    gids: np.ndarray,
+    colors: list[tuple[float, float, float]],
+    ranks_per_node: int | None,
+    limit: int = 16,
+) -> str:
+    """Which colour is which group (the first ``limit`` groups shown), and what the edges mean."""
+    owner = layout.resolve(*dims)
+    groups = owner.groups(*dims)
+    shown = sorted(set(int(g) for g in np.unique(gids)))[:limit]
+    items = []
+    for g in shown:
+        red, green, blue = (int(255 * x) for x in colors[g])
+        members = groups[g].tolist()
+        label = str(members) if len(members) <= 8 else f"[{members[0]}, …, {members[-1]}] ({len(members)})"
+        items.append(
+            f"<span style='background:rgb({red},{green},{blue});padding:1px 6px;margin:2px;"
+            f"display:inline-block'>{'×'.join(dims)} group {g}: {label}</span>"
+        )
+    more = len(groups) - len(shown)
+    note = f" … and {more} more groups" if more > 0 else ""
+    edges = f" Thick edges: node boundaries (every {ranks_per_node} ranks)." if ranks_per_node else ""
+    return f"<div style='font-family:monospace;font-size:90%'>{''.join(items)}{note}{edges}</div>"
 
 
 def plot(
@@ -168,18 +199,18 @@ def plot(
     ``highlight_rank``'s group outlined. Worlds beyond ``max_cells`` ranks show a window, their
     first ``max_cells`` ranks (the title says so), so a 16k-rank layout draws in about a second."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+        # The object-oriented API only: no pyplot, no backend switch, so a Jupyter kernel keeps
+        # its inline backend (the figure shows with display(fig)) and the caller's own plots too.
         from matplotlib.colors import ListedColormap
+        from matplotlib.figure import Figure
         from matplotlib.patches import Rectangle
     except ImportError:  # pragma: no cover - depends on the environment
         raise ImportError("plot() needs matplotlib: pip install 'meshgroups[plot]'") from None
     dims, rows, cols, clipped, gids = _coloured_window(layout, color_by, max_cells)
     n_rows = len(rows)
     if ax is None:
-        fig, ax = plt.subplots(figsize=(min(max(7.0, 2 + 0.6 * cols), 16), min(2 + 0.45 * n_rows, 12)))
+        fig = Figure(figsize=(min(max(7.0, 2 + 0.6 * cols), 16), min(2 + 0.45 * n_rows, 12)))
+        ax = fig.subplots()
     else:
         fig = ax.figure
     ax.imshow(
