@@ -72,16 +72,27 @@ def _palette(n: int) -> list[tuple[float, float, float]]:
     return [colorsys.hls_to_rgb((i * golden) % 1.0, 0.72, 0.55) for i in range(max(n, 1))]
 
 
+def short_list(ranks: Sequence[int], limit: int | None = 16) -> str:
+    """``[0, 1, 2, …, 99] (100 ranks)`` past ``limit`` members; the whole list with ``None``."""
+    ranks = list(ranks)
+    if limit is None or len(ranks) <= limit:
+        return str(ranks)
+    head = ", ".join(str(r) for r in ranks[: max(limit - 1, 1)])
+    return f"[{head}, …, {ranks[-1]}] ({len(ranks)} ranks)"
+
+
 def text(
     layout: Layout,
     *,
     ranks_per_node: int | None = None,
     max_groups: int = 3,
     max_grid: int = 256,
+    max_members: int | None = 16,
 ) -> str:
     """A terminal table: the grid (when it has at most ``max_grid`` ranks) and, for every dim
     of the layout and its views, group size, number of groups, the first ``max_groups``
-    groups, and intra/inter-node status when ``ranks_per_node`` is given."""
+    groups (each cut to ``max_members`` ranks, saying how many it has; ``None`` for all), and
+    intra/inter-node status when ``ranks_per_node`` is given."""
     lines = [repr(layout), f"world: {layout.world_size} ranks ({layout.describe_ranks()})"]
     if layout.world_size <= max_grid:
         rows, cols, _ = _grid_2d(layout, max_grid)
@@ -103,7 +114,7 @@ def text(
             if prefix and dim in layout.names:
                 continue  # a shared dim: identical groups, shown once
             rows_d = owner.groups(dim)
-            first = ", ".join(str(r) for r in rows_d[:max_groups].tolist())
+            first = ", ".join(short_list(r, max_members) for r in rows_d[:max_groups].tolist())
             if len(rows_d) > max_groups:
                 first += ", …"
             entry: tuple[str, ...] = (f"{prefix}{dim}", str(owner.size(dim)), str(len(rows_d)), first)
@@ -201,6 +212,7 @@ def plot(
     try:
         # The object-oriented API only: no pyplot, no backend switch, so a Jupyter kernel keeps
         # its inline backend (the figure shows with display(fig)) and the caller's own plots too.
+        import matplotlib  # noqa: F401  (the package first: a clear ImportError without it)
         from matplotlib.colors import ListedColormap
         from matplotlib.figure import Figure
         from matplotlib.patches import Rectangle

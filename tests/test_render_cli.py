@@ -78,6 +78,24 @@ def test_cli_show_text_rank_and_json():
     assert data["groups"]["dp"][0] == [0, 2]
     out = cli("show", "pp=2", "dp=-1", "tp=4", "--world-size", "64")
     assert "Layout(pp=2, dp=8, tp=4)" in out.stdout
+    # dims anywhere among the options; a custom name when asked for
+    out = cli(
+        "show", "pp=2", "--world-size", "16", "dp=-1", "tp=4", "--ranks-per-node", "8", "ddp=1", "--any-names"
+    )
+    assert out.returncode == 0 and "Layout(pp=2, dp=2, tp=4, ddp=1)" in out.stdout, out.stderr
+
+
+def test_cli_big_worlds_print_a_bounded_summary():
+    out = cli("show", "pp=16", "dp=256", "cp=4", "tp=8", "--rank", "5")
+    assert out.returncode == 0, out.stderr
+    assert max(map(len, out.stdout.splitlines())) < 400
+    assert "(256 ranks)" in out.stdout and "--full prints all" in out.stdout
+    out = cli("show", "pp=16", "dp=256", "cp=4", "tp=8", "--json")
+    data = json.loads(out.stdout)
+    assert len(out.stdout) < 100_000 and data["omitted_groups"]["cp"] == 32768 - 8
+    assert "--full" in data["note"] and len(data["groups"]["tp"]) == 8
+    full = cli("show", "pp=2", "dp=64", "tp=8", "--json", "--full")
+    assert len(json.loads(full.stdout)["groups"]["tp"]) == 128 and "omitted_groups" not in full.stdout
 
 
 @pytest.mark.parametrize(
@@ -90,9 +108,19 @@ def test_cli_show_text_rank_and_json():
         (["show", "tp=2", "tp=2"], "duplicate dim name 'tp'"),
         (["show", "tp=0"], "tp=0: dim sizes must be positive"),
         (["show", "tp=2", "--rank", "9"], "--rank 9 is not in the layout"),
-        (["show", "tp=2", "dp=2", "--order", "tp-xp"], "token 'xp' of order 'tp-xp' has no size"),
+        (["show", "tp=2", "dp=2", "--order", "tp-dp-pp"], "token 'pp' of order 'tp-dp-pp' has no size"),
+        (["show", "tp=2", "xp=2", "--order", "tp-xp"], "--order token 'xp' is not one of Megatron's"),
+        (["show", "tp=2", "--order", ""], "--order is empty"),
+        (["show", "dpp=2", "tp=2"], "unknown dim 'dpp': did you mean"),
+        (["show", "tp=2", "--ranks-per-node", "0"], "--ranks-per-node must be positive"),
+        (["show", "tp=2", "--rank", "-1"], "must be >= 0"),
         (["plot", "tp=2", "--color-by", "zz"], "unknown dim 'zz'"),
-        (["demo", "--nproc", "4", "tp=3"], "tp=3 does not match world_size=4"),
+        (["plot", "tp=2", "--dpi", "0"], "--dpi must be positive"),
+        (["plot", "tp=2", "-o", "/nonexistent/dir/x.png"], "cannot write -o /nonexistent/dir/x.png"),
+        (["demo", "--nproc", "4", "tp=8"], "the layout has 8 ranks but --nproc 4"),
+        (["demo", "--timeout", "0"], "--timeout must be positive"),
+        (["demo", "--timeout", "-5"], "--timeout must be positive"),
+        (["demo", "--nproc", "0"], "--nproc must be positive"),
         (["show"], "give at least one dim"),
         (["frobnicate"], "invalid choice"),
     ],
