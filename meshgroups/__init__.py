@@ -19,10 +19,11 @@ from .errors import (
     StoreConnectionError,
 )
 from .layout import Layout, Locality
+from .topology import Topology
 
 if TYPE_CHECKING:
     from .groups import GroupCache
-    from .mesh import MeshGroups, init_mesh
+    from .mesh import MeshGroups, init_mesh, layout_of
     from .plan import GroupSpec
     from .strategies import Strategy
 
@@ -40,12 +41,15 @@ __all__ = [
     "RendezvousTimeout",
     "StoreConnectionError",
     "Strategy",
+    "Topology",
     "init_mesh",
+    "layout_of",
 ]
 __version__ = "0.1.0"
 
 _TORCH_NAMES = {
     "init_mesh": "mesh",
+    "layout_of": "mesh",
     "MeshGroups": "mesh",
     "GroupCache": "groups",
     "GroupSpec": "plan",

@@ -2,6 +2,9 @@
 
     python -m meshgroups show pp=2 dp=2 cp=1 tp=4 --ranks-per-node 8 --rank 5
     python -m meshgroups show tp=2 cp=1 dp=2 pp=2 --order tp-cp-dp-pp --json
+    python -m meshgroups show pp=4 dp=8 cp=2 tp=8 --topology node=8,domain=32
+    python -m meshgroups show --from-json groups.json      # a running job's groups read back
+    python -m meshgroups place pp=4 dp=8 cp=2 tp=8 --topology node=8,domain=32 --fast-first tp,cp
     python -m meshgroups plot pp=2 dp=2 cp=1 tp=4 -o layout.png --color-by tp
     python -m meshgroups demo pp=2 dp=2 cp=1 tp=2          # spawns the 8 processes it needs
 
@@ -21,8 +24,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .layout import Layout
-from .render import short_list
+from .render import short_list, span_table
 from .render import text as render_text
+from .topology import Topology
 
 DEFAULT_DEMO = ["pp=2", "dp=2", "cp=1", "tp=2"]
 #: Megatron's order tokens (RankGenerator accepts these and no others).
@@ -106,7 +110,40 @@ def _check_order(parser: argparse.ArgumentParser, order: str) -> None:
             )
 
 
+def _from_json(parser: argparse.ArgumentParser, path: str) -> Layout:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        parser.error(f"cannot read --from-json {path}: {exc.strerror or exc}")
+    except json.JSONDecodeError as exc:
+        parser.error(f"--from-json {path} is not JSON: {exc}")
+    try:
+        if isinstance(data, dict) and "format" in data:
+            return Layout.from_dict(data)  # a layout written by show --json --full or to_dict()
+        if isinstance(data, dict) and isinstance(data.get("groups"), dict):
+            data = data["groups"]  # show --json output: its groups
+        return Layout.infer(data)  # {"tp": [[0, 1], ...], "dp": [...], ...}: read the job back
+    except (ValueError, TypeError) as exc:
+        parser.error(f"--from-json {path}: {exc}")
+    raise AssertionError("unreachable")
+
+
+def _topology(parser: argparse.ArgumentParser, text: str | None) -> Topology | None:
+    if text is None:
+        return None
+    try:
+        return Topology.parse(text)
+    except (ValueError, TypeError) as exc:
+        parser.error(f"--topology {text!r}: {exc}")
+    raise AssertionError("unreachable")
+
+
 def _layout(parser: argparse.ArgumentParser, args: argparse.Namespace, default: Sequence[str] = ()) -> Layout:
+    if getattr(args, "from_json", None):
+        if args.dims or args.order:
+            parser.error("give either --from-json or dims (and --order), not both")
+        return _from_json(parser, args.from_json)
     pairs = _parse_dims(parser, args.dims or default, getattr(args, "any_names", False) or bool(args.order))
     try:
         if args.order is not None:
@@ -141,11 +178,18 @@ def _check_rank(parser: argparse.ArgumentParser, layout: Layout, rank: int | Non
 def _show(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     layout = _layout(parser, args)
     _check_rank(parser, layout, args.rank)
+    topology = _topology(parser, args.topology)
     if args.json:
-        print(json.dumps(_json(layout, args), indent=1))
+        data = _json(layout, args)
+        if topology is not None:
+            data["span"] = {d: layout.span(d, topology=topology) for d in layout.names}
+        print(json.dumps(data, indent=1))
         return 0
     members = None if args.full else SUMMARY_MEMBERS
     print(render_text(layout, ranks_per_node=args.ranks_per_node, max_members=members))
+    if topology is not None:
+        print()
+        print(span_table(layout, topology))
     if args.rank is not None:
         print(f"\nrank {args.rank}: " + ", ".join(f"{k}={v}" for k, v in layout.coords(args.rank).items()))
         for dims, ranks in _rank_groups(layout, args.rank).items():
@@ -180,6 +224,32 @@ def _json(layout: Layout, args: argparse.Namespace) -> dict[str, object]:
             "groups": _rank_groups(layout, args.rank),
         }
     return data
+
+
+def _place(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    pairs = _parse_dims(parser, args.dims, args.any_names)
+    topology = _topology(parser, args.topology)
+    assert topology is not None  # required by the parser
+    require = {}
+    for word in (args.require or "").split(","):
+        if word:
+            dim, sep, level = word.partition("=")
+            if not sep:
+                parser.error(f"--require takes dim=level pairs like tp=node, got {word!r}")
+            require[dim] = level
+    fast = [d for d in (args.fast_first or "").split(",") if d]
+    try:
+        layout = Layout.place(dict(pairs), topology, fast_first=fast, require=require)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    if args.json:
+        spans = {d: layout.span(d, topology=topology) for d in layout.names}
+        print(json.dumps({"layout": layout.to_dict(), "span": spans}, indent=1))
+        return 0
+    print(render_text(layout, max_members=SUMMARY_MEMBERS))
+    print()
+    print(span_table(layout, topology))
+    return 0
 
 
 def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -245,8 +315,25 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="print a layout and its groups")
     layout_args(show)
     show.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    show.add_argument(
+        "--topology",
+        help="levels of consecutive ranks, smallest first (node=8,domain=32): which groups leave them",
+    )
+    show.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="read the layout from a JSON file: a job's groups {name: [[ranks], ...]} or a layout dict",
+    )
     show.add_argument("--full", action="store_true", help="print every group and member, however big")
     show.set_defaults(run=_show, parser=show)
+    place = sub.add_parser("place", help="order dims so the bandwidth-hungry ones stay on fast levels")
+    place.add_argument("dims", nargs="*", help="name=size words, outermost first (e.g. pp=4 dp=8 tp=8)")
+    place.add_argument("--topology", required=True, help="levels, smallest first (e.g. node=8,domain=32)")
+    place.add_argument("--fast-first", help="dims by bandwidth need, most first (e.g. tp,cp,dp)")
+    place.add_argument("--require", help="constraints dim=level, comma separated (e.g. tp=node)")
+    place.add_argument("--json", action="store_true", help="print the layout and spans as JSON")
+    place.add_argument("--any-names", action="store_true", help="accept dim names that look like typos")
+    place.set_defaults(run=_place, parser=place)
     plot = sub.add_parser("plot", help="draw a layout to a PNG (needs matplotlib)")
     layout_args(plot)
     plot.add_argument("-o", "--output", default="layout.png", help="output file (default layout.png)")
@@ -269,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=_positive(float, "--timeout"), default=60.0, help="seconds before a stuck job fails"
     )
     demo.set_defaults(run=_demo, parser=demo, world_size=None)
-    parser.set_defaults(commands={"show": show, "plot": plot, "demo": demo})
+    parser.set_defaults(commands={"show": show, "place": place, "plot": plot, "demo": demo})
     return parser
 
 

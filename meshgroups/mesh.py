@@ -387,3 +387,19 @@ def init_mesh(
             check=check,
         )
     return MeshGroups(layout, built, options)
+
+
+def layout_of(device_mesh: DeviceMesh) -> Layout:
+    """Any torch ``DeviceMesh`` read back as a ``Layout`` with the mesh's dim names (``dim_0``,
+    ... when it has none): a root from ``init_device_mesh``, a slice (this rank's sub-grid) or a
+    flattened mesh (this rank's flattened group), so a torchtitan user can draw and check the
+    mesh they already have. Public DeviceMesh API only (``mesh``, ``mesh_dim_names``)::
+
+        >>> layout_of(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))  # doctest: +SKIP
+        Layout(dp=2, tp=4)
+    """
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"layout_of takes a torch DeviceMesh, got {type(device_mesh).__name__}")
+    grid = device_mesh.mesh.detach().cpu().numpy()
+    names = device_mesh.mesh_dim_names or tuple(f"dim_{i}" for i in range(grid.ndim))
+    return Layout.from_grid(grid, tuple(names))

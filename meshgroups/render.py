@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .layout import Layout
+from .topology import Topology
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -79,6 +80,45 @@ def short_list(ranks: Sequence[int], limit: int | None = 16) -> str:
         return str(ranks)
     head = ", ".join(str(r) for r in ranks[: max(limit - 1, 1)])
     return f"[{head}, …, {ranks[-1]}] ({len(ranks)} ranks)"
+
+
+def span_table(layout: Layout, topology: Topology, dims: Sequence[Sequence[str]] | None = None) -> str:
+    """Per dim (and view dim, or the given dim sets): group size, the smallest level holding
+    every group (``Layout.span``), and how many groups leave a unit of each level::
+
+        dim  size  span    groups  leave node  leave domain
+        tp   8     node    16      0           0
+    """
+    families: list[tuple[str, Layout, tuple[str, ...]]] = []
+    if dims is None:
+        families = [(d, layout, (d,)) for d in layout.names]
+        for k, view in layout.views.items():
+            families += [(f"{k}.{d}", view, (d,)) for d in view.names if d not in layout.names]
+    else:
+        for group in dims:
+            owner = layout.resolve(*group)
+            families.append(("×".join(group), owner, tuple(group)))
+    header = ("dim", "size", "span", "groups", *tuple(f"leave {name}" for name in topology.names))
+    table = [header]
+    for label, owner, group in families:
+        rows = owner.groups(*group)
+        crossing = topology.crossings(rows)
+        table.append(
+            (
+                label,
+                str(rows.shape[1]),
+                topology.span(rows),
+                str(len(rows)),
+                *tuple(str(crossing[name]) for name in topology.names),
+            )
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = [repr(topology)]
+    for i, row in enumerate(table):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def text(

@@ -1,17 +1,123 @@
-"""Node topology of groups: which groups stay on one node and how a dim splits across nodes.
+"""Machine topology: named levels of consecutive ranks, and which groups stay inside them.
 
-A rank's node is ``rank // ranks_per_node`` (the torchrun convention: consecutive global ranks
-share a node). Functions take group arrays as ``Layout.groups`` returns them.
+A ``Topology`` is a list of named levels from the smallest to the largest — e.g. 8 GPUs per
+``node``, 32 per NVLink ``domain`` — each the number of *consecutive global ranks* in one unit
+(the torchrun convention: consecutive ranks share a node), each dividing the next. A group stays
+inside a level if all its ranks fall in one unit; the world is the level above all others::
+
+    >>> t = Topology(node=8, domain=32)
+    >>> t.span([[0, 1, 2, 3], [8, 9, 10, 11]]), t.span([[0, 8]]), t.span([[0, 40]])
+    ('node', 'domain', 'world')
+
+Functions take group arrays as ``Layout.groups`` returns them; ``node_locality`` and
+``node_split_sizes`` are the one-level case.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Literal
 
 import numpy as np
 
-from .checks import MAX_RANK, check_positive
+from .checks import MAX_RANK, check_name, check_positive
 from .errors import LayoutError
+
+WORLD = "world"
+
+
+class Topology:
+    """Named levels of consecutive ranks, smallest first; see the module docstring.
+
+    Raises:
+        LayoutError: no level, a size that is not a positive int, a level that does not divide
+            the next (or is not larger), or the reserved name ``world``.
+    """
+
+    __slots__ = ("_levels",)
+    _levels: tuple[tuple[str, int], ...]
+
+    def __init__(self, /, **levels: int) -> None:
+        if not levels:
+            raise LayoutError("a Topology needs at least one level, e.g. Topology(node=8)")
+        checked: list[tuple[str, int]] = []
+        for name, size in levels.items():
+            check_name(name, "level name")
+            if name == WORLD:
+                raise LayoutError("'world' is the level above every other; do not name a level so")
+            size = check_positive(size, f"level {name}", MAX_RANK + 1)
+            if checked:
+                prev_name, prev = checked[-1]
+                if size <= prev or size % prev:
+                    raise LayoutError(
+                        f"level {name}={size} must be a multiple of the level below it, {prev_name}={prev} "
+                        "(levels go from the smallest to the largest, each dividing the next)"
+                    )
+            checked.append((name, size))
+        object.__setattr__(self, "_levels", tuple(checked))
+
+    @classmethod
+    def parse(cls, text: str) -> Topology:
+        """``"node=8,domain=32"`` (the command line's form)."""
+        levels: dict[str, int] = {}
+        for part in text.split(","):
+            name, sep, size = part.strip().partition("=")
+            if not sep or not name:
+                raise LayoutError(f"topology levels are name=size separated by commas, got {part!r}")
+            try:
+                levels[name] = int(size)
+            except ValueError:
+                raise LayoutError(f"size of level {name!r} must be an integer, got {size!r}") from None
+        return cls(**levels)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("a Topology is immutable")
+
+    @property
+    def levels(self) -> tuple[tuple[str, int], ...]:
+        """``((name, ranks per unit), ...)``, smallest first."""
+        return self._levels
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self._levels)
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        return iter(self._levels)
+
+    def size(self, level: str) -> int:
+        """Ranks per unit of ``level``."""
+        for name, size in self._levels:
+            if name == level:
+                return size
+        raise LayoutError(f"unknown level {level!r}; levels are {', '.join(self.names)}")
+
+    def span(self, rows: object) -> str:
+        """The smallest level whose units each hold a whole group of ``rows`` (an array of groups,
+        one per row), or ``"world"``."""
+        groups = np.atleast_2d(np.asarray(rows, dtype=np.int64))
+        for name, size in self._levels:
+            units = groups // size
+            if (units == units[:, :1]).all():
+                return name
+        return WORLD
+
+    def crossings(self, rows: object) -> dict[str, int]:
+        """For every level, how many groups of ``rows`` leave a unit of it."""
+        groups = np.atleast_2d(np.asarray(rows, dtype=np.int64))
+        return {
+            name: int((groups // size != (groups // size)[:, :1]).any(axis=1).sum())
+            for name, size in self._levels
+        }
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Topology) and self._levels == other._levels
+
+    def __hash__(self) -> int:
+        return hash(self._levels)
+
+    def __repr__(self) -> str:
+        return "Topology(" + ", ".join(f"{n}={s}" for n, s in self._levels) + ")"
 
 
 def _nodes(rows: np.ndarray, ranks_per_node: int) -> np.ndarray:

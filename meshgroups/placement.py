@@ -1,0 +1,202 @@
+"""Placing dims on a machine, and reading a running job's groups back as a layout (numpy only).
+
+``place`` answers "in which order do I put my dims so the bandwidth-hungry ones stay on fast
+levels?": dims are served in priority order, each taking the innermost capacity left, level by
+level; a dim that does not fit in a level keeps its inner factor there and spills the outer factor
+to the next level, as JAX's hybrid device mesh splits a dim between ICI and DCN. ``infer``
+answers "what layout is this?" for the groups a job printed: each dim's coordinate is a connected
+component of the other families' groups, found with vectorised min-label passes, then the whole
+result is checked group by group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from math import gcd
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .checks import MAX_WORLD_SIZE, check_names, check_size, formula, product
+from .errors import LayoutError
+from .topology import WORLD, Topology
+
+if TYPE_CHECKING:
+    from .layout import Layout
+
+
+def place(
+    cls: type[Layout],
+    sizes: Mapping[str, int],
+    topology: Topology,
+    fast_first: Sequence[str] = (),
+    require: Mapping[str, str] | None = None,
+) -> Layout:
+    """See ``Layout.place``."""
+    if not isinstance(sizes, Mapping) or not sizes:
+        raise TypeError(f"sizes must be a non-empty mapping of dim name to size, got {sizes!r}")
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a meshgroups.Topology, got {type(topology).__name__}")
+    names = check_names(list(sizes))
+    shape = [check_size(n, sizes[n]) for n in names]
+    world = product(shape)
+    if world > MAX_WORLD_SIZE:
+        raise LayoutError(f"{formula(names, shape)} ranks exceeds the {MAX_WORLD_SIZE} a layout may hold")
+    fast = (
+        list(check_names(list(fast_first), "fast_first dim"))
+        if not isinstance(fast_first, str)
+        else [fast_first]
+    )
+    for d in fast:
+        if d not in names:
+            raise LayoutError(f"fast_first names {d!r}, which is not one of the dims {', '.join(names)}")
+    require = dict(require or {})
+    for d, level in require.items():
+        if d not in names:
+            raise LayoutError(f"require names {d!r}, which is not one of the dims {', '.join(names)}")
+        if level != WORLD:
+            topology.size(level)  # names the known levels if unknown
+    # Capacity of each level in units of the level below (the world last), up to this world.
+    bounds = [size for _, size in topology.levels if size < world]
+    for size in bounds:
+        if world % size:
+            raise LayoutError(f"the world of {world} ranks is not a whole number of units of {size} ranks")
+    level_names = [name for name, size in topology.levels if size < world] + [WORLD]
+    capacity, below = [], 1
+    for size in [*bounds, world]:
+        capacity.append(size // below)
+        below = size
+    # Required dims first (most constrained), then the fast_first order, then the rest.
+    order = [d for d in fast if d in require] + [d for d in require if d not in fast]
+    order += [d for d in fast if d not in order] + [d for d in names if d not in order and d not in fast]
+    pieces: list[list[tuple[str, int]]] = [[] for _ in capacity]  # per level, innermost first
+    outermost: dict[str, int] = {}
+    for d in order:
+        remaining = sizes[d]
+        for index, cap in enumerate(capacity):
+            if remaining == 1:
+                break
+            take = gcd(remaining, cap)
+            if take > 1:
+                pieces[index].append((d, take))
+                capacity[index] //= take
+                remaining //= take
+                outermost[d] = index
+        if d in require:
+            wanted = level_names.index(require[d]) if require[d] in level_names else len(level_names) - 1
+            if outermost.get(d, 0) > wanted:
+                raise LayoutError(
+                    f"{d}={sizes[d]} cannot stay inside a {require[d]} ({topology.size(require[d])} ranks) "
+                    f"with {', '.join(f'{o}={sizes[o]}' for o in order[: order.index(d)]) or 'nothing'} placed before it"
+                )
+    return _grid_of_pieces(cls, names, shape, pieces)
+
+
+def _grid_of_pieces(
+    cls: type[Layout], names: tuple[str, ...], shape: list[int], pieces: list[list[tuple[str, int]]]
+) -> Layout:
+    flat = [p for level in pieces for p in level]  # innermost first
+    sizes = [size for _, size in flat] or [1]
+    ranks = np.arange(product(sizes), dtype=np.int64).reshape(sizes[::-1])  # outermost axis first
+    axis_of = {i: len(flat) - 1 - i for i in range(len(flat))}
+    order = []
+    for d in names:  # each dim's pieces, outer (slower level) factor first
+        order += [axis_of[i] for i in reversed(range(len(flat))) if flat[i][0] == d]
+    grid = np.transpose(ranks, order).reshape(shape) if flat else ranks.reshape(shape)
+    return cls.from_grid(grid, names)
+
+
+def infer(cls: type[Layout], groups: Mapping[str, Sequence[Sequence[int]]]) -> Layout:
+    """See ``Layout.infer``."""
+    if not isinstance(groups, Mapping) or not groups:
+        raise TypeError(
+            "infer needs a mapping of family name to a list of rank lists, e.g. {'tp': [[0, 1], [2, 3]]}"
+        )
+    names = check_names(list(groups))
+    arrays = {}
+    for name in names:
+        try:
+            rows = np.asarray(groups[name], dtype=np.int64)
+        except (TypeError, ValueError):
+            raise LayoutError(f"family {name!r}: groups must be lists of integer ranks of one size") from None
+        if rows.ndim != 2 or rows.size == 0:
+            raise LayoutError(f"family {name!r}: give a non-empty list of equal-sized rank lists")
+        arrays[name] = rows
+    # (sorting, not np.unique: numpy's hash-based unique is several times slower at 1M ranks)
+    ranks = np.sort(arrays[names[0]], axis=None)
+    if ranks.size > 1 and (ranks[1:] == ranks[:-1]).any():
+        raise LayoutError(f"family {names[0]!r} holds a rank twice; each family's groups must not overlap")
+    world = ranks.size
+    dense = int(ranks[-1]) - int(ranks[0]) == world - 1  # ranks a..a+W-1: positions are rank - a
+    for name, rows in arrays.items():
+        if rows.size != world or not np.array_equal(np.sort(rows, axis=None), ranks):
+            raise LayoutError(
+                f"family {name!r} does not cover the same {world} ranks exactly once as family {names[0]!r}"
+            )
+    sizes = [arrays[n].shape[1] for n in names]
+    if product(sizes) != world:
+        raise LayoutError(
+            f"group sizes {formula(names, sizes)} do not multiply to the {world} ranks: the families are not "
+            "the dims of one layout"
+        )
+    # pos[name]: the groups as positions 0..W-1; gid[name][i]: the group holding position i
+    pos = {n: rows - ranks[0] if dense else np.searchsorted(ranks, rows) for n, rows in arrays.items()}
+    gid = {}
+    for name, rows in arrays.items():
+        gid[name] = np.empty(world, dtype=np.int64)
+        gid[name][pos[name].ravel()] = np.repeat(np.arange(rows.shape[0]), rows.shape[1])
+    coords = {}
+    for d in names:
+        # Positions joined by the groups of every other family: in a product layout that is one
+        # pass per family (each collapses one dim); the checks below catch anything else.
+        label = np.arange(world, dtype=np.int64)
+        for e in names:
+            if e != d:
+                label = label[pos[e]].min(axis=1)[gid[e]]
+        present = np.zeros(world, dtype=bool)
+        present[label] = True
+        coords[d] = (np.cumsum(present) - 1)[label]  # components numbered by their smallest position
+        if int(present.sum()) != arrays[d].shape[1]:
+            _explain(arrays, pos, gid, names)
+    # Outermost first: the dim whose members sit furthest apart in rank.
+    spread = {
+        d: int(np.diff(np.sort(arrays[d][0])).min()) if arrays[d].shape[1] > 1 else world for d in names
+    }
+    ordered = sorted(names, key=lambda d: -spread[d])
+    index = np.zeros(world, dtype=np.int64)
+    stride = {}
+    for d in reversed(ordered):
+        stride[d] = product(arrays[e].shape[1] for e in ordered[ordered.index(d) + 1 :])
+        index += coords[d] * stride[d]
+    if np.bincount(index, minlength=world).max() > 1:
+        _explain(arrays, pos, gid, names)
+    for d in names:  # every group of d: one fixed point of the other coordinates, all of d's values
+        rest = (index - coords[d] * stride[d])[pos[d]]
+        if not (rest == rest[:, :1]).all():
+            _explain(arrays, pos, gid, names)
+    grid = np.empty(world, dtype=np.int64)
+    grid[index] = ranks
+    return cls.from_grid(grid.reshape([arrays[d].shape[1] for d in ordered]), ordered)
+
+
+def _explain(
+    arrays: dict[str, np.ndarray],
+    pos: dict[str, np.ndarray],
+    gid: dict[str, np.ndarray],
+    names: tuple[str, ...],
+) -> None:
+    """Raise the most precise error for families that are not the dims of one layout."""
+    for i, d in enumerate(names):  # two dims of one layout share at most one rank per pair of groups
+        for e in names[:i]:
+            rows_d = np.repeat(np.arange(arrays[d].shape[0]), arrays[d].shape[1])
+            keys = np.sort(rows_d * arrays[e].shape[0] + gid[e][pos[d].ravel()])
+            repeated = np.flatnonzero(keys[1:] == keys[:-1])
+            if repeated.size:
+                g_d, g_e = divmod(int(keys[repeated[0]]), arrays[e].shape[0])
+                raise LayoutError(
+                    f"family {d!r} is not a factor of the others: its group {arrays[d][g_d].tolist()[:16]} shares "
+                    f"more than one rank with {e!r} group {arrays[e][g_e].tolist()[:16]}"
+                )
+    raise LayoutError(
+        f"family {names[-1]!r} is not a factor of the others: no layout has the groups of {', '.join(names)}"
+    )
