@@ -66,30 +66,76 @@ def place(
     for size in [*bounds, world]:
         capacity.append(size // below)
         below = size
-    # Required dims first (most constrained), then the fast_first order, then the rest.
-    order = [d for d in fast if d in require] + [d for d in require if d not in fast]
-    order += [d for d in fast if d not in order] + [d for d in names if d not in order and d not in fast]
+
+    def level_of(d: str) -> int:
+        return level_names.index(require[d]) if require[d] in level_names else len(level_names) - 1
+
+    # Required dims first (the tightest level first), then the fast_first order, then the rest.
+    order = sorted(require, key=lambda d: (level_of(d), fast.index(d) if d in fast else len(fast)))
+    order += [d for d in fast if d not in order]
+    order += [d for d in names if d not in order]
+    scored = len([d for d in order if d in fast or d in require])  # only these spans are compared
+    best = _assign(order, [sizes[d] for d in order], capacity, scored)
+    if best is None:
+        raise AssertionError("unreachable: the sizes multiply to the world")  # pragma: no cover
+    spans, allocation = best
+    for d in require:
+        if spans[order.index(d)] > level_of(d):
+            before = order[: order.index(d)]
+            raise LayoutError(
+                f"{d}={sizes[d]} cannot stay inside a {require[d]} ({topology.size(require[d])} ranks)"
+                + (f" with {', '.join(f'{o}={sizes[o]}' for o in before)} placed first" if before else "")
+            )
     pieces: list[list[tuple[str, int]]] = [[] for _ in capacity]  # per level, innermost first
-    outermost: dict[str, int] = {}
-    for d in order:
-        remaining = sizes[d]
-        for index, cap in enumerate(capacity):
-            if remaining == 1:
-                break
-            take = gcd(remaining, cap)
-            if take > 1:
-                pieces[index].append((d, take))
-                capacity[index] //= take
-                remaining //= take
-                outermost[d] = index
-        if d in require:
-            wanted = level_names.index(require[d]) if require[d] in level_names else len(level_names) - 1
-            if outermost.get(d, 0) > wanted:
-                raise LayoutError(
-                    f"{d}={sizes[d]} cannot stay inside a {require[d]} ({topology.size(require[d])} ranks) "
-                    f"with {', '.join(f'{o}={sizes[o]}' for o in order[: order.index(d)]) or 'nothing'} placed before it"
-                )
+    for d, takes in zip(order, allocation):
+        for index, take in takes:
+            pieces[index].append((d, take))
     return _grid_of_pieces(cls, names, shape, pieces)
+
+
+Allocation = list[tuple[int, int]]  # (level index, factor placed there)
+
+
+def _take(size: int, capacity: list[int], levels: Sequence[int]) -> Allocation | None:
+    """Place ``size`` into ``capacity`` visiting ``levels`` in that order, a gcd at a time."""
+    takes, remaining = [], size
+    for index in levels:
+        if remaining == 1:
+            break
+        take = gcd(remaining, capacity[index])
+        if take > 1:
+            takes.append((index, take))
+            remaining //= take
+    return takes if remaining == 1 else None
+
+
+def _assign(
+    order: list[str], sizes: list[int], capacity: list[int], scored: int
+) -> tuple[list[int], list[Allocation]] | None:
+    """The allocation of every dim (in priority order) whose span levels — of the first
+    ``scored`` dims, the ones the caller ranked — are lexicographically smallest. Each dim first
+    gets its smallest span; within it, its factors go innermost first (JAX's split: fewest units
+    crossed) unless putting them outermost first leaves a later ranked dim a smaller span. Two
+    choices per ranked dim: at most 2**scored small evaluations."""
+    if not order:
+        return [], []
+    inner = _take(sizes[0], capacity, range(len(capacity)))
+    if inner is None:
+        return None
+    span = max((index for index, _ in inner), default=0)
+    outer = _take(sizes[0], capacity, range(span, -1, -1)) if scored > 1 else None
+    best: tuple[list[int], list[Allocation]] | None = None
+    for takes in [inner] if outer == inner or outer is None else [inner, outer]:
+        left = list(capacity)
+        for index, take in takes:
+            left[index] //= take
+        rest = _assign(order[1:], sizes[1:], left, max(scored - 1, 0))
+        if rest is None:
+            continue
+        candidate = ([span if scored else 0, *rest[0]], [takes, *rest[1]])
+        if best is None or candidate[0] < best[0]:  # ties keep the innermost split
+            best = candidate
+    return best
 
 
 def _grid_of_pieces(
