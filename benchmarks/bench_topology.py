@@ -53,7 +53,7 @@ def main() -> None:
             np.random.default_rng(0).permutation(world).reshape(placed.shape), placed.names
         )
         families = {d: shuffled.groups(d) for d in shuffled.names}
-        infer_ms = median_ms(lambda: Layout.infer(families), args.repeat)
+        infer_ms = median_ms(lambda f=families: Layout.infer(f), args.repeat)
         back = Layout.infer(families)
         for d, rows in families.items():  # same groups as sets, or the timing means nothing
             assert np.array_equal(

@@ -111,7 +111,7 @@ class Topology:
         }
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Topology) and self._levels == other._levels
+        return isinstance(other, Topology) and self._levels == other.levels
 
     def __hash__(self) -> int:
         return hash(self._levels)
