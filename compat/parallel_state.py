@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshgroups import GroupCache, MeshConfigError, MeshGroups, Strategy, init_mesh
+from meshgroups import GroupCache, MeshGroups, Strategy, init_mesh
 
 from .megatron_layout import MegatronPlan, RanksCallback, megatron_plan
 
@@ -202,12 +202,9 @@ def _get(name: str, what: str, check_initialized: bool, gloo: bool = False) -> d
         if check_initialized:
             raise RuntimeError(f"{what} is not initialized: call initialize_model_parallel first")
         return None
-    try:
-        group = _STATE.group(name, gloo=gloo)
-    except MeshConfigError:  # no gloo twins were built
-        raise RuntimeError(
-            f"{what} (gloo) is not initialized: pass create_gloo_process_groups=True"
-        ) from None
+    if gloo and not _STATE.mesh_groups.gloo_twins:
+        raise RuntimeError(f"{what} (gloo) is not initialized: pass create_gloo_process_groups=True")
+    group = _STATE.group(name, gloo=gloo)
     if group is None and check_initialized:
         raise RuntimeError(
             f"{what} is not initialized on rank {dist.get_rank()} (this rank is in no such group)"

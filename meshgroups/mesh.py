@@ -66,6 +66,11 @@ class MeshGroups:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def gloo_twins(self) -> bool:
+        """Whether every group has a gloo twin (``init_mesh(gloo_twins=True)``)."""
+        return self._options.gloo_twins
+
     def close(self) -> int:
         """Destroy the process groups this mesh created (not WORLD, not groups another live
         mesh shares through the cache) and detach its DeviceMeshes. Local: no collective, but
