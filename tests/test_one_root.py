@@ -113,6 +113,13 @@ def worker_one_root(rank, world, kind):
     assert root["dp", "cp"]._flatten() is dp_cp
     assert dp_cp.get_group() is mg.group("dp", "cp")
     assert dp_cp._get_root_mesh() is root and root["tp"]._get_root_mesh() is root
+    import pickle
+
+    for m in (root, root["tp"], dp_cp):  # still a DeviceMesh to pickle (DCP, torch.compile)
+        copy = pickle.loads(pickle.dumps(m))
+        assert isinstance(copy, DeviceMesh) and copy == m
+        if m.ndim == 1:
+            assert copy.get_group() is m.get_group()
     _check_group(dp_cp.get_group(), lay.group_of(rank, "dp", "cp").tolist(), rank)
     assert len(mg.cache.groups()) == held  # no new group for any of this
     _dtensor_round_trips(root, rank)
