@@ -1,6 +1,6 @@
 """Megatron-Core's parallel groups stated as one ``meshgroups.Layout`` with views.
 
-``megatron_plan(...)`` needs no processes: it is what ``compat.parallel_state`` builds, and
+``megatron_plan(...)`` needs no processes: it is what ``meshgroups.compat.parallel_state`` builds, and
 what tests and notebooks inspect. Every group is a dim (or flattened dim set) of a factorisation
 of the world, named with Megatron's tokens:
 

@@ -2,7 +2,7 @@
 
 Same fields and behaviour as ``megatron.core.process_groups_config``: ``__init__(**kwargs)``
 sets the given fields and rejects unknown names with ``ValueError``;
-``use_mpu_process_groups(required_pgs=None)`` fills them from ``compat.parallel_state``.
+``use_mpu_process_groups(required_pgs=None)`` fills them from ``meshgroups.compat.parallel_state``.
 New: ``from_mesh_groups(mesh_groups)`` fills them from a ``meshgroups.MeshGroups`` without any
 global state.
 
@@ -61,7 +61,7 @@ class _ProcessGroupFields:
 
     @classmethod
     def use_mpu_process_groups(cls, required_pgs: list[str] | None = None) -> Any:
-        """Use the process groups of ``compat.parallel_state``.
+        """Use the process groups of ``meshgroups.compat.parallel_state``.
 
         Args:
             required_pgs: names of the fields to fill; None fills every field.
