@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._layout_topology import Locality
 from .errors import (
     ConcurrentInitError,
     LayoutError,
@@ -18,7 +19,7 @@ from .errors import (
     RendezvousTimeout,
     StoreConnectionError,
 )
-from .layout import Layout, Locality
+from .layout import Layout
 from .topology import Topology
 
 if TYPE_CHECKING:

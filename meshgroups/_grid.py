@@ -10,10 +10,11 @@ strides). Any other placement is kept as an explicit array of ranks.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from .checks import MAX_RANK, check_int, check_size, check_world, formula, is_int, product
+from .checks import MAX_RANK, MAX_WORLD_SIZE, check_int, check_size, check_world, formula, is_int, product
 from .errors import LayoutError
 
 
@@ -167,3 +168,47 @@ def merged_stride(sizes: list[int], strides: list[int]) -> int | None:
         if outer != inner * n_inner:
             return None
     return live[-1][1]
+
+
+def rank_grid(grid: Any, names: tuple[str, ...]) -> np.ndarray:
+    """``grid`` checked for ``Layout.from_grid``: integers, one dim per name, not empty, at most
+    ``MAX_WORLD_SIZE`` ranks, each in ``0..MAX_RANK`` and distinct."""
+    if not names:
+        raise LayoutError("a Layout needs at least one dim; give one name per grid dim")
+    arr = _as_rank_array(grid)
+    if arr.ndim != len(names):
+        raise LayoutError(f"grid has {arr.ndim} dims but {len(names)} names were given: {names}")
+    if arr.size == 0:
+        raise LayoutError(f"grid of shape {arr.shape} is empty; every dim needs size >= 1")
+    check_world(names, arr.shape)
+    low, high = int(arr.min()), int(arr.max())
+    if low < 0 or high > MAX_RANK:
+        bad = low if low < 0 else high
+        raise LayoutError(f"grid holds rank {bad}; ranks must be between 0 and {MAX_RANK}")
+    flat = np.sort(arr, axis=None)
+    repeated = flat[1:][flat[1:] == flat[:-1]]
+    if repeated.size:
+        raise LayoutError(f"grid holds rank {int(repeated[0])} more than once; ranks must be distinct")
+    return arr
+
+
+def _as_rank_array(grid: Any) -> np.ndarray:
+    try:
+        arr = np.asarray(grid)
+    except (ValueError, TypeError) as exc:  # ragged nested lists
+        raise LayoutError(f"grid is not a rectangular array of ranks: {exc}") from None
+    if arr.dtype == object:
+        items = arr.ravel().tolist()
+        if items and all(is_int(v) for v in items):
+            bad = next(v for v in items if not 0 <= v <= MAX_RANK)
+            raise LayoutError(f"grid holds rank {bad}; ranks must be between 0 and {MAX_RANK}")
+        raise TypeError(f"grid must hold integer ranks, got {type(grid).__name__} of objects")
+    if arr.size > MAX_WORLD_SIZE:
+        raise LayoutError(f"grid holds {arr.size} ranks, more than the {MAX_WORLD_SIZE} a layout may hold")
+    if not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0) or arr.dtype == np.bool_:
+        raise TypeError(f"grid must hold integer ranks, got dtype {arr.dtype}")
+    if arr.ndim == 0:
+        raise LayoutError("grid is a single number; a layout needs at least one dim (e.g. [5] with ('dp',))")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > MAX_RANK:
+        raise LayoutError(f"grid holds rank {int(arr.max())}; ranks must be between 0 and {MAX_RANK}")
+    return arr.astype(np.int64, copy=False)

@@ -32,29 +32,25 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from . import _grid, algebra, topology, views
+from . import _grid, algebra, views
+from ._layout_topology import LayoutTopology
 from .checks import (
     MAX_RANK,
-    MAX_WORLD_SIZE,
     check_dims,
     check_int,
     check_name,
     check_names,
-    check_world,
     is_int,
     product,
 )
 from .errors import LayoutError
-from .topology import Topology
-
-Locality = Literal["intra", "inter", "mixed"]
 
 
-class Layout:
+class Layout(LayoutTopology):
     """A named n-D grid of global ranks; see the module docstring.
 
     Args:
@@ -167,24 +163,10 @@ class Layout:
 
         An affine placement becomes the affine form (equal to the layout built with strides).
         """
+        if isinstance(grid, Layout):
+            raise TypeError("from_grid takes an array of ranks; a Layout is already a layout")
         names_t = check_names(names)
-        if not names_t:
-            raise LayoutError("a Layout needs at least one dim; give one name per grid dim")
-        arr = _as_rank_array(grid)
-        if arr.ndim != len(names_t):
-            raise LayoutError(f"grid has {arr.ndim} dims but {len(names_t)} names were given: {names_t}")
-        if arr.size == 0:
-            raise LayoutError(f"grid of shape {arr.shape} is empty; every dim needs size >= 1")
-        check_world(names_t, arr.shape)
-        low, high = int(arr.min()), int(arr.max())
-        if low < 0 or high > MAX_RANK:
-            bad = low if low < 0 else high
-            raise LayoutError(f"grid holds rank {bad}; ranks must be between 0 and {MAX_RANK}")
-        flat = np.sort(arr, axis=None)
-        repeated = flat[1:][flat[1:] == flat[:-1]]
-        if repeated.size:
-            raise LayoutError(f"grid holds rank {int(repeated[0])} more than once; ranks must be distinct")
-        return cls._from_distinct(names_t, arr)
+        return cls._from_distinct(names_t, _grid.rank_grid(grid, names_t))
 
     @classmethod
     def _from_distinct(cls, names: tuple[str, ...], arr: np.ndarray) -> Layout:
@@ -469,66 +451,6 @@ class Layout:
         )
         raise LayoutError(f"dims {dims} are not all in one factorisation ({where})")
 
-    # ---------------------------------------------------------------------------- topology
-    def node_locality(self, *dims: str, ranks_per_node: int) -> Locality:
-        """``"intra"`` if every group of ``dims`` stays within one node, ``"inter"`` if every
-        group has each rank on a different node, else ``"mixed"``. Node = rank // ranks_per_node."""
-        return topology.node_locality(self.groups(*dims), ranks_per_node)
-
-    def split_by_node(self, dim: str, ranks_per_node: int) -> Layout:
-        """Split ``dim`` into ``{dim}_inter`` (across nodes) and ``{dim}_intra`` (within a node)."""
-        inter, intra = topology.node_split_sizes(self.groups(dim), ranks_per_node, dim)
-        return self.split(dim, **{f"{dim}_inter": inter, f"{dim}_intra": intra})
-
-    def span(self, *dims: str, topology: Topology) -> str:
-        """The smallest level of ``topology`` whose units each hold a whole group of ``dims``
-        (``"node"``, ``"domain"``, ...), or ``"world"``::
-
-            >>> Layout(pp=4, dp=2, tp=8).span("tp", topology=Topology(node=8, domain=32))
-            'node'
-        """
-        if not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a meshgroups.Topology, got {type(topology).__name__}")
-        return topology.span(self.groups(*dims))
-
-    @classmethod
-    def place(
-        cls,
-        sizes: Mapping[str, int],
-        topology: Topology,
-        /,
-        *,
-        fast_first: Sequence[str] = (),
-        require: Mapping[str, str] | None = None,
-    ) -> Layout:
-        """A layout with exactly these dims (outermost first as given) over ranks 0..W-1 that
-        keeps the dims of ``fast_first`` (most bandwidth-hungry first) on the fastest levels of
-        ``topology`` it can; a dim that does not fit in a level keeps its inner factor there and
-        puts its outer factor across the next level (JAX's hybrid mesh). ``require={"tp":
-        "node"}`` makes a wish a constraint (``LayoutError`` naming dim, size and level)::
-
-            >>> lay = Layout.place({"pp": 2, "dp": 4, "tp": 8}, Topology(node=8), fast_first=["tp"])
-            >>> lay.span("tp", topology=Topology(node=8))
-            'node'
-        """
-        from .placement import place
-
-        return place(cls, sizes, topology, fast_first, require)
-
-    @classmethod
-    def infer(cls, groups: Mapping[str, Sequence[Sequence[int]]], /) -> Layout:
-        """The layout whose ``groups(name)`` equal ``groups[name]`` as sets of ranks, for every
-        family — e.g. the tp/cp/dp/pp groups a running Megatron job printed. Size-1 families
-        (every rank alone) are allowed. ``LayoutError`` names a family that is not a factor of
-        the others::
-
-            >>> Layout.infer({"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]]})
-            Layout(dp=2, tp=2)
-        """
-        from .placement import infer
-
-        return infer(cls, groups)
-
     # ------------------------------------------------------------------------ identity
     @cached_property
     def _identity(self) -> tuple[Any, ...]:
@@ -601,27 +523,3 @@ class Layout:
 
 def _unpickle(data: Mapping[str, Any]) -> Layout:
     return Layout.from_dict(data)
-
-
-def _as_rank_array(grid: Any) -> np.ndarray:
-    if isinstance(grid, Layout):
-        raise TypeError("from_grid takes an array of ranks; a Layout is already a layout")
-    try:
-        arr = np.asarray(grid)
-    except (ValueError, TypeError) as exc:  # ragged nested lists
-        raise LayoutError(f"grid is not a rectangular array of ranks: {exc}") from None
-    if arr.dtype == object:
-        items = arr.ravel().tolist()
-        if items and all(is_int(v) for v in items):
-            bad = next(v for v in items if not 0 <= v <= MAX_RANK)
-            raise LayoutError(f"grid holds rank {bad}; ranks must be between 0 and {MAX_RANK}")
-        raise TypeError(f"grid must hold integer ranks, got {type(grid).__name__} of objects")
-    if arr.size > MAX_WORLD_SIZE:
-        raise LayoutError(f"grid holds {arr.size} ranks, more than the {MAX_WORLD_SIZE} a layout may hold")
-    if not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0) or arr.dtype == np.bool_:
-        raise TypeError(f"grid must hold integer ranks, got dtype {arr.dtype}")
-    if arr.ndim == 0:
-        raise LayoutError("grid is a single number; a layout needs at least one dim (e.g. [5] with ('dp',))")
-    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > MAX_RANK:
-        raise LayoutError(f"grid holds rank {int(arr.max())}; ranks must be between 0 and {MAX_RANK}")
-    return arr.astype(np.int64, copy=False)

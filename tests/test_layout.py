@@ -277,7 +277,12 @@ def test_large_world_layout_only():
 def test_docstring_examples_run():
     import doctest
 
+    import meshgroups._layout_topology
+    import meshgroups.errors
     import meshgroups.layout
+    import meshgroups.topology
+    from meshgroups import Layout, Topology
 
-    result = doctest.testmod(meshgroups.layout)
-    assert result.attempted >= 4 and result.failed == 0
+    for module in (meshgroups.layout, meshgroups._layout_topology, meshgroups.topology, meshgroups.errors):
+        result = doctest.testmod(module, extraglobs={"Layout": Layout, "Topology": Topology})
+        assert result.attempted >= 1 and result.failed == 0, module.__name__
