@@ -54,24 +54,15 @@ def one_at_a_time() -> Any:
         _lock.release()
 
 
-@dataclass(frozen=True)
-class Options:
-    """The ``init_mesh`` options a ``MeshGroups`` keeps for the builds that follow."""
-
-    device_type: str
-    backend: str | None
-    timeout: timedelta
-    gloo_twins: bool
-    strategy: str
-    check: bool
-
-
 @dataclass
 class Built:
+    """One build's result; its ``plan`` and ``check`` are the options later builds reuse."""
+
     handles: dict[Hashable, GroupHandle]
     builder: Builder
     plan: Plan
     generation: int
+    check: bool
 
 
 def build(
@@ -87,7 +78,7 @@ def build(
     strategy: object,
     cache: GroupCache | None,
     check: bool | None,
-) -> tuple[Built, Options]:
+) -> Built:
     """Validate (every error before any collective, and told to the other ranks), then run the
     collective build. Call with ``one_at_a_time()`` held."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -96,9 +87,10 @@ def build(
     if check is not None and not isinstance(check, bool):
         raise TypeError(f"check must be True, False or None, got {check!r}")
     do_check = check if check is not None else default_backend_name() != "fake"
-    rdzv = Rendezvous(default_store(), rank, world_size, generation, default_timeout()) if do_check else None
+    default = default_timeout()
+    rdzv = Rendezvous(default_store(), rank, world_size, generation, default) if do_check else None
     try:
-        timeout_td = as_timedelta(timeout, default_timeout())
+        timeout_td = as_timedelta(timeout, default)
         check_options(device_type, backend, gloo_twins, cache)
         creator = make_strategy(strategy)
         plan = make_plan(
@@ -119,31 +111,37 @@ def build(
         if rdzv is not None:
             rdzv.publish_failure(exc)
         raise
-    options = Options(device_type, backend, timeout_td, gloo_twins, creator.name, do_check)
-    return run(plan, creator, cache if cache is not None else GroupCache(), rdzv, generation), options
+    return run(plan, creator, cache if cache is not None else GroupCache(), rdzv, generation, do_check)
 
 
-def build_more(layout: Layout, only: Sequence[tuple[str, ...]], options: Options, cache: GroupCache) -> Built:
-    """A later collective build of families over ``layout`` with a mesh's stored options."""
+def build_more(
+    layout: Layout, only: Sequence[tuple[str, ...]], plan: Plan, check: bool, cache: GroupCache
+) -> Built:
+    """A later collective build of families over ``layout`` with the options of an earlier
+    ``plan`` (a mesh's ``init_mesh``) and its cache."""
     with one_at_a_time():
-        built, _ = build(
+        return build(
             layout,
-            device_type=options.device_type,
+            device_type=plan.device_type,
             flatten=(),
             subsets=None,
             only=only,
-            backend=options.backend,
-            timeout=options.timeout,
-            gloo_twins=options.gloo_twins,
-            strategy=options.strategy,
+            backend=plan.backend,
+            timeout=plan.timeout,
+            gloo_twins=plan.gloo_twins,
+            strategy=plan.strategy,
             cache=cache,
-            check=options.check,
+            check=check,
         )
-    return built
 
 
 def run(
-    plan: Plan, creator: CreationStrategy, cache: GroupCache, rdzv: Rendezvous | None, generation: int
+    plan: Plan,
+    creator: CreationStrategy,
+    cache: GroupCache,
+    rdzv: Rendezvous | None,
+    generation: int,
+    check: bool,
 ) -> Built:
     """Meet (if checking), level torch's counters, create every family, report, clean the store."""
     agreed = {"group_count": group_count(), "held": held_group_count()}
@@ -173,7 +171,7 @@ def run(
             cache.release(builder.keys, builder.pads)
             raise
         rdzv.leave(_COUNTERS, (prefix + "/",) if eager_gloo(plan.backend) else ())
-    return Built(handles, builder, plan, generation)
+    return Built(handles, builder, plan, generation, check)
 
 
 def eager_gloo(backend: str | None) -> bool:

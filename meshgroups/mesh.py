@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._torch_seam import detach_builder, flatten_on_root, flattened_dim, make_root
-from .build import Built, Options, build, build_more, one_at_a_time
+from .build import Built, build, build_more, one_at_a_time
 from .errors import MeshConfigError
 from .groups import GroupCache, GroupHandle
 from .layout import Layout
@@ -46,13 +46,14 @@ class MeshGroups:
     ``GroupCache``; the mesh is unusable afterwards.
     """
 
-    def __init__(self, layout: Layout, built: Built, options: Options) -> None:
+    def __init__(self, layout: Layout, built: Built) -> None:
         self.layout = layout
-        self.device_type = options.device_type
-        self.strategy = options.strategy
+        self.device_type = built.plan.device_type
+        self.strategy = built.plan.strategy
         self.cache: GroupCache = built.builder.cache
         self.generation = built.generation
-        self._options = options
+        # The options of later builds (flatten): the first build's plan and check.
+        self._plan, self._check = built.plan, built.check
         self._handles: dict[Hashable, GroupHandle] = dict(built.handles)
         self._subsets: dict[str, GroupSpec] = dict(built.plan.subsets)
         self._keys = list(built.builder.keys)
@@ -69,7 +70,7 @@ class MeshGroups:
     @property
     def gloo_twins(self) -> bool:
         """Whether every group has a gloo twin (``init_mesh(gloo_twins=True)``)."""
-        return self._options.gloo_twins
+        return self._plan.gloo_twins
 
     def close(self) -> int:
         """Destroy the process groups this mesh created (not WORLD, not groups another live
@@ -168,7 +169,7 @@ class MeshGroups:
         return groups
 
     def _build_family(self, owner: Layout, key: tuple[str, ...]) -> GroupHandle:
-        built = build_more(owner, [key], self._options, self.cache)
+        built = build_more(owner, [key], self._plan, self._check, self.cache)
         self._keys += built.builder.keys
         self._pads += built.builder.pads
         return built.handles[key]
@@ -378,7 +379,7 @@ def init_mesh(
             "init_mesh needs an initialised default process group: call dist.init_process_group first"
         )
     with one_at_a_time():
-        built, options = build(
+        built = build(
             layout,
             device_type=device_type,
             flatten=flatten,
@@ -391,7 +392,7 @@ def init_mesh(
             cache=cache,
             check=check,
         )
-    return MeshGroups(layout, built, options)
+    return MeshGroups(layout, built)
 
 
 def layout_of(device_mesh: DeviceMesh) -> Layout:

@@ -101,22 +101,28 @@ class Rendezvous:
         return f"{self.base}/{name}"
 
     # ------------------------------------------------------------------ store access
+    def _lost(self, exc: BaseException, where: str = "during") -> StoreConnectionError:
+        return StoreConnectionError(
+            f"rank {self.rank} lost the connection to the rendezvous store {where} init_mesh call "
+            f"#{self.generation} (the store is hosted by rank 0 under torchrun/tcp://; did it die?): {exc}"
+        )
+
     def _op(self, method: str, *args: Any) -> Any:
         """``store.<method>(*args)``, a lost connection reported as such."""
         try:
             return getattr(self.store, method)(*args)
         except (RuntimeError, dist.DistError) as exc:  # DistStoreError is both
-            raise StoreConnectionError(
-                f"rank {self.rank} lost the connection to the rendezvous store during init_mesh call "
-                f"#{self.generation} (the store is hosted by rank 0 under torchrun/tcp://; did it die?): {exc}"
-            ) from None
+            raise self._lost(exc) from None
 
-    def publish_failure(self, exc: BaseException, phase: str = "state") -> None:
-        """Best effort: tell the other ranks this rank failed, so they stop waiting."""
+    def publish_failure(self, exc: BaseException, phase: str = "state") -> str:
+        """Best effort: tell the other ranks this rank failed, so they stop waiting. Returns the
+        failure that counts: the first one recorded for ``phase`` (this rank's if the store is gone)."""
+        mine = failure_record(self.rank, exc)
         try:
-            self.store.compare_set(self._key(phase), "", failure_record(self.rank, exc))
+            first = self.store.compare_set(self._key(phase), "", mine).decode()
         except Exception:
-            pass  # the store itself is gone; the others will time out or lose it too
+            return mine  # the store itself is gone; the others will time out or lose it too
+        return first if first.startswith("failed") else mine
 
     def _wait_state(self, phase: str, done: str, what: str, started: float, late: bool = False) -> None:
         """Wait for ``phase``'s state key; return if it says ``done``, raise otherwise."""
@@ -128,11 +134,7 @@ class Rendezvous:
                 self.store.wait([key], timedelta(seconds=max(remaining, 0.001)))
             except (RuntimeError, dist.DistError) as exc:
                 if "timeout" not in str(exc).lower():
-                    raise StoreConnectionError(
-                        f"rank {self.rank} lost the connection to the rendezvous store at {what} of init_mesh "
-                        f"call #{self.generation} (the store is hosted by rank 0 under torchrun/tcp://; did it "
-                        f"die?): {exc}"
-                    ) from None
+                    raise self._lost(exc, f"at {what} of") from None
                 elapsed = time.monotonic() - started
                 abandon = f"abandoned\n{self.rank}\n{elapsed:.1f}"
                 state = self._op("compare_set", key, "", abandon).decode()
@@ -248,15 +250,7 @@ class Rendezvous:
         (the caller has already released what this rank created)."""
         started = time.monotonic()
         if error is not None:
-            try:
-                record = self.store.compare_set(
-                    self._key("built"), "", failure_record(self.rank, error)
-                ).decode()
-            except Exception:
-                record = failure_record(self.rank, error)
-            self._raise_build_failure(
-                record if record.startswith("failed") else failure_record(self.rank, error)
-            )
+            self._raise_build_failure(self.publish_failure(error, "built"))
         try:
             self._barrier("built", "built", "the end of group creation", started)
         except _Failed as failed:
