@@ -74,11 +74,6 @@ def span(shape: Sequence[int], strides: Sequence[int]) -> int:
     return sum((n - 1) * s for n, s in zip(shape, strides))
 
 
-def is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """Nested strides that cover ``offset..offset+W-1`` exactly (a permuted mixed radix)."""
-    return span(shape, strides) == product(shape) - 1
-
-
 def affine_grid(
     shape: Sequence[int], strides: Sequence[int], offset: int, dtype: np.dtype | type = np.int64
 ) -> np.ndarray:

@@ -82,11 +82,6 @@ def bound_device_id() -> object | None:
     return _c10d._get_default_group().bound_device_id
 
 
-def group_name(group: dist.ProcessGroup) -> str:
-    """torch's name of ``group`` (the prefix of its connection keys in the store)."""
-    return str(_c10d._get_process_group_name(group))
-
-
 # ---------------------------------------------------------------------------------------------
 # One root mesh. meshgroups hands out a single root DeviceMesh per layout; its slices, flattened
 # dims and unflattened meshes must stay derived from it (TP + FSDP2 concatenate slices of one

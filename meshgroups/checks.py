@@ -41,14 +41,6 @@ def check_int(value: object, what: str) -> int:
     return int(cast(int, value))
 
 
-def check_rank(value: object, what: str) -> int:
-    """A global rank: an int in ``0..MAX_RANK``."""
-    rank = check_int(value, what)
-    if not 0 <= rank <= MAX_RANK:
-        raise LayoutError(f"{what}={rank} is out of range; ranks are between 0 and {MAX_RANK}")
-    return rank
-
-
 def check_positive(value: object, what: str, limit: int = MAX_WORLD_SIZE) -> int:
     """An int in ``1..limit``."""
     n = check_int(value, what)
