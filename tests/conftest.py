@@ -1,4 +1,5 @@
-"""Suite-wide settings: pytest-timeout's per-test limit scales with MESHGROUPS_TEST_TIME_SCALE.
+"""Suite-wide settings: pytest-timeout's per-test limit scales with MESHGROUPS_TEST_TIME_SCALE,
+and hypothesis has no per-example deadline (a loaded machine misses any fixed one).
 
 The limit (``timeout`` in pyproject.toml, or a test's own ``@pytest.mark.timeout(n)``) only stops
 a hang; on a loaded machine the waits inside a test grow with the scale (``tests/_timing.py``), so
@@ -12,6 +13,15 @@ import os
 import pytest
 
 from ._timing import TIME_SCALE, scaled
+
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # pragma: no cover - hypothesis is in the test extra
+    pass
+else:
+    # A test's own @settings(...) overrides only the fields it names; these fill in the rest.
+    settings.register_profile("meshgroups", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("meshgroups")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
