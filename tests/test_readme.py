@@ -17,8 +17,8 @@ The README's conventions, implemented here (any section added later is picked up
 - A top-level expression whose trailing comment starts with a Python literal (up to two spaces)
   is checked: ``lay.coords(13)  # {'pp': 1, ...}`` asserts the value equals the literal.
 
-Commands and blocks run in a scratch directory holding empty copies of the repository's
-top-level folders (packages aside), so ``-o docs/layout.png`` writes there, never into the checkout.
+Commands and blocks run in a scratch directory holding a copy of the repository's top level
+(packages aside), so ``-o docs/layout.png`` writes there, never into the checkout.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import ast
 import io
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tokenize
@@ -147,14 +148,33 @@ def runnable(block: Block) -> str:
     return CHECK + "\n" * (block.line - 1 - CHECK.count("\n")) + with_checks(block.code, block.line)
 
 
+SKIP_IN_SCRATCH = {
+    ".git",
+    ".venv",
+    "__pycache__",
+    "build",
+    "dist",
+    ".pytest_cache",
+    ".mypy_cache",
+    ".ruff_cache",
+}
+
+
 def _scratch(tmp_path: Path) -> Path:
-    """A working directory with the repository's top-level folders, empty (Python packages left
-    out: an empty ``meshgroups/`` there would shadow the installed one for ``python -m``)."""
+    """A working directory holding a copy of the repository's top-level files and folders
+    (Python packages left out: a copy of ``meshgroups/`` there would shadow the installed one
+    for ``python -m``), so a command reads ``notebooks/...`` and writes ``docs/...`` in the copy."""
     cwd = tmp_path / "cwd"
+    cwd.mkdir()
     for child in ROOT.iterdir():
-        if child.is_dir() and not child.name.startswith(".") and not (child / "__init__.py").exists():
-            (cwd / child.name).mkdir(parents=True, exist_ok=True)
-    cwd.mkdir(exist_ok=True)
+        if child.name in SKIP_IN_SCRATCH or child.name.endswith(".egg-info"):
+            continue
+        if child.is_file():
+            shutil.copy2(child, cwd / child.name)
+        elif child.is_dir() and not (child / "__init__.py").exists():
+            shutil.copytree(
+                child, cwd / child.name, ignore=shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints")
+            )
     return cwd
 
 
