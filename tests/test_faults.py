@@ -173,7 +173,7 @@ def worker_late_and_missing(rank, world):
         assert isinstance(exc, RendezvousTimeout), repr(exc)
         assert "gave up waiting" in str(exc) and elapsed < scaled(1), (str(exc), elapsed)
     # 2. Everyone in step again: the next call works.
-    with init_mesh(LAYOUT, flatten=FLATTEN) as mg:
+    with init_mesh(LAYOUT, flatten=FLATTEN, timeout=scaled(20)) as mg:
         verify_groups(mg, LAYOUT, rank)
 
     # 3. Two threads: rank 0 is slow, so on ranks 1-3 the first call is still waiting when a
