@@ -55,6 +55,13 @@ def _entry(fn, rank, world, port, args, queue, backend, env, pg_timeout):
         queue.put((rank, "error", traceback.format_exc()))
 
 
+PORT_TAKEN = "address already in use"
+
+
+class PortTaken(RuntimeError):
+    """Rank 0 could not listen on the job's port: another process took it after free_port()."""
+
+
 def run(
     fn: Callable[..., Any],
     world: int,
@@ -64,6 +71,7 @@ def run(
     env=None,
     pg_timeout: float = 60,
     may_exit: frozenset[int] | set[int] = frozenset(),
+    port_retries: int = 2,
 ) -> list[Any]:
     """``[fn(rank, world, *args) for each rank]`` computed in ``world`` real processes.
 
@@ -71,8 +79,39 @@ def run(
     multiplied by MESHGROUPS_TEST_TIME_SCALE here; a test comparing a time with the default
     group's timeout uses ``scaled(pg_timeout)``. ``backend=None`` leaves torch.distributed to
     ``fn``. Ranks in ``may_exit`` may die without a result (fault injection): their entry is
-    ``None``."""
-    timeout, pg_timeout = scaled(timeout), scaled(pg_timeout)
+    ``None``. A job whose port another process took in the meantime is run again on a new one,
+    up to ``port_retries`` times (0 where ``fn`` takes its ports from ``args``: see PortTaken).
+    """
+    for attempt in range(port_retries + 1):
+        try:
+            return _run_once(
+                fn,
+                world,
+                *args,
+                timeout=scaled(timeout),
+                backend=backend,
+                env=env,
+                pg_timeout=scaled(pg_timeout),
+                may_exit=may_exit,
+            )
+        except PortTaken:
+            # free_port() closed its socket before rank 0 bound the port, and on a shared machine
+            # another job took it: a fresh job on a fresh port, not a failure of the code tested.
+            if attempt == port_retries:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 120,
+    backend: str | None = "gloo",
+    env=None,
+    pg_timeout: float = 60,
+    may_exit: frozenset[int] | set[int] = frozenset(),
+) -> list[Any]:
     # forkserver with torch preloaded: children start in ~0.1 s from a clean, thread-free server
     # process, instead of ~2 s each importing torch (spawn) or inheriting pytest's state (fork).
     ctx = mp.get_context("forkserver")
@@ -96,6 +135,8 @@ def run(
         while len(results) + len(errors) < world:
             try:
                 rank, status, value = queue.get(timeout=0.5)
+                if status == "error" and PORT_TAKEN in value:
+                    raise PortTaken(value)
                 (results if status == "ok" else errors)[rank] = value
                 continue
             except queue_mod.Empty:
