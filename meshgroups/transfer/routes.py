@@ -1,0 +1,190 @@
+"""The planner: every (source block, destination block) pair of every weight, and its messages.
+
+:class:`Planner` walks the weights in the destination list's order. For weight ``w`` and a
+source block ``S`` it lists the destination blocks ``D`` that intersect ``S`` (per axis, by
+binary search in the two tilings, then their product) and routes each pair with
+:class:`~meshgroups.transfer.assign.PairRoute`, cached by the blocks' keys (stage and sharding
+coordinates), so weights placed alike share one routing. The cross-node senders of ``S`` take
+turns across its pairs and across weights: pair ``(S, D)`` of weight ``w`` starts at
+``base = w·K(S) + Σ_{D' before D} K(S, D')`` (mod the holder count), ``K`` counting cross nodes.
+Both the whole plan and a rank's part call :meth:`Planner.pairs_of` for the same ``(w, S)``, so
+they agree message for message.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..layout import Layout
+from .assign import PairRoute, PlanError
+from .shards import BlockKey, Side, holders, overlaps
+from .spec import Box, Weight
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The messages of one pair: one box, many ``(src, dst, step)``."""
+
+    weight: int  # index into the planner's weights
+    box: Box
+    nbytes: int
+    src: np.ndarray
+    dst: np.ndarray
+    step: np.ndarray
+    route: PairRoute
+
+
+class Planner:
+    """Routes for matched weights between two layouts; see the module docstring."""
+
+    def __init__(
+        self, src: Layout, dst: Layout, pairs: Sequence[tuple[Weight, Weight]], node_size: int
+    ) -> None:
+        self.src, self.dst, self.node_size = src, dst, node_size
+        self.weights = [dw for _, dw in pairs]
+        self.sides = [(Side(src, sw), Side(dst, dw)) for sw, dw in pairs]
+        self._holders: dict[tuple[int, BlockKey, tuple[str, ...]], np.ndarray] = {}
+        self._routes: dict[tuple[BlockKey, tuple[str, ...], BlockKey, tuple[str, ...]], PairRoute] = {}
+        self._pairs: dict[tuple[int, tuple[int, ...]], list[tuple[tuple[int, ...], Box, PairRoute, int]]] = {}
+
+    # ------------------------------------------------------------------ holders and routes
+    def _holders_of(self, which: int, side: Side, key: BlockKey) -> np.ndarray:
+        ck = (which, key, side.free_dims)
+        got = self._holders.get(ck)
+        if got is None:
+            got = self._holders[ck] = holders(side.layout, key, side.free_dims)
+        return got
+
+    def route(self, ss: Side, s_block: tuple[int, ...], ds: Side, d_block: tuple[int, ...]) -> PairRoute:
+        skey, dkey = ss.block_key(s_block), ds.block_key(d_block)
+        ck = (skey, ss.free_dims, dkey, ds.free_dims)
+        got = self._routes.get(ck)
+        if got is None:
+            got = self._routes[ck] = PairRoute.build(
+                self._holders_of(0, ss, skey), self._holders_of(1, ds, dkey), self.node_size
+            )
+        return got
+
+    # ------------------------------------------------------------------ blocks and pairs
+    @staticmethod
+    def _product(per_axis: list[np.ndarray]) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], Box]]:
+        """Cartesian product of per-axis overlap rows: (src block, dst block, box)."""
+        for rows in itertools.product(*[r.tolist() for r in per_axis]):
+            yield (
+                tuple(r[0] for r in rows),
+                tuple(r[1] for r in rows),
+                tuple((r[2], r[3]) for r in rows),
+            )
+
+    def pairs_of(self, w: int, s_block: tuple[int, ...]) -> list[tuple[tuple[int, ...], Box, PairRoute, int]]:
+        """Every destination block meeting source block ``s_block`` of weight ``w``, in block
+        order, with the piece's box, the pair's route and its cross-node sender base."""
+        ck = (w, s_block)
+        got = self._pairs.get(ck)
+        if got is not None:
+            return got
+        ss, ds = self.sides[w]
+        # Swap roles: which dst pieces meet this one src piece, per axis.
+        per_axis = []
+        for s_iv, d_iv, b in zip(ss.axis_intervals, ds.axis_intervals, s_block):
+            rows = overlaps(d_iv, s_iv, only=np.array([b]))
+            per_axis.append(rows[:, [1, 0, 2, 3]])
+        listed = [
+            (d_block, box, self.route(ss, s_block, ds, d_block))
+            for _, d_block, box in self._product(per_axis)
+        ]
+        h = max(1, len(self._holders_of(0, ss, ss.block_key(s_block))))
+        total = sum(r.n_cross for _, _, r in listed)
+        base = w * total
+        got = []
+        for d_block, box, route in listed:
+            got.append((d_block, box, route, base % h))
+            base += route.n_cross
+        if len(self._pairs) > 4096:  # bound the memory of a whole plan's walk
+            self._pairs.clear()
+        self._pairs[ck] = got
+        return got
+
+    def src_blocks_meeting(self, w: int, d_block: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Source blocks of weight ``w`` that intersect destination block ``d_block``; checks
+        that they tile it exactly (``PlanError`` otherwise)."""
+        ss, ds = self.sides[w]
+        per_axis = []
+        for axis, (s_iv, d_iv, b) in enumerate(zip(ss.axis_intervals, ds.axis_intervals, d_block)):
+            rows = overlaps(s_iv, d_iv, only=np.array([b]))
+            covered = int((rows[:, 3] - rows[:, 2]).sum())
+            if covered != int(d_iv[b, 1] - d_iv[b, 0]):
+                raise PlanError(
+                    f"plan bug: weight {self.weights[w].name!r} axis {axis}: destination piece "
+                    f"{d_iv[b].tolist()} covered by {covered} elements"
+                )
+            per_axis.append(rows)
+        return [s for s, _, _ in self._product(per_axis)]
+
+    def chunk(
+        self,
+        w: int,
+        s_block: tuple[int, ...],
+        d_block: tuple[int, ...],
+        box: Box,
+        route: PairRoute,
+        base: int,
+    ) -> Chunk:
+        ss, _ = self.sides[w]
+        turn = w + int(np.ravel_multi_index(s_block, [len(iv) for iv in ss.axis_intervals])) if s_block else w
+        src, dst, step = route.messages(base, turn)
+        nbytes = self.weights[w].itemsize * int(np.prod([b - a for a, b in box]))
+        return Chunk(w, box, nbytes, src, dst, step, route)
+
+    # ------------------------------------------------------------------ whole and local walks
+    def weight_chunks(self, w: int) -> Iterator[Chunk]:
+        """Every message of weight ``w`` (the whole plan), source block by source block."""
+        ss, ds = self.sides[w]
+        for axis, (s_iv, d_iv) in enumerate(zip(ss.axis_intervals, ds.axis_intervals)):
+            tiles = (
+                s_iv[0, 0] == 0 and s_iv[-1, 1] == d_iv[-1, 1] and np.array_equal(s_iv[1:, 0], s_iv[:-1, 1])
+            )
+            if not tiles:
+                raise PlanError(
+                    f"plan bug: source pieces of {self.weights[w].name!r} axis {axis} do not tile it"
+                )
+        sizes = [len(iv) for iv in ss.axis_intervals]
+        for flat in range(int(np.prod(sizes))):
+            s_block = tuple(int(i) for i in np.unravel_index(flat, sizes)) if sizes else ()
+            if any(iv[b, 1] <= iv[b, 0] for iv, b in zip(ss.axis_intervals, s_block)):
+                continue
+            for d_block, box, route, base in self.pairs_of(w, s_block):
+                yield self.chunk(w, s_block, d_block, box, route, base)
+
+    def rank_chunks(self, w: int, rank: int) -> Iterator[Chunk]:
+        """The pairs of weight ``w`` that ``rank`` takes part in (as a source holder, a receiver
+        or a forwarder), each restricted to its messages from or to ``rank``."""
+        ss, ds = self.sides[w]
+        seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        wanted: list[tuple[tuple[int, ...], tuple[int, ...] | None]] = []
+        s_own = ss.block_of(rank)
+        if s_own is not None:
+            wanted.append((s_own, None))
+        d_own = ds.block_of(rank)
+        if d_own is not None:
+            wanted.extend((s, d_own) for s in self.src_blocks_meeting(w, d_own))
+        found = []
+        for s_block, only in wanted:
+            for d_block, box, route, base in self.pairs_of(w, s_block):
+                if (only is not None and d_block != only) or (s_block, d_block) in seen:
+                    continue
+                seen.add((s_block, d_block))
+                found.append((s_block, d_block, box, route, base))
+        # The whole plan's order: source blocks, then destination blocks, row-major.
+        for s_block, d_block, box, route, base in sorted(found, key=lambda f: (f[0], f[1])):
+            c = self.chunk(w, s_block, d_block, box, route, base)
+            mine = (c.src == rank) | (c.dst == rank)
+            if mine.any():
+                yield Chunk(w, box, c.nbytes, c.src[mine], c.dst[mine], c.step[mine], route)
+
+
+__all__ = ["Chunk", "Planner"]

@@ -1,0 +1,115 @@
+"""One weight on one side's layout as blocks of distinct data and the ranks holding each.
+
+A *block* is one distinct shard: it is fixed by the coordinates of the dims that shard the
+weight (and the pipeline stage); the dims that replicate it enumerate its *holders*. Per tensor
+axis the sharding dims cut the axis into pieces that tile it in row-major order of their
+coordinates (:func:`~meshgroups.transfer.spec.intervals`), so a block is one piece index per
+axis and its box is the product of those pieces::
+
+    >>> from meshgroups import Layout
+    >>> from meshgroups.transfer.spec import Shard, Weight
+    >>> side = Side(Layout(dp=2, tp=2), Weight("w", (4, 4), placements={"tp": Shard(1)}))
+    >>> side.holders(side.block_key((0, 1))).tolist()   # the tp=1 shard: held by both dp ranks
+    [1, 3]
+
+Everything here is O(ndim + holders) per block, from coordinates; nothing scans the world.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import numpy as np
+
+from ..layout import Layout
+from .spec import Box, Weight, intervals
+
+#: A block's identity, independent of the weight's shape: the stage and the coordinates of the
+#: sharding dims. Weights with the same key have the same holders.
+BlockKey = tuple[tuple[str, int], ...]
+
+
+class Side:
+    """A weight's placement on one layout, as blocks (see the module docstring)."""
+
+    def __init__(self, layout: Layout, weight: Weight) -> None:
+        self.layout = layout
+        self.weight = weight
+        self.axis_dims = weight.shard_dims(layout)
+        sizes = dict(zip(layout.names, layout.shape))
+        self.axis_sizes = tuple(tuple(sizes[d] for d in dims) for dims in self.axis_dims)
+        sharding = {d for dims in self.axis_dims for d in dims}
+        stage_dim = weight.stage[0] if weight.stage is not None else None
+        # Holders vary over every dim that neither shards the weight nor is its stage dim.
+        self.free_dims = tuple(d for d in layout.names if d not in sharding and d != stage_dim)
+
+    @cached_property
+    def axis_intervals(self) -> tuple[np.ndarray, ...]:
+        """Per axis, every piece as ``[start, stop)`` rows, in block-index order."""
+        return tuple(intervals(n, sizes) for n, sizes in zip(self.weight.shape, self.axis_sizes))
+
+    def block_of(self, rank: int) -> tuple[int, ...] | None:
+        """The block ``rank`` holds (one piece index per axis), or ``None`` (outside the layout,
+        another stage, an empty shard). O(ndim)."""
+        if rank not in self.layout:
+            return None
+        coords = self.layout.coords(rank)
+        if self.weight.box_at(self.layout, coords) is None:
+            return None
+        out = []
+        for dims, sizes in zip(self.axis_dims, self.axis_sizes):
+            index = 0
+            for d, k in zip(dims, sizes):
+                index = index * k + coords[d]
+            out.append(index)
+        return tuple(out)
+
+    def block_box(self, block: tuple[int, ...]) -> Box:
+        return tuple((int(iv[b, 0]), int(iv[b, 1])) for iv, b in zip(self.axis_intervals, block))
+
+    def block_key(self, block: tuple[int, ...]) -> BlockKey:
+        """The stage and sharding-dim coordinates of ``block`` (what fixes its holders)."""
+        key: list[tuple[str, int]] = []
+        if self.weight.stage is not None:
+            key.append(self.weight.stage)
+        for dims, sizes, b in zip(self.axis_dims, self.axis_sizes, block):
+            coords = np.unravel_index(b, sizes) if sizes else ()
+            key.extend((d, int(c)) for d, c in zip(dims, coords))
+        return tuple(sorted(key, key=lambda kv: self.layout.names.index(kv[0])))
+
+    def holders(self, key: BlockKey) -> np.ndarray:
+        """Ranks holding the block of ``key``, in layout order over the replicating dims."""
+        return holders(self.layout, key, self.free_dims)
+
+
+def holders(layout: Layout, key: BlockKey, free_dims: tuple[str, ...]) -> np.ndarray:
+    """Ranks with the coordinates of ``key`` and any coordinate on ``free_dims``, in layout
+    order. O(ndim + result)."""
+    fixed = dict(key)
+    corner = layout.rank_at(**{d: fixed.get(d, 0) for d in layout.names})
+    return np.asarray(layout.group_of(corner, *free_dims), dtype=np.int64)
+
+
+def overlaps(src: np.ndarray, dst: np.ndarray, only: np.ndarray | None = None) -> np.ndarray:
+    """Pairs of pieces of one axis that intersect: rows ``(src index, dst index, start, stop)``.
+
+    ``src`` and ``dst`` are two tilings of the same axis (rows ``[start, stop)`` in order, empty
+    ones allowed); ``only`` restricts to those dst indices. O(result + log) per dst piece.
+    """
+    js = np.arange(len(dst), dtype=np.int64) if only is None else np.asarray(only, dtype=np.int64)
+    lo, hi = dst[js, 0], dst[js, 1]
+    keep = hi > lo
+    js, lo, hi = js[keep], lo[keep], hi[keep]
+    first = np.searchsorted(src[:, 1], lo, side="right")  # first src piece ending after lo
+    last = np.searchsorted(src[:, 0], hi, side="left")  # one past the last starting before hi
+    counts = np.maximum(last - first, 0)
+    rep_j = np.repeat(js, counts)
+    offs = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    i = np.repeat(first, counts) + offs
+    a = np.maximum(src[i, 0], dst[rep_j, 0])
+    b = np.minimum(src[i, 1], dst[rep_j, 1])
+    ok = b > a
+    return np.stack([i[ok], rep_j[ok], a[ok], b[ok]], axis=1)
+
+
+__all__ = ["BlockKey", "Side", "holders", "overlaps"]

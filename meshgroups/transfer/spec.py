@@ -1,0 +1,252 @@
+"""Where a weight lives on a layout: ``Shard``/``Replicate`` per layout dim, as torch DTensor.
+
+A :class:`Weight` names a tensor (global shape, dtype) and its placement on one side's layout:
+per layout dim ``Shard(axis)`` (that tensor axis is split over the dim) or ``Replicate()``
+(dims not named replicate), optionally only on one pipeline stage. ``box(layout, rank)`` is the
+rank's local shard as a global ``[start, stop)`` range per axis, computed from the rank's
+coordinates alone (O(ndim), never a scan over the world)::
+
+    >>> from meshgroups import Layout
+    >>> w = Weight("wq", (8, 6), placements={"dp": Shard(0), "tp": Shard(1)})
+    >>> w.box(Layout(dp=2, tp=3), 4)
+    ((4, 8), (2, 4))
+
+Semantics are torch DTensor's (``compute_local_shape_and_global_offset``): dims that shard the
+same axis split it in layout (mesh) order, outer dim first, then each piece again; a piece of
+``n`` elements over ``k`` ranks is cut in chunks of ``ceil(n / k)``, the last ones smaller or
+empty. Expert weights shard the experts axis like any other, e.g. shape ``(experts, h, f)``
+with ``{"ep": Shard(0), "etp": Shard(2)}``. No torch is imported here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, TypeAlias
+
+import numpy as np
+
+from ..checks import is_int
+from ..errors import LayoutError
+
+if TYPE_CHECKING:
+    from ..layout import Layout
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The tensor axis ``axis`` is split over the layout dim this placement is given for."""
+
+    axis: int
+
+    def __post_init__(self) -> None:
+        if not is_int(self.axis):
+            raise TypeError(f"Shard axis must be an int, got {self.axis!r}")
+        if self.axis < 0:
+            raise LayoutError(
+                f"Shard(axis={self.axis}): the axis must be >= 0 (give it counted from the front)"
+            )
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every rank along the layout dim holds the same data."""
+
+
+Placement: TypeAlias = Shard | Replicate
+
+
+def chunk(start: int, stop: int, parts: int, index: int) -> tuple[int, int]:
+    """Piece ``index`` of ``[start, stop)`` cut into ``parts`` as torch's ``Shard`` cuts it:
+    chunks of ``ceil(n / parts)``, the last ones smaller or empty::
+
+        >>> [chunk(0, 5, 4, i) for i in range(4)]
+        [(0, 2), (2, 4), (4, 5), (5, 5)]
+    """
+    n = stop - start
+    size = -(-n // parts)
+    lo = min(size * index, n)
+    return start + lo, start + min(lo + size, n)
+
+
+def intervals(extent: int, sizes: tuple[int, ...]) -> np.ndarray:
+    """Every piece of an axis of ``extent`` split by nested dims of ``sizes`` (outer first), in
+    row-major order of the dims' coordinates: an int64 array ``(prod(sizes), 2)`` of
+    ``[start, stop)``. Pieces tile the axis in this order (empty ones included)."""
+    pieces = np.array([[0, extent]], dtype=np.int64)
+    for k in sizes:
+        n = pieces[:, 1] - pieces[:, 0]
+        size = -(-n // k)
+        idx = np.arange(k, dtype=np.int64)
+        lo = np.minimum(size[:, None] * idx[None, :], n[:, None])
+        hi = np.minimum(lo + size[:, None], n[:, None])
+        pieces = np.stack([pieces[:, :1] + lo, pieces[:, :1] + hi], axis=-1).reshape(-1, 2)
+    return pieces
+
+
+def _placement_map(name: str, placements: object) -> Mapping[str, Placement]:
+    """A read-only ``{dim: placement}`` from a mapping or a sequence of ``(dim, placement)``
+    pairs; a dim given twice is refused (one layout dim has one placement)."""
+    if isinstance(placements, Mapping):
+        pairs = list(placements.items())
+    elif isinstance(placements, (list, tuple)) and all(
+        isinstance(p, tuple) and len(p) == 2 for p in placements
+    ):
+        pairs = list(placements)
+    else:
+        raise TypeError(
+            f"Weight {name!r}: placements must be a mapping dim -> Shard|Replicate (or (dim, placement) pairs), "
+            f"got {placements!r}"
+        )
+    out: dict[str, Placement] = {}
+    for dim, p in pairs:
+        if dim in out:
+            raise LayoutError(
+                f"Weight {name!r}: dim {dim!r} is given two placements ({out[dim]!r}, {p!r}); one per dim"
+            )
+        out[dim] = p
+    return MappingProxyType(out)
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A tensor and its placement on one layout; see the module docstring.
+
+    Args:
+        name: matched between the source and destination sides.
+        shape: global shape.
+        dtype: a numpy dtype name (its itemsize counts the bytes).
+        placements: ``{dim: Shard(axis) | Replicate()}``; dims not named replicate.
+        stage: ``("pp", 1)``: only ranks whose ``pp`` coordinate is 1 hold it; ``None``: all.
+
+    Raises:
+        TypeError: a field of the wrong kind (a placement that is not ``Shard``/``Replicate``).
+        LayoutError: (a ``ValueError``) a negative size, an unknown dtype, a ``Shard`` axis out
+            of range, the stage dim also given a placement other than ``Replicate``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    placements: Mapping[str, Placement] = field(default_factory=dict)
+    stage: tuple[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"Weight name must be a non-empty str, got {self.name!r}")
+        if isinstance(self.shape, (str, bytes)) or not isinstance(self.shape, (tuple, list)):
+            raise TypeError(f"Weight {self.name!r}: shape must be a tuple of ints, got {self.shape!r}")
+        for n in self.shape:
+            if not is_int(n):
+                raise TypeError(f"Weight {self.name!r}: shape must hold ints, got {self.shape!r}")
+            if n < 0:
+                raise LayoutError(f"Weight {self.name!r}: shape {tuple(self.shape)} has a negative size")
+        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        try:
+            np.dtype(self.dtype)
+        except TypeError:
+            raise LayoutError(
+                f"Weight {self.name!r}: dtype {self.dtype!r} is not a numpy dtype name"
+            ) from None
+        object.__setattr__(self, "placements", _placement_map(self.name, self.placements))
+        for dim, p in self.placements.items():
+            if not isinstance(dim, str):
+                raise TypeError(f"Weight {self.name!r}: placement keys are dim names, got {dim!r}")
+            if not isinstance(p, (Shard, Replicate)):
+                raise TypeError(
+                    f"Weight {self.name!r}: placement of dim {dim!r} must be Shard(axis) or Replicate(), got {p!r}"
+                )
+            if isinstance(p, Shard) and p.axis >= len(self.shape):
+                raise LayoutError(
+                    f"Weight {self.name!r}: {dim}=Shard({p.axis}) is out of range for shape {self.shape} "
+                    f"(axes 0..{len(self.shape) - 1})"
+                )
+        if self.stage is not None:
+            if not (
+                isinstance(self.stage, tuple)
+                and len(self.stage) == 2
+                and isinstance(self.stage[0], str)
+                and is_int(self.stage[1])
+            ):
+                raise TypeError(
+                    f"Weight {self.name!r}: stage must be (dim, index) like ('pp', 1), got {self.stage!r}"
+                )
+            if isinstance(self.placements.get(self.stage[0]), Shard):
+                raise LayoutError(
+                    f"Weight {self.name!r}: dim {self.stage[0]!r} is its pipeline stage dim; it cannot also shard it"
+                )
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.shape, self.dtype, tuple(self.placements.items()), self.stage))
+
+    @property
+    def itemsize(self) -> int:
+        return int(np.dtype(self.dtype).itemsize)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+    def check(self, layout: Layout) -> None:
+        """Raise ``LayoutError`` if a placement or the stage names a dim ``layout`` lacks, or the
+        stage index is out of range."""
+        for dim in self.placements:
+            if dim not in layout.names:
+                raise LayoutError(
+                    f"Weight {self.name!r}: unknown dim {dim!r} in placements; dims are {', '.join(layout.names)}"
+                )
+        if self.stage is not None:
+            dim, index = self.stage
+            if dim not in layout.names:
+                raise LayoutError(
+                    f"Weight {self.name!r}: unknown stage dim {dim!r}; dims are {', '.join(layout.names)}"
+                )
+            size = layout.shape[layout.names.index(dim)]
+            if not 0 <= index < size:
+                raise LayoutError(
+                    f"Weight {self.name!r}: stage {dim}={index} is out of range; {dim} has size {size}"
+                )
+
+    def shard_dims(self, layout: Layout) -> tuple[tuple[str, ...], ...]:
+        """Per tensor axis, the layout dims that shard it, in nesting (layout) order."""
+        self.check(layout)
+        per_axis: list[list[str]] = [[] for _ in self.shape]
+        for dim in layout.names:
+            p = self.placements.get(dim)
+            if isinstance(p, Shard):
+                per_axis[p.axis].append(dim)
+        return tuple(tuple(d) for d in per_axis)
+
+    def box_at(self, layout: Layout, coords: Mapping[str, int]) -> Box | None:
+        """The box held at layout coordinates ``coords`` (see :meth:`box`)."""
+        if self.stage is not None and coords[self.stage[0]] != self.stage[1]:
+            return None
+        sizes = dict(zip(layout.names, layout.shape))
+        box = []
+        for axis, dims in enumerate(self.shard_dims(layout)):
+            lo, hi = 0, self.shape[axis]
+            for dim in dims:
+                lo, hi = chunk(lo, hi, sizes[dim], coords[dim])
+            if hi <= lo:
+                return None
+            box.append((lo, hi))
+        return tuple(box)
+
+    def box(self, layout: Layout, rank: int) -> Box | None:
+        """This rank's local shard as a global ``[start, stop)`` per axis; ``None`` if the rank
+        is outside ``layout``, on another pipeline stage, or holds an empty (uneven) shard."""
+        if not is_int(rank):
+            raise TypeError(f"rank must be an int, got {rank!r}")
+        self.check(layout)
+        if rank not in layout:
+            return None
+        return self.box_at(layout, layout.coords(int(rank)))
+
+
+__all__ = ["Box", "Placement", "Replicate", "Shard", "Weight", "chunk", "intervals"]

@@ -1,0 +1,323 @@
+"""The transfer plan (numpy only, no processes) against a brute force over every element.
+
+The brute force marks, per weight, which ranks hold every element (source side) and which need
+it (destination side), straight from ``Weight.box`` rank by rank. From that it knows the
+minimum cross-node bytes (per node: the elements some rank on it needs and no rank on it
+holds) and checks each plan message element by element.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshgroups import Layout, LayoutError, Topology
+from meshgroups.transfer import Message, Plan, Replicate, Shard, Weight, plan_transfer
+from meshgroups.transfer.spec import chunk
+
+# --------------------------------------------------------------------------- brute force
+
+
+def _mask(shape: tuple[int, ...], box: tuple[tuple[int, int], ...] | None) -> np.ndarray:
+    m = np.zeros(shape, bool)
+    if box is not None:
+        m[tuple(slice(a, b) for a, b in box)] = True
+    return m
+
+
+def brute_minimum(src: Layout, sws: list[Weight], dst: Layout, dws: list[Weight], node: int) -> int:
+    """Σ over weights and nodes of the bytes some rank of the node needs and none holds."""
+    by_name = {w.name: w for w in sws}
+    total = 0
+    for dw in dws:
+        sw = by_name[dw.name]
+        need: dict[int, np.ndarray] = {}
+        have: dict[int, np.ndarray] = {}
+        for r in dst.grid.ravel().tolist():
+            m = need.setdefault(r // node, np.zeros(dw.shape, bool))
+            m |= _mask(dw.shape, dw.box(dst, r))
+        for r in src.grid.ravel().tolist():
+            m = have.setdefault(r // node, np.zeros(dw.shape, bool))
+            m |= _mask(dw.shape, sw.box(src, r))
+        for n, m in need.items():
+            lacking = m & ~have.get(n, np.zeros(dw.shape, bool))
+            total += int(lacking.sum()) * dw.itemsize
+    return total
+
+
+def check_plan(plan: Plan, src: Layout, sws: list[Weight], dst: Layout, dws: list[Weight], node: int) -> None:
+    """Exact coverage, no redundant byte, valid senders and forwards, minimum cross bytes."""
+    by_name = {w.name: w for w in sws}
+    msgs = list(plan.messages)
+    got: dict[tuple[str, int], np.ndarray] = {}
+    after0: dict[tuple[str, int], np.ndarray] = {}
+    for m in msgs:
+        dw, sw = next(w for w in dws if w.name == m.weight), by_name[m.weight]
+        box = _mask(dw.shape, m.box)
+        assert m.nbytes == int(box.sum()) * dw.itemsize
+        mine = _mask(dw.shape, dw.box(dst, m.dst))
+        assert (box <= mine).all(), f"{m} outside its receiver's box"
+        if m.step == 0:
+            assert (box <= _mask(dw.shape, sw.box(src, m.src))).all(), f"{m}: sender does not hold it"
+            after0.setdefault((m.weight, m.dst), np.zeros(dw.shape, bool))[...] |= box
+        else:
+            assert m.src // node == m.dst // node, f"{m}: forwards stay inside a node"
+        if m.src != m.dst:  # nothing to a rank that already holds it
+            assert not (box & _mask(dw.shape, sw.box(src, m.dst))).any(), f"{m} goes to a holder"
+        acc = got.setdefault((m.weight, m.dst), np.zeros(dw.shape, np.int64))
+        acc[box] += 1
+    for m in msgs:
+        if m.step == 1:  # the forwarder got it at step 0
+            held = after0[(m.weight, m.src)]
+            assert (_mask(held.shape, m.box) <= held).all(), f"{m}: forwarder did not receive it at step 0"
+    for dw in dws:
+        for r in dst.grid.ravel().tolist():
+            want = _mask(dw.shape, dw.box(dst, r)).astype(np.int64)
+            have = got.get((dw.name, r), np.zeros(dw.shape, np.int64))
+            assert np.array_equal(have, want), f"{dw.name} rank {r}: covered {have} want {want}"
+    lower = brute_minimum(src, sws, dst, dws, node)
+    cross = sum(m.nbytes for m in msgs if m.src // node != m.dst // node)
+    assert plan.cross_node_bytes == cross == lower == plan.cross_node_lower_bound
+    assert plan.n_messages == len(msgs)
+    send: dict[int, int] = {}
+    for m in msgs:
+        if m.src != m.dst:
+            send[m.src] = send.get(m.src, 0) + m.nbytes
+    assert dict(plan.send_bytes) == send
+
+
+def check_local(
+    plan: Plan, src: Layout, sws: list[Weight], dst: Layout, dws: list[Weight], topo: Topology | None
+) -> None:
+    msgs = list(plan.messages)
+    ranks = sorted(set(src.grid.ravel().tolist()) | set(dst.grid.ravel().tolist()))
+    for r in ranks:
+        mine = plan_transfer(src, sws, dst, dws, topology=topo, rank=r).messages
+        assert list(mine) == [m for m in msgs if r in (m.src, m.dst)], f"rank {r}"
+        assert plan.for_rank(r) == list(mine)
+
+
+# --------------------------------------------------------------------------- spec
+
+
+def test_box_matches_torch_dtensor() -> None:
+    torch_utils = pytest.importorskip("torch.distributed.tensor._utils")
+    from torch.distributed.tensor import Replicate as TR
+    from torch.distributed.tensor import Shard as TS
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        ndim = int(rng.integers(1, 4))
+        shape = tuple(int(x) for x in rng.integers(0, 9, ndim))
+        sizes = [int(x) for x in rng.integers(1, 4, int(rng.integers(1, 4)))]
+        names = [f"d{i}" for i in range(len(sizes))]
+        lay = Layout(dict(zip(names, sizes)))
+        pl = {n: (Shard(int(rng.integers(0, ndim))) if rng.random() < 0.7 else Replicate()) for n in names}
+        w = Weight("w", shape, placements=pl)
+        tpl = [TS(p.axis) if isinstance(p, Shard) else TR() for p in pl.values()]
+        for r in range(lay.world_size):
+            coord = [lay.coords(r)[n] for n in names]
+            local, offset = torch_utils._compute_local_shape_and_global_offset(shape, sizes, coord, tpl)
+            box = w.box(lay, r)
+            if any(s == 0 for s in local):
+                assert box is None
+            else:
+                assert box == tuple((o, o + s) for o, s in zip(offset, local)), (shape, sizes, pl, r)
+
+
+def test_chunk_is_torch_chunking() -> None:
+    assert [chunk(0, 5, 4, i) for i in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
+    assert [chunk(3, 10, 3, i) for i in range(3)] == [(3, 6), (6, 9), (9, 10)]
+
+
+def test_box_stage_and_outside() -> None:
+    lay = Layout(pp=2, tp=2, rank_offset=8)
+    w = Weight("w", (4,), placements={"tp": Shard(0)}, stage=("pp", 1))
+    assert w.box(lay, 8) is None and w.box(lay, 0) is None
+    assert w.box(lay, 10) == ((0, 2),) and w.box(lay, 11) == ((2, 4),)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "text"),
+    [
+        (lambda: Weight("w", (4,), placements={"tp": Shard(1)}), LayoutError, "Shard(1) is out of range"),
+        (
+            lambda: Weight("w", (4,), placements={"tp": "shard"}),
+            TypeError,
+            "must be Shard(axis) or Replicate()",
+        ),
+        (
+            lambda: Weight("w", (4,), placements=[("tp", Shard(0)), ("tp", Replicate())]),
+            LayoutError,
+            "two placements",
+        ),
+        (lambda: Weight("w", (4.0,)), TypeError, "shape must hold ints"),
+        (lambda: Weight("w", (4,), dtype="nope"), LayoutError, "not a numpy dtype"),
+        (lambda: Shard(-1), LayoutError, "axis must be >= 0"),
+        (lambda: Weight("w", (4,), placements={"pp": Shard(0)}, stage=("pp", 0)), LayoutError, "stage dim"),
+        (
+            lambda: Weight("w", (4,), placements={"xp": Shard(0)}).box(Layout(tp=2), 0),
+            LayoutError,
+            "unknown dim 'xp'",
+        ),
+        (
+            lambda: Weight("w", (4,), stage=("pp", 2)).box(Layout(pp=2), 0),
+            LayoutError,
+            "pp=2 is out of range",
+        ),
+    ],
+)
+def test_bad_input(make, error, text) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match=__import__("re").escape(text)):
+        make()
+
+
+def test_plan_rejects() -> None:
+    a = Weight("a", (4,), placements={"tp": Shard(0)})
+    with pytest.raises(LayoutError, match="'b' is in dst_weights but not in src_weights"):
+        plan_transfer(Layout(tp=2), [a], Layout(tp=2), [Weight("b", (4,))])
+    with pytest.raises(LayoutError, match="same shape and dtype"):
+        plan_transfer(Layout(tp=2), [a], Layout(tp=2), [Weight("a", (5,))])
+    with pytest.raises(LayoutError, match="listed twice"):
+        plan_transfer(Layout(tp=2), [a, a], Layout(tp=2), [a])
+    with pytest.raises(TypeError, match="topology"):
+        plan_transfer(Layout(tp=2), [a], Layout(tp=2), [a], topology=8)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- the issue's scenarios
+
+T4 = Topology(node=4)
+
+
+def _scenario(src: Layout, sws: list[Weight], dst: Layout, dws: list[Weight], topo: Topology | None) -> Plan:
+    plan = plan_transfer(src, sws, dst, dws, topology=topo)
+    check_plan(plan, src, sws, dst, dws, 1 if topo is None else _node(topo))
+    check_local(plan, src, sws, dst, dws, topo)
+    return plan
+
+
+def _node(topo: Topology) -> int:
+    return topo.size("node") if "node" in topo.names else topo.levels[0][1]
+
+
+def test_fsdp2_tp_to_tp4() -> None:
+    trainer, rollout = Layout(dp_shard=2, tp=2), Layout(tp=4, rank_offset=4)
+    sws = [
+        Weight("wq", (8, 6), placements={"dp_shard": Shard(0), "tp": Shard(0)}),
+        Weight("wo", (6, 8), placements={"dp_shard": Shard(0), "tp": Shard(1)}),
+        Weight("norm", (6,), placements={"dp_shard": Shard(0)}),
+    ]
+    dws = [
+        Weight("wq", (8, 6), placements={"tp": Shard(0)}),
+        Weight("wo", (6, 8), placements={"tp": Shard(1)}),
+        Weight("norm", (6,)),
+    ]
+    plan = _scenario(trainer, sws, rollout, dws, T4)
+    assert plan.cross_node_bytes == plan.cross_node_lower_bound
+    # one node of 4 rollout ranks: the replicated norm crosses once and is forwarded
+    norm = [m for m in plan.messages if m.weight == "norm"]
+    assert sum(m.nbytes for m in norm if m.step == 0) == 6 * 4
+    assert {m.step for m in norm} == {0, 1}
+
+
+def test_colocated_tp2dp4_to_tp4dp2() -> None:
+    lay_s, lay_d = Layout(dp=4, tp=2), Layout(dp=2, tp=4)
+    sws = [Weight("w", (8, 8), placements={"tp": Shard(0)})]
+    dws = [Weight("w", (8, 8), placements={"tp": Shard(0)})]
+    plan = _scenario(lay_s, sws, lay_d, dws, T4)
+    local = [m for m in plan.messages if m.src == m.dst]
+    assert local and plan.n_local == len(local)
+    assert plan.cross_node_bytes == 0  # every node holds the whole weight
+
+
+def test_pipeline_to_no_pp() -> None:
+    trainer, rollout = Layout(pp=2, tp=2), Layout(tp=2, rank_offset=4)
+    sws = [Weight(f"l{i}", (4, 4), placements={"tp": Shard(1)}, stage=("pp", i)) for i in range(2)]
+    dws = [Weight(f"l{i}", (4, 4), placements={"tp": Shard(1)}) for i in range(2)]
+    plan = _scenario(trainer, sws, rollout, dws, None)
+    assert {m.src for m in plan.messages if m.weight == "l1"} == {2, 3}
+
+
+def test_experts_ep4_to_ep2() -> None:
+    trainer, rollout = Layout(ep=4), Layout(ep=2, etp=2, rank_offset=4)
+    sws = [Weight("experts", (8, 4, 6), placements={"ep": Shard(0)})]
+    dws = [Weight("experts", (8, 4, 6), placements={"ep": Shard(0), "etp": Shard(2)})]
+    _scenario(trainer, sws, rollout, dws, T4)
+
+
+def test_uneven_and_permuted() -> None:
+    trainer = Layout(dp=2, tp=3)
+    rollout = Layout.from_grid([[9, 6], [11, 7], [8, 10]], ("tp", "dp"))
+    sws = [Weight("u", (7, 5), "float16", {"dp": Shard(0), "tp": Shard(0)})]
+    dws = [Weight("u", (7, 5), "float16", {"tp": Shard(0), "dp": Shard(1)})]
+    _scenario(trainer, sws, rollout, dws, Topology(node=2))
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@st.composite
+def worlds(draw: st.DrawFn) -> tuple[Layout, list[Weight], Layout, list[Weight], Topology | None]:
+    def layout(prefix: str, max_world: int, offset: int) -> Layout:
+        n = draw(st.integers(1, 3))
+        sizes, world = [], 1
+        for _ in range(n):
+            s = draw(st.integers(1, max(1, min(4, max_world // world))))
+            sizes.append(s)
+            world *= s
+        names = [f"{prefix}{i}" for i in range(n)]
+        if draw(st.booleans()):
+            perm = np.array(draw(st.permutations(range(world)))) + offset
+            return Layout.from_grid(perm.reshape(sizes), names)
+        return Layout(dict(zip(names, sizes)), rank_offset=offset)
+
+    src = layout("s", 16, 0)
+    colocated = draw(st.booleans())
+    dst = layout("d", 16, 0 if colocated else draw(st.integers(0, src.world_size)))
+    if not colocated and set(src.grid.ravel().tolist()) & set(dst.grid.ravel().tolist()):
+        dst = layout("d", 16, src.max_rank + 1)
+    n_w = draw(st.integers(1, 3))
+    sws, dws = [], []
+    for i in range(n_w):
+        ndim = draw(st.integers(1, 2))
+        shape = tuple(draw(st.integers(1, 7)) for _ in range(ndim))
+
+        def placements(
+            lay: Layout, stage_ok: bool, ndim: int
+        ) -> tuple[dict[str, Shard | Replicate], tuple[str, int] | None]:
+            pl: dict[str, Shard | Replicate] = {}
+            stage = None
+            for d, s in zip(lay.names, lay.shape):
+                c = draw(st.integers(0, 3))
+                if c == 0 and stage_ok and stage is None and s > 1:
+                    stage = (d, draw(st.integers(0, s - 1)))
+                elif c >= 2:
+                    pl[d] = Shard(draw(st.integers(0, ndim - 1)))
+            return pl, stage
+
+        spl, sst = placements(src, True, ndim)
+        dpl, dst_stage = placements(dst, False, ndim)
+        sws.append(Weight(f"w{i}", shape, "int16", spl, sst))
+        dws.append(Weight(f"w{i}", shape, "int16", dpl, dst_stage))
+    topo = draw(st.sampled_from([None, Topology(node=2), Topology(node=4), Topology(node=8)]))
+    return src, sws, dst, dws, topo
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(worlds())
+def test_plan_against_brute_force(
+    world: tuple[Layout, list[Weight], Layout, list[Weight], Topology | None],
+) -> None:
+    src, sws, dst, dws, topo = world
+    plan = plan_transfer(src, sws, dst, dws, topology=topo)
+    check_plan(plan, src, sws, dst, dws, 1 if topo is None else _node(topo))
+    check_local(plan, src, sws, dst, dws, topo)
+
+
+def test_message_is_value() -> None:
+    m = Message("w", 0, 1, ((0, 2),), 8, 0)
+    assert m == Message("w", 0, 1, ((0, 2),), 8, 0) and math.isfinite(m.nbytes)
