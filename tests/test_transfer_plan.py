@@ -156,7 +156,7 @@ def test_box_stage_and_outside() -> None:
             "two placements",
         ),
         (lambda: Weight("w", (4.0,)), TypeError, "shape must hold ints"),
-        (lambda: Weight("w", (4,), dtype="nope"), LayoutError, "not a numpy dtype"),
+        (lambda: Weight("w", (4,), dtype="nope"), LayoutError, "neither a numpy dtype name"),
         (lambda: Shard(-1), LayoutError, "axis must be >= 0"),
         (lambda: Weight("w", (4,), placements={"pp": Shard(0)}, stage=("pp", 0)), LayoutError, "stage dim"),
         (

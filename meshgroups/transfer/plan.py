@@ -99,10 +99,11 @@ class Plan:
         cross_node_bytes: bytes whose sender and receiver sit on different nodes.
         cross_node_lower_bound: Σ over nodes of the bytes the node needs and holds none of —
             no plan can move fewer across nodes (``None`` for a rank's plan).
-        busiest_send_bytes: the most any rank sends (both steps).
-        ideal_send_bytes: the bytes sent (both steps) over the ranks holding distinct data
-            (source ranks with a non-empty shard of a moved weight, and forwarding ranks);
-            ``nan`` for a rank's plan.
+        busiest_send_bytes: the most any source holder sends at step 0 (local copies excluded).
+        ideal_send_bytes: the bytes sent at step 0 over the ranks holding distinct data (source
+            ranks with a non-empty shard of a moved weight): what the busiest sender would send
+            if every holder sent alike; ``nan`` for a rank's plan.
+        busiest_forward_bytes: the most any rank forwards inside its node (step 1).
         n_messages: messages including local copies; ``n_local`` of them are local copies.
     """
 
@@ -113,6 +114,7 @@ class Plan:
         messages: Sequence[Message],
         send: np.ndarray,
         recv: np.ndarray,
+        send0: np.ndarray,
         cross: int,
         bound: int | None,
         ideal: float,
@@ -124,7 +126,8 @@ class Plan:
         self._send, self._recv = send, recv
         self.cross_node_bytes = cross
         self.cross_node_lower_bound = bound
-        self.busiest_send_bytes = int(send.max()) if send.size else 0
+        self.busiest_send_bytes = int(send0.max()) if send0.size else 0
+        self.busiest_forward_bytes = int((send - send0).max()) if send.size else 0
         self.ideal_send_bytes = ideal
         self.n_messages = len(messages)
         self.n_local = n_local
@@ -166,6 +169,7 @@ class Plan:
             ),
             ("busiest sender bytes", f"{self.busiest_send_bytes:,}"),
             ("ideal sender bytes", f"{self.ideal_send_bytes:,.0f}"),
+            ("busiest forwarder bytes", f"{self.busiest_forward_bytes:,}"),
             ("busiest receiver bytes", f"{int(self._recv.max()) if self._recv.size else 0:,}"),
             ("ranks per node", str(self.node_size)),
         ]
@@ -216,7 +220,7 @@ def _match(
             raise LayoutError(
                 f"weight {dw.name!r} is in dst_weights but not in src_weights: nothing to send it from"
             )
-        if sw.shape != dw.shape or np.dtype(sw.dtype) != np.dtype(dw.dtype):
+        if sw.shape != dw.shape or sw.dtype != dw.dtype:
             raise LayoutError(
                 f"weight {dw.name!r}: source {sw.shape} {sw.dtype} and destination {dw.shape} {dw.dtype} "
                 "must have the same shape and dtype"
@@ -246,23 +250,26 @@ def plan_transfer(
             weight has no source, shapes or dtypes differ, a name repeats.
     """
     pairs = _match(src, src_weights, dst, dst_weights)
-    planner = Planner(src, dst, pairs, _node_size(topology))
+    # A rank's part checks its own coverage (routes.rank_chunks); the whole plan every holder's.
+    planner = Planner(src, dst, pairs, _node_size(topology), full_check=rank is None)
     if rank is not None:
         if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool):
             raise TypeError(f"rank must be an int or None, got {rank!r}")
         msgs = list(_messages([w.name for w in planner.weights], _rank_chunks(planner, int(rank))))
         size = max(src.max_rank, dst.max_rank) + 1
-        send, recv = np.zeros(size, np.int64), np.zeros(size, np.int64)
+        send, recv, send0 = np.zeros(size, np.int64), np.zeros(size, np.int64), np.zeros(size, np.int64)
         cross = n_local = 0
         for m in msgs:
             if m.src == m.dst:
                 n_local += 1
                 continue
             send[m.src] += m.nbytes
+            if m.step == 0:
+                send0[m.src] += m.nbytes
             recv[m.dst] += m.nbytes
             if m.src // planner.node_size != m.dst // planner.node_size:
                 cross += m.nbytes
-        return Plan(planner, int(rank), msgs, send, recv, cross, None, float("nan"), n_local)
+        return Plan(planner, int(rank), msgs, send, recv, send0, cross, None, float("nan"), n_local)
     return _whole(planner, src, dst)
 
 
@@ -270,6 +277,7 @@ def _whole(planner: Planner, src: Layout, dst: Layout) -> Plan:
     """Walk every weight once, keeping only statistics (messages stay lazy)."""
     size = max(src.max_rank, dst.max_rank) + 1
     send = np.zeros(size, np.float64)
+    send0 = np.zeros(size, np.float64)
     recv = np.zeros(size, np.float64)
     holds = np.zeros(size, bool)
     counts = np.zeros(len(planner.weights), np.int64)
@@ -294,12 +302,14 @@ def _whole(planner: Planner, src: Layout, dst: Layout) -> Plan:
         s, d, b, t = s[moved], d[moved], b[moved], t[moved]
         send += np.bincount(s, weights=b, minlength=size)
         recv += np.bincount(d, weights=b, minlength=size)
-        holds[s[t == 1]] = True
+        first = t == 0
+        send0 += np.bincount(s[first], weights=b[first], minlength=size)
         cross += int(b[s // n != d // n].sum())
-    send_i, recv_i = send.astype(np.int64), recv.astype(np.int64)
+    send_i, recv_i, send0_i = send.astype(np.int64), recv.astype(np.int64), send0.astype(np.int64)
     n_holders = int(holds.sum())
-    ideal = float(send_i.sum()) / n_holders if n_holders else 0.0
-    return Plan(planner, None, _LazyMessages(planner, counts), send_i, recv_i, cross, bound, ideal, n_local)
+    ideal = float(send0_i.sum()) / n_holders if n_holders else 0.0
+    messages = _LazyMessages(planner, counts)
+    return Plan(planner, None, messages, send_i, recv_i, send0_i, cross, bound, ideal, n_local)
 
 
 __all__ = ["Message", "Plan", "plan_transfer"]

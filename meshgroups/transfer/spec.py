@@ -58,6 +58,41 @@ class Replicate:
 
 Placement: TypeAlias = Shard | Replicate
 
+#: Bytes per element of torch dtypes numpy lacks.
+TORCH_ONLY_DTYPES = {
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+}
+
+
+def dtype_name(dtype: object, weight: str = "") -> str:
+    """The canonical name of ``dtype`` (a numpy name, a torch-only name, or ``torch.xxx``)::
+
+    >>> dtype_name("torch.bfloat16"), dtype_name("f4")
+    ('bfloat16', 'float32')
+    """
+    if not isinstance(dtype, str):
+        raise TypeError(f"Weight {weight!r}: dtype must be a str like 'bfloat16', got {dtype!r}")
+    name = dtype.removeprefix("torch.")
+    if name in TORCH_ONLY_DTYPES:
+        return name
+    try:
+        return np.dtype(name).name
+    except TypeError:
+        raise LayoutError(
+            f"Weight {weight!r}: dtype {dtype!r} is neither a numpy dtype name nor one of "
+            f"{', '.join(TORCH_ONLY_DTYPES)}"
+        ) from None
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a canonical dtype name."""
+    return TORCH_ONLY_DTYPES.get(dtype) or int(np.dtype(dtype).itemsize)
+
 
 def chunk(start: int, stop: int, parts: int, index: int) -> tuple[int, int]:
     """Piece ``index`` of ``[start, stop)`` cut into ``parts`` as torch's ``Shard`` cuts it:
@@ -118,7 +153,8 @@ class Weight:
     Args:
         name: matched between the source and destination sides.
         shape: global shape.
-        dtype: a numpy dtype name (its itemsize counts the bytes).
+        dtype: a numpy dtype name or a torch-only one (``bfloat16``, ``float8_e4m3fn``; a
+            ``torch.`` prefix is dropped); its itemsize counts the bytes.
         placements: ``{dim: Shard(axis) | Replicate()}``; dims not named replicate.
         stage: ``("pp", 1)``: only ranks whose ``pp`` coordinate is 1 hold it; ``None``: all.
 
@@ -145,12 +181,7 @@ class Weight:
             if n < 0:
                 raise LayoutError(f"Weight {self.name!r}: shape {tuple(self.shape)} has a negative size")
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
-        try:
-            np.dtype(self.dtype)
-        except TypeError:
-            raise LayoutError(
-                f"Weight {self.name!r}: dtype {self.dtype!r} is not a numpy dtype name"
-            ) from None
+        object.__setattr__(self, "dtype", dtype_name(self.dtype, self.name))
         object.__setattr__(self, "placements", _placement_map(self.name, self.placements))
         for dim, p in self.placements.items():
             if not isinstance(dim, str):
@@ -184,7 +215,7 @@ class Weight:
 
     @property
     def itemsize(self) -> int:
-        return int(np.dtype(self.dtype).itemsize)
+        return itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:
