@@ -100,7 +100,11 @@ def check_balance(plan: Plan, src: Layout, sws: list[Weight], node: int) -> None
             units.setdefault((m.weight, m.box), []).append(m.src)
     for (name, box), senders in units.items():
         piece = _mask(by_name[name].shape, box)
-        holders = [r for r in src.grid.ravel().tolist() if (piece <= _mask(piece.shape, by_name[name].box(src, r))).all()]
+        holders = [
+            r
+            for r in src.grid.ravel().tolist()
+            if (piece <= _mask(piece.shape, by_name[name].box(src, r))).all()
+        ]
         k, h = len(senders), len(holders)
         counts = [senders.count(r) for r in holders]
         assert sum(counts) == k and set(counts) <= {k // h, -(-k // h)}, (name, box, holders, senders)
@@ -143,6 +147,26 @@ def test_box_matches_torch_dtensor() -> None:
                 assert box is None
             else:
                 assert box == tuple((o, o + s) for o, s in zip(offset, local)), (shape, sizes, pl, r)
+
+
+@pytest.mark.parametrize(("dp", "tp", "rows"), [(2, 2, 8), (2, 4, 16), (4, 2, 24), (3, 2, 12)])
+def test_shard_order_is_fsdp2_over_tp(dp: int, tp: int, rows: int) -> None:
+    """FSDP2 on a TP column-sharded weight: torch's (_StridedShard(0, split_factor=tp), Shard(0))."""
+    torch_utils = pytest.importorskip("torch.distributed.tensor._utils")
+    from torch.distributed.tensor import Shard as TS
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    lay = Layout(dp_shard=dp, tp=tp)
+    w = Weight(
+        "w", (rows, 3), placements={"dp_shard": Shard(0), "tp": Shard(0)}, shard_order=("tp", "dp_shard")
+    )
+    placements = [_StridedShard(0, split_factor=tp), TS(0)]
+    for r in range(lay.world_size):
+        coord = [lay.coords(r)["dp_shard"], lay.coords(r)["tp"]]
+        local, offset = torch_utils._compute_local_shape_and_global_offset(
+            (rows, 3), (dp, tp), coord, placements
+        )
+        assert w.box(lay, r) == tuple((o, o + n) for o, n in zip(offset, local))
 
 
 def test_chunk_is_torch_chunking() -> None:

@@ -157,6 +157,10 @@ class Weight:
             ``torch.`` prefix is dropped); its itemsize counts the bytes.
         placements: ``{dim: Shard(axis) | Replicate()}``; dims not named replicate.
         stage: ``("pp", 1)``: only ranks whose ``pp`` coordinate is 1 hold it; ``None``: all.
+        shard_order: dims that shard one axis split it in layout order unless listed here:
+            listed dims split first, in this order (outermost first). FSDP2 over a TP
+            column-sharded weight (torch's ``_StridedShard(0, split_factor=tp)`` on
+            ``dp_shard``, ``Shard(0)`` on ``tp``) is ``shard_order=("tp", "dp_shard")``.
 
     Raises:
         TypeError: a field of the wrong kind (a placement that is not ``Shard``/``Replicate``).
@@ -169,6 +173,7 @@ class Weight:
     dtype: str = "float32"
     placements: Mapping[str, Placement] = field(default_factory=dict)
     stage: tuple[str, int] | None = None
+    shard_order: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -210,8 +215,24 @@ class Weight:
                     f"Weight {self.name!r}: dim {self.stage[0]!r} is its pipeline stage dim; it cannot also shard it"
                 )
 
+        if self.shard_order is not None:
+            order = self.shard_order
+            if isinstance(order, str) or not isinstance(order, (tuple, list)):
+                raise TypeError(
+                    f"Weight {self.name!r}: shard_order must be a tuple of dim names, got {order!r}"
+                )
+            for dim in order:
+                if not isinstance(self.placements.get(dim), Shard):
+                    raise LayoutError(
+                        f"Weight {self.name!r}: shard_order names {dim!r}, which has no Shard placement"
+                    )
+            if len(set(order)) != len(order):
+                raise LayoutError(f"Weight {self.name!r}: shard_order {tuple(order)} repeats a dim")
+            object.__setattr__(self, "shard_order", tuple(order))
+
     def __hash__(self) -> int:
-        return hash((self.name, self.shape, self.dtype, tuple(self.placements.items()), self.stage))
+        items = tuple(self.placements.items())
+        return hash((self.name, self.shape, self.dtype, items, self.stage, self.shard_order))
 
     @property
     def itemsize(self) -> int:
@@ -245,10 +266,12 @@ class Weight:
                 )
 
     def shard_dims(self, layout: Layout) -> tuple[tuple[str, ...], ...]:
-        """Per tensor axis, the layout dims that shard it, in nesting (layout) order."""
+        """Per tensor axis, the layout dims that shard it, in nesting order (``shard_order``
+        first, then layout order)."""
         self.check(layout)
         per_axis: list[list[str]] = [[] for _ in self.shape]
-        for dim in layout.names:
+        first = self.shard_order or ()
+        for dim in (*first, *(d for d in layout.names if d not in first)):
             p = self.placements.get(dim)
             if isinstance(p, Shard):
                 per_axis[p.axis].append(dim)
