@@ -90,6 +90,26 @@ def check_plan(plan: Plan, src: Layout, sws: list[Weight], dst: Layout, dws: lis
     assert dict(plan.send_bytes) == send
 
 
+def check_balance(plan: Plan, src: Layout, sws: list[Weight], node: int) -> None:
+    """Round-robin over replicas: for each piece, the K nodes that need it from outside get it
+    from its h source holders, each holder sending floor(K/h) or ceil(K/h) of them."""
+    by_name = {w.name: w for w in sws}
+    units: dict[tuple[str, tuple[tuple[int, int], ...]], list[int]] = {}
+    for m in plan.messages:
+        if m.step == 0 and m.src // node != m.dst // node:
+            units.setdefault((m.weight, m.box), []).append(m.src)
+    for (name, box), senders in units.items():
+        piece = _mask(by_name[name].shape, box)
+        holders = [
+            r
+            for r in src.grid.ravel().tolist()
+            if (piece <= _mask(piece.shape, by_name[name].box(src, r))).all()
+        ]
+        k, h = len(senders), len(holders)
+        counts = [senders.count(r) for r in holders]
+        assert sum(counts) == k and set(counts) <= {k // h, -(-k // h)}, (name, box, holders, senders)
+
+
 def check_local(
     plan: Plan, src: Layout, sws: list[Weight], dst: Layout, dws: list[Weight], topo: Topology | None
 ) -> None:
@@ -129,6 +149,26 @@ def test_box_matches_torch_dtensor() -> None:
                 assert box == tuple((o, o + s) for o, s in zip(offset, local)), (shape, sizes, pl, r)
 
 
+@pytest.mark.parametrize(("dp", "tp", "rows"), [(2, 2, 8), (2, 4, 16), (4, 2, 24), (3, 2, 12)])
+def test_shard_order_is_fsdp2_over_tp(dp: int, tp: int, rows: int) -> None:
+    """FSDP2 on a TP column-sharded weight: torch's (_StridedShard(0, split_factor=tp), Shard(0))."""
+    torch_utils = pytest.importorskip("torch.distributed.tensor._utils")
+    from torch.distributed.tensor import Shard as TS
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    lay = Layout(dp_shard=dp, tp=tp)
+    w = Weight(
+        "w", (rows, 3), placements={"dp_shard": Shard(0), "tp": Shard(0)}, shard_order=("tp", "dp_shard")
+    )
+    placements = [_StridedShard(0, split_factor=tp), TS(0)]
+    for r in range(lay.world_size):
+        coord = [lay.coords(r)["dp_shard"], lay.coords(r)["tp"]]
+        local, offset = torch_utils._compute_local_shape_and_global_offset(
+            (rows, 3), (dp, tp), coord, placements
+        )
+        assert w.box(lay, r) == tuple((o, o + n) for o, n in zip(offset, local))
+
+
 def test_chunk_is_torch_chunking() -> None:
     assert [chunk(0, 5, 4, i) for i in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
     assert [chunk(3, 10, 3, i) for i in range(3)] == [(3, 6), (6, 9), (9, 10)]
@@ -156,7 +196,7 @@ def test_box_stage_and_outside() -> None:
             "two placements",
         ),
         (lambda: Weight("w", (4.0,)), TypeError, "shape must hold ints"),
-        (lambda: Weight("w", (4,), dtype="nope"), LayoutError, "not a numpy dtype"),
+        (lambda: Weight("w", (4,), dtype="nope"), LayoutError, "neither a numpy dtype name"),
         (lambda: Shard(-1), LayoutError, "axis must be >= 0"),
         (lambda: Weight("w", (4,), placements={"pp": Shard(0)}, stage=("pp", 0)), LayoutError, "stage dim"),
         (
@@ -315,7 +355,37 @@ def test_plan_against_brute_force(
     src, sws, dst, dws, topo = world
     plan = plan_transfer(src, sws, dst, dws, topology=topo)
     check_plan(plan, src, sws, dst, dws, 1 if topo is None else _node(topo))
+    check_balance(plan, src, sws, 1 if topo is None else _node(topo))
     check_local(plan, src, sws, dst, dws, topo)
+
+
+def _layers(n: int, stage: tuple[str, int] | None = None) -> list[Weight]:
+    out = []
+    for i in range(n):
+        out.append(Weight(f"col{i}", (8, 4), "bfloat16", {"tp": Shard(0)}, stage))
+        out.append(Weight(f"row{i}", (4, 8), "bfloat16", {"tp": Shard(1)}, stage))
+    return out
+
+
+def test_balance_exact_when_nodes_divide_replicas() -> None:
+    """Precise condition: every source rank holds every weight, sources and destinations on
+    disjoint nodes, and for every piece the number of destination nodes needing it (K) is a
+    multiple of its source holders (h). Then each holder sends exactly K/h of each piece's
+    copies, so the busiest sender sends exactly the ideal."""
+    trainer, rollout = Layout(dp=4, tp=2), Layout(dp=8, tp=2, rank_offset=8)  # K = 4 nodes, h = 4
+    plan = plan_transfer(trainer, _layers(6), rollout, _layers(6), topology=T4)
+    assert plan.busiest_send_bytes == plan.ideal_send_bytes == plan.send_array()[:8].min()
+    assert plan.cross_node_bytes == plan.cross_node_lower_bound
+    assert plan.busiest_forward_bytes > 0  # two replicas per rollout node: one forwards
+
+
+def test_balance_within_ten_percent_across_weights() -> None:
+    """K = 3 nodes per piece over h = 4 holders does not divide: the start rotates from weight
+    to weight, so over many weights every holder sends within 10% of the ideal."""
+    trainer, rollout = Layout(dp=4, tp=2), Layout(dp=6, tp=2, rank_offset=8)
+    plan = plan_transfer(trainer, _layers(20), rollout, _layers(20), topology=T4)
+    assert plan.ideal_send_bytes * 0.9 <= plan.send_array()[:8].min()
+    assert plan.busiest_send_bytes <= 1.1 * plan.ideal_send_bytes
 
 
 def test_message_is_value() -> None:

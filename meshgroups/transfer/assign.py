@@ -19,6 +19,7 @@ node ``k`` of the pair's ``K`` cross nodes (in node order) gets the piece from s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -41,6 +42,28 @@ def _runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
 
 
 @dataclass(frozen=True)
+class ByNode:
+    """Holders of one block grouped by node: ``ranks`` sorted by node (stable, so the holders'
+    own order inside a node), the node ids, where each node's run starts, its length, and each
+    rank's position in its run. Shared by every pair the block takes part in."""
+
+    ranks: np.ndarray
+    nodes: np.ndarray
+    start: np.ndarray
+    count: np.ndarray
+    pos: np.ndarray
+
+    @classmethod
+    def of(cls, holders: np.ndarray, node_size: int) -> ByNode:
+        nodes = holders // node_size
+        if nodes.size > 1 and not (nodes[1:] >= nodes[:-1]).all():
+            order = np.argsort(nodes, kind="stable")
+            holders, nodes = holders[order], nodes[order]
+        values, start, count, pos = _runs(nodes)
+        return cls(holders, values, start, count, pos)
+
+
+@dataclass(frozen=True)
 class PairRoute:
     """The routing of one pair, independent of the piece's bytes; see the module docstring."""
 
@@ -56,48 +79,44 @@ class PairRoute:
     cross_pos: np.ndarray  # per cross_dst: index inside its node
     cross_count: np.ndarray  # per cross node: how many holders of D it has
     lower_bound_nodes: int  # nodes that need S ∩ D and hold none of S, counted apart
+    node_size: int
 
     @property
     def n_cross(self) -> int:
         return int(self.cross_count.size)
 
     @classmethod
-    def build(cls, src_holders: np.ndarray, dst_holders: np.ndarray, node_size: int) -> PairRoute:
-        hs = np.asarray(src_holders, dtype=np.int64)
-        hd = np.asarray(dst_holders, dtype=np.int64)
-        s_nodes = hs // node_size
-        order = np.argsort(s_nodes, kind="stable")
-        cand = hs[order]
-        node_vals, node_start, node_count, _ = _runs(s_nodes[order])
-        is_local = np.isin(hd, hs)
-        rest = hd[~is_local]
-        r_nodes = rest // node_size
-        on_src_node = np.isin(r_nodes, node_vals)
-        intra = rest[on_src_node]
-        i_nodes = r_nodes[on_src_node]
-        i_order = np.argsort(i_nodes, kind="stable")
-        intra, i_nodes = intra[i_order], i_nodes[i_order]
+    def build(
+        cls, src_holders: np.ndarray, s: ByNode, d: ByNode, node_size: int, full_check: bool
+    ) -> PairRoute:
+        """Route a pair from its holders grouped by node (``s``, ``d``: see :class:`ByNode`).
+        ``full_check`` also compares the covered ranks with the holders (O(Q log Q))."""
+        hs = src_holders
+        in_src = np.isin(d.nodes, s.nodes)  # per destination node: does it hold S?
+        member_in = np.repeat(in_src, d.count)
+        on = d.ranks[member_in]
+        # Only a destination holder on a node holding S can hold S itself.
+        is_local = np.isin(on, hs) if on.size else np.zeros(0, bool)
+        intra = on[~is_local]
+        i_nodes = intra // node_size
         _, _, _, intra_pos = _runs(i_nodes)
-        where = np.searchsorted(node_vals, i_nodes)
-        cross = rest[~on_src_node]
-        c_nodes = cross // node_size
-        c_order = np.argsort(c_nodes, kind="stable")
-        cross, c_nodes = cross[c_order], c_nodes[c_order]
-        _, _, c_count, c_pos = _runs(c_nodes)
+        where = np.searchsorted(s.nodes, i_nodes)
+        cross = d.ranks[~member_in]
+        c_count = d.count[~in_src]
         cross_k = np.repeat(np.arange(c_count.size, dtype=np.int64), c_count)
         # The bound is computed from the node sets alone, not from the routing above.
-        bound = np.setdiff1d(np.unique(hd // node_size), node_vals).size
+        bound = np.setdiff1d(d.nodes, s.nodes, assume_unique=True).size
         route = cls(
-            hs, hd[is_local], intra, cand, node_start[where], node_count[where], intra_pos,
-            cross, cross_k, c_pos, c_count, int(bound),
+            hs, on[is_local], intra, s.ranks, s.start[where], s.count[where], intra_pos,
+            cross, cross_k, d.pos[~member_in], c_count, int(bound), node_size,
         )  # fmt: skip
-        route._check(hd)
+        route._check(d.ranks, full_check)
         return route
 
-    def _check(self, dst_holders: np.ndarray) -> None:
+    def _check(self, dst_holders: np.ndarray, full: bool) -> None:
         """Every destination holder gets the piece exactly once (raise ``PlanError`` if not)."""
         got = np.concatenate([self.local, self.intra_dst, self.cross_dst])
-        if got.size != dst_holders.size or not np.array_equal(np.sort(got), np.sort(dst_holders)):
+        if got.size != dst_holders.size or (full and not np.array_equal(np.sort(got), np.sort(dst_holders))):
             raise PlanError(f"plan bug: destination holders {dst_holders.tolist()} covered as {got.tolist()}")
         if self.n_cross != self.lower_bound_nodes:
             raise PlanError(
@@ -125,5 +144,72 @@ class PairRoute:
         step[src.size - fwd_src.size :] = 1
         return src, dst, step
 
+    # ------------------------------------------------------------ one rank's messages
+    @cached_property
+    def _index(self) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+        """(sorted values, position) of the arrays a rank is looked up in."""
 
-__all__ = ["PairRoute", "PlanError"]
+        def by_value(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            order = np.argsort(a, kind="stable")
+            return a[order], order
+
+        return (
+            by_value(self.src_holders),
+            by_value(self.local),
+            by_value(self.intra_dst),
+            by_value(self.cross_dst),
+        )
+
+    @cached_property
+    def _cross_start(self) -> np.ndarray:
+        return np.cumsum(self.cross_count) - self.cross_count
+
+    @cached_property
+    def _intra_nodes(self) -> np.ndarray:
+        return self.intra_dst // self.node_size
+
+    @staticmethod
+    def _find(index: tuple[np.ndarray, np.ndarray], rank: int) -> int | None:
+        values, where = index
+        i = int(np.searchsorted(values, rank))
+        return int(where[i]) if i < values.size and int(values[i]) == rank else None
+
+    def _intra_src(self, i: int, turn: int) -> int:
+        return int(self.intra_cand[self.intra_start[i] + (self.intra_pos[i] + turn) % self.intra_count[i]])
+
+    def messages_for(self, rank: int, base: int, turn: int) -> list[tuple[int, int, int]]:
+        """The ``(src, dst, step)`` of :meth:`messages` that ``rank`` sends or receives, in the
+        same order, found by lookups: O(log h + its own messages), never O(holders)."""
+        found: list[tuple[int, int, int, int, int]] = []  # (section, index, src, dst, step)
+        h = self.src_holders.size
+        i_src, i_local, i_intra, i_cross = self._index
+        if (i := self._find(i_local, rank)) is not None:
+            found.append((0, i, rank, rank, 0))
+        if (i := self._find(i_intra, rank)) is not None:
+            found.append((1, i, self._intra_src(i, turn), rank, 0))
+        j = self._find(i_src, rank)
+        if j is not None:
+            node = rank // self.node_size
+            lo, hi = np.searchsorted(self._intra_nodes, [node, node + 1])
+            for i in range(int(lo), int(hi)):
+                if self._intra_src(i, turn) == rank:
+                    found.append((1, i, rank, int(self.intra_dst[i]), 0))
+            for k in range((j - base) % h, self.n_cross, h):
+                rep = int(self.cross_dst[self._cross_start[k] + turn % self.cross_count[k]])
+                found.append((2, k, rank, rep, 0))
+        if (i := self._find(i_cross, rank)) is not None:
+            k = int(self.cross_k[i])
+            start, count = int(self._cross_start[k]), int(self.cross_count[k])
+            rep_i = start + turn % count
+            if i == rep_i:
+                found.append((2, k, int(self.src_holders[(base + k) % h]), rank, 0))
+                found.extend(
+                    (3, m, rank, int(self.cross_dst[m]), 1) for m in range(start, start + count) if m != i
+                )
+            else:
+                found.append((3, i, int(self.cross_dst[rep_i]), rank, 1))
+        found.sort()
+        return [(src, dst, step) for _, _, src, dst, step in found]
+
+
+__all__ = ["ByNode", "PairRoute", "PlanError"]

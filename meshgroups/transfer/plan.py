@@ -35,6 +35,7 @@ from ..layout import Layout
 from ..topology import Topology
 from .routes import Chunk, Planner
 from .spec import Box, Weight
+from .stats import RankStats, Tally
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,14 @@ class Plan:
         cross_node_bytes: bytes whose sender and receiver sit on different nodes.
         cross_node_lower_bound: Σ over nodes of the bytes the node needs and holds none of —
             no plan can move fewer across nodes (``None`` for a rank's plan).
-        busiest_send_bytes: the most any rank sends (both steps).
-        ideal_send_bytes: the bytes sent (both steps) over the ranks holding distinct data
-            (source ranks with a non-empty shard of a moved weight, and forwarding ranks);
-            ``nan`` for a rank's plan.
+        busiest_send_bytes: the most any source holder sends at step 0 (local copies excluded).
+        ideal_send_bytes: the bytes sent at step 0 over the ranks holding distinct data (source
+            ranks with a non-empty shard of a moved weight): what the busiest sender would send
+            if every holder sent alike; ``nan`` for a rank's plan.
+        busiest_forward_bytes: the most any rank forwards inside its node (step 1).
         n_messages: messages including local copies; ``n_local`` of them are local copies.
+        stats: per-rank arrays (bytes and messages by step and node crossing), see
+            :class:`~meshgroups.transfer.stats.RankStats`.
     """
 
     def __init__(
@@ -111,23 +115,24 @@ class Plan:
         planner: Planner,
         rank: int | None,
         messages: Sequence[Message],
-        send: np.ndarray,
-        recv: np.ndarray,
-        cross: int,
+        tally: Tally,
         bound: int | None,
-        ideal: float,
-        n_local: int,
+        n_holders: int,
     ) -> None:
         self._planner = planner
         self.rank = rank
         self.messages = messages
-        self._send, self._recv = send, recv
-        self.cross_node_bytes = cross
+        self.stats: RankStats = tally.result()
+        self._send, self._recv = self.stats.send, self.stats.recv
+        self.cross_node_bytes = tally.cross_bytes
         self.cross_node_lower_bound = bound
-        self.busiest_send_bytes = int(send.max()) if send.size else 0
-        self.ideal_send_bytes = ideal
-        self.n_messages = len(messages)
-        self.n_local = n_local
+        step0 = self.stats.send_step0
+        self.busiest_send_bytes = int(step0.max()) if step0.size else 0
+        forwards = self._send - step0
+        self.busiest_forward_bytes = int(forwards.max()) if forwards.size else 0
+        self.ideal_send_bytes = float(step0.sum()) / n_holders if n_holders else float("nan")
+        self.n_messages = tally.n_messages
+        self.n_local = tally.n_local
         self.node_size = planner.node_size
 
     @property
@@ -166,6 +171,7 @@ class Plan:
             ),
             ("busiest sender bytes", f"{self.busiest_send_bytes:,}"),
             ("ideal sender bytes", f"{self.ideal_send_bytes:,.0f}"),
+            ("busiest forwarder bytes", f"{self.busiest_forward_bytes:,}"),
             ("busiest receiver bytes", f"{int(self._recv.max()) if self._recv.size else 0:,}"),
             ("ranks per node", str(self.node_size)),
         ]
@@ -216,7 +222,7 @@ def _match(
             raise LayoutError(
                 f"weight {dw.name!r} is in dst_weights but not in src_weights: nothing to send it from"
             )
-        if sw.shape != dw.shape or np.dtype(sw.dtype) != np.dtype(dw.dtype):
+        if sw.shape != dw.shape or sw.dtype != dw.dtype:
             raise LayoutError(
                 f"weight {dw.name!r}: source {sw.shape} {sw.dtype} and destination {dw.shape} {dw.dtype} "
                 "must have the same shape and dtype"
@@ -246,60 +252,34 @@ def plan_transfer(
             weight has no source, shapes or dtypes differ, a name repeats.
     """
     pairs = _match(src, src_weights, dst, dst_weights)
-    planner = Planner(src, dst, pairs, _node_size(topology))
+    # A rank's part checks its own coverage (routes.rank_chunks); the whole plan every holder's.
+    planner = Planner(src, dst, pairs, _node_size(topology), full_check=rank is None)
     if rank is not None:
         if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool):
             raise TypeError(f"rank must be an int or None, got {rank!r}")
-        msgs = list(_messages([w.name for w in planner.weights], _rank_chunks(planner, int(rank))))
-        size = max(src.max_rank, dst.max_rank) + 1
-        send, recv = np.zeros(size, np.int64), np.zeros(size, np.int64)
-        cross = n_local = 0
-        for m in msgs:
-            if m.src == m.dst:
-                n_local += 1
-                continue
-            send[m.src] += m.nbytes
-            recv[m.dst] += m.nbytes
-            if m.src // planner.node_size != m.dst // planner.node_size:
-                cross += m.nbytes
-        return Plan(planner, int(rank), msgs, send, recv, cross, None, float("nan"), n_local)
+        chunks = list(_rank_chunks(planner, int(rank)))
+        tally = Tally(max(src.max_rank, dst.max_rank) + 1, planner.node_size)
+        for c in chunks:
+            tally.add(c.src, c.dst, np.full(c.src.size, c.nbytes, np.int64), c.step)
+        msgs = list(_messages([w.name for w in planner.weights], iter(chunks)))
+        return Plan(planner, int(rank), msgs, tally, None, 0)
     return _whole(planner, src, dst)
 
 
 def _whole(planner: Planner, src: Layout, dst: Layout) -> Plan:
     """Walk every weight once, keeping only statistics (messages stay lazy)."""
     size = max(src.max_rank, dst.max_rank) + 1
-    send = np.zeros(size, np.float64)
-    recv = np.zeros(size, np.float64)
+    tally = Tally(size, planner.node_size)
     holds = np.zeros(size, bool)
     counts = np.zeros(len(planner.weights), np.int64)
-    cross = bound = n_local = 0
-    n = planner.node_size
+    bound = 0
     for w in range(len(planner.weights)):
-        srcs, dsts, nbs, steps = [], [], [], []
         for c in planner.weight_chunks(w):
-            srcs.append(c.src)
-            dsts.append(c.dst)
-            steps.append(c.step)
-            nbs.append(np.full(c.src.size, c.nbytes, np.int64))
-            route = c.route
-            bound += route.lower_bound_nodes * c.nbytes
-            holds[route.src_holders] = True
-        if not srcs:
-            continue
-        s, d, b, t = np.concatenate(srcs), np.concatenate(dsts), np.concatenate(nbs), np.concatenate(steps)
-        counts[w] = s.size
-        moved = s != d
-        n_local += int((~moved).sum())
-        s, d, b, t = s[moved], d[moved], b[moved], t[moved]
-        send += np.bincount(s, weights=b, minlength=size)
-        recv += np.bincount(d, weights=b, minlength=size)
-        holds[s[t == 1]] = True
-        cross += int(b[s // n != d // n].sum())
-    send_i, recv_i = send.astype(np.int64), recv.astype(np.int64)
-    n_holders = int(holds.sum())
-    ideal = float(send_i.sum()) / n_holders if n_holders else 0.0
-    return Plan(planner, None, _LazyMessages(planner, counts), send_i, recv_i, cross, bound, ideal, n_local)
+            tally.add(c.src, c.dst, np.full(c.src.size, c.nbytes, np.int64), c.step)
+            counts[w] += c.src.size
+            bound += c.route.lower_bound_nodes * c.nbytes
+            holds[c.route.src_holders] = True
+    return Plan(planner, None, _LazyMessages(planner, counts), tally, bound, int(holds.sum()))
 
 
 __all__ = ["Message", "Plan", "plan_transfer"]

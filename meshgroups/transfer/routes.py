@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..layout import Layout
-from .assign import PairRoute, PlanError
-from .shards import BlockKey, Side, holders, overlaps
+from .assign import ByNode, PairRoute, PlanError
+from .shards import BlockKey, Side, axis_pairs, holders
 from .spec import Box, Weight
 
 
@@ -42,21 +42,27 @@ class Planner:
     """Routes for matched weights between two layouts; see the module docstring."""
 
     def __init__(
-        self, src: Layout, dst: Layout, pairs: Sequence[tuple[Weight, Weight]], node_size: int
+        self,
+        src: Layout,
+        dst: Layout,
+        pairs: Sequence[tuple[Weight, Weight]],
+        node_size: int,
+        full_check: bool = True,
     ) -> None:
-        self.src, self.dst, self.node_size = src, dst, node_size
+        self.src, self.dst, self.node_size, self.full_check = src, dst, node_size, full_check
         self.weights = [dw for _, dw in pairs]
         self.sides = [(Side(src, sw), Side(dst, dw)) for sw, dw in pairs]
-        self._holders: dict[tuple[int, BlockKey, tuple[str, ...]], np.ndarray] = {}
+        self._holders: dict[tuple[int, BlockKey, tuple[str, ...]], tuple[np.ndarray, ByNode]] = {}
         self._routes: dict[tuple[BlockKey, tuple[str, ...], BlockKey, tuple[str, ...]], PairRoute] = {}
         self._pairs: dict[tuple[int, tuple[int, ...]], list[tuple[tuple[int, ...], Box, PairRoute, int]]] = {}
 
     # ------------------------------------------------------------------ holders and routes
-    def _holders_of(self, which: int, side: Side, key: BlockKey) -> np.ndarray:
+    def _holders_of(self, which: int, side: Side, key: BlockKey) -> tuple[np.ndarray, ByNode]:
         ck = (which, key, side.free_dims)
         got = self._holders.get(ck)
         if got is None:
-            got = self._holders[ck] = holders(side.layout, key, side.free_dims)
+            ranks = holders(side.layout, key, side.free_dims)
+            got = self._holders[ck] = (ranks, ByNode.of(ranks, self.node_size))
         return got
 
     def route(self, ss: Side, s_block: tuple[int, ...], ds: Side, d_block: tuple[int, ...]) -> PairRoute:
@@ -64,16 +70,18 @@ class Planner:
         ck = (skey, ss.free_dims, dkey, ds.free_dims)
         got = self._routes.get(ck)
         if got is None:
-            got = self._routes[ck] = PairRoute.build(
-                self._holders_of(0, ss, skey), self._holders_of(1, ds, dkey), self.node_size
-            )
+            hs, s_by = self._holders_of(0, ss, skey)
+            _, d_by = self._holders_of(1, ds, dkey)
+            got = self._routes[ck] = PairRoute.build(hs, s_by, d_by, self.node_size, self.full_check)
         return got
 
     # ------------------------------------------------------------------ blocks and pairs
     @staticmethod
-    def _product(per_axis: list[np.ndarray]) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], Box]]:
+    def _product(
+        per_axis: list[tuple[tuple[int, int, int, int], ...]],
+    ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], Box]]:
         """Cartesian product of per-axis overlap rows: (src block, dst block, box)."""
-        for rows in itertools.product(*[r.tolist() for r in per_axis]):
+        for rows in itertools.product(*per_axis):
             yield (
                 tuple(r[0] for r in rows),
                 tuple(r[1] for r in rows),
@@ -88,16 +96,15 @@ class Planner:
         if got is not None:
             return got
         ss, ds = self.sides[w]
-        # Swap roles: which dst pieces meet this one src piece, per axis.
-        per_axis = []
-        for s_iv, d_iv, b in zip(ss.axis_intervals, ds.axis_intervals, s_block):
-            rows = overlaps(d_iv, s_iv, only=np.array([b]))
-            per_axis.append(rows[:, [1, 0, 2, 3]])
+        per_axis = [
+            axis_pairs(n, s_sizes, d_sizes, b, None)
+            for n, s_sizes, d_sizes, b in zip(ss.weight.shape, ss.axis_sizes, ds.axis_sizes, s_block)
+        ]
         listed = [
             (d_block, box, self.route(ss, s_block, ds, d_block))
             for _, d_block, box in self._product(per_axis)
         ]
-        h = max(1, len(self._holders_of(0, ss, ss.block_key(s_block))))
+        h = max(1, len(self._holders_of(0, ss, ss.block_key(s_block))[0]))
         total = sum(r.n_cross for _, _, r in listed)
         base = w * total
         got = []
@@ -114,13 +121,16 @@ class Planner:
         that they tile it exactly (``PlanError`` otherwise)."""
         ss, ds = self.sides[w]
         per_axis = []
-        for axis, (s_iv, d_iv, b) in enumerate(zip(ss.axis_intervals, ds.axis_intervals, d_block)):
-            rows = overlaps(s_iv, d_iv, only=np.array([b]))
-            covered = int((rows[:, 3] - rows[:, 2]).sum())
-            if covered != int(d_iv[b, 1] - d_iv[b, 0]):
+        for axis, (n, s_sizes, d_sizes, b) in enumerate(
+            zip(ss.weight.shape, ss.axis_sizes, ds.axis_sizes, d_block)
+        ):
+            rows = axis_pairs(n, s_sizes, d_sizes, None, b)
+            covered = sum(r[3] - r[2] for r in rows)
+            lo, hi = ds.axis_intervals[axis][b].tolist()
+            if covered != hi - lo:
                 raise PlanError(
                     f"plan bug: weight {self.weights[w].name!r} axis {axis}: destination piece "
-                    f"{d_iv[b].tolist()} covered by {covered} elements"
+                    f"[{lo}, {hi}) covered by {covered} elements"
                 )
             per_axis.append(rows)
         return [s for s, _, _ in self._product(per_axis)]
@@ -134,11 +144,23 @@ class Planner:
         route: PairRoute,
         base: int,
     ) -> Chunk:
+        src, dst, step = route.messages(base, self._turn(w, s_block))
+        return Chunk(w, box, self._nbytes(w, box), src, dst, step, route)
+
+    def _turn(self, w: int, s_block: tuple[int, ...]) -> int:
+        """Rotation of representatives and intra-node senders: the weight plus the source
+        block's row-major index, so consecutive pieces land on different ranks."""
         ss, _ = self.sides[w]
-        turn = w + int(np.ravel_multi_index(s_block, [len(iv) for iv in ss.axis_intervals])) if s_block else w
-        src, dst, step = route.messages(base, turn)
-        nbytes = self.weights[w].itemsize * int(np.prod([b - a for a, b in box]))
-        return Chunk(w, box, nbytes, src, dst, step, route)
+        flat = 0
+        for iv, b in zip(ss.axis_intervals, s_block):
+            flat = flat * len(iv) + b
+        return w + flat
+
+    def _nbytes(self, w: int, box: Box) -> int:
+        n = self.weights[w].itemsize
+        for a, b in box:
+            n *= b - a
+        return n
 
     # ------------------------------------------------------------------ whole and local walks
     def weight_chunks(self, w: int) -> Iterator[Chunk]:
@@ -181,10 +203,14 @@ class Planner:
                 found.append((s_block, d_block, box, route, base))
         # The whole plan's order: source blocks, then destination blocks, row-major.
         for s_block, d_block, box, route, base in sorted(found, key=lambda f: (f[0], f[1])):
-            c = self.chunk(w, s_block, d_block, box, route, base)
-            mine = (c.src == rank) | (c.dst == rank)
-            if mine.any():
-                yield Chunk(w, box, c.nbytes, c.src[mine], c.dst[mine], c.step[mine], route)
+            got = route.messages_for(rank, base, self._turn(w, s_block))
+            if d_block == d_own and sum(1 for m in got if m[1] == rank) != 1:
+                raise PlanError(
+                    f"plan bug: rank {rank} gets piece {box} of {self.weights[w].name!r} not exactly once"
+                )
+            if got:
+                src, dst, step = (np.array(col, dtype=np.int64) for col in zip(*got))
+                yield Chunk(w, box, self._nbytes(w, box), src, dst, step.astype(np.int8), route)
 
 
 __all__ = ["Chunk", "Planner"]

@@ -17,7 +17,7 @@ Everything here is O(ndim + holders) per block, from coordinates; nothing scans 
 
 from __future__ import annotations
 
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -46,7 +46,7 @@ class Side:
     @cached_property
     def axis_intervals(self) -> tuple[np.ndarray, ...]:
         """Per axis, every piece as ``[start, stop)`` rows, in block-index order."""
-        return tuple(intervals(n, sizes) for n, sizes in zip(self.weight.shape, self.axis_sizes))
+        return tuple(_intervals(n, sizes) for n, sizes in zip(self.weight.shape, self.axis_sizes))
 
     def block_of(self, rank: int) -> tuple[int, ...] | None:
         """The block ``rank`` holds (one piece index per axis), or ``None`` (outside the layout,
@@ -82,6 +82,30 @@ class Side:
         return holders(self.layout, key, self.free_dims)
 
 
+@lru_cache(maxsize=4096)
+def _intervals(extent: int, sizes: tuple[int, ...]) -> np.ndarray:
+    """:func:`intervals`, cached: the layers of a model repeat a few shapes."""
+    out = intervals(extent, sizes)
+    out.setflags(write=False)
+    return out
+
+
+@lru_cache(maxsize=65536)
+def axis_pairs(
+    extent: int, s_sizes: tuple[int, ...], d_sizes: tuple[int, ...], s_index: int | None, d_index: int | None
+) -> tuple[tuple[int, int, int, int], ...]:
+    """Rows ``(src piece, dst piece, start, stop)`` of one axis where the source's and the
+    destination's pieces intersect, restricted to one source or one destination piece."""
+    s_iv, d_iv = _intervals(extent, s_sizes), _intervals(extent, d_sizes)
+    if s_index is not None:
+        rows = overlaps(d_iv, s_iv, only=np.array([s_index]))[:, [1, 0, 2, 3]]
+    elif d_index is not None:
+        rows = overlaps(s_iv, d_iv, only=np.array([d_index]))
+    else:
+        rows = overlaps(s_iv, d_iv)
+    return tuple(tuple(r) for r in rows.tolist())
+
+
 def holders(layout: Layout, key: BlockKey, free_dims: tuple[str, ...]) -> np.ndarray:
     """Ranks with the coordinates of ``key`` and any coordinate on ``free_dims``, in layout
     order. O(ndim + result)."""
@@ -112,4 +136,4 @@ def overlaps(src: np.ndarray, dst: np.ndarray, only: np.ndarray | None = None) -
     return np.stack([i[ok], rep_j[ok], a[ok], b[ok]], axis=1)
 
 
-__all__ = ["BlockKey", "Side", "holders", "overlaps"]
+__all__ = ["BlockKey", "Side", "axis_pairs", "holders", "overlaps"]

@@ -58,6 +58,41 @@ class Replicate:
 
 Placement: TypeAlias = Shard | Replicate
 
+#: Bytes per element of torch dtypes numpy lacks.
+TORCH_ONLY_DTYPES = {
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+}
+
+
+def dtype_name(dtype: object, weight: str = "") -> str:
+    """The canonical name of ``dtype`` (a numpy name, a torch-only name, or ``torch.xxx``)::
+
+    >>> dtype_name("torch.bfloat16"), dtype_name("f4")
+    ('bfloat16', 'float32')
+    """
+    if not isinstance(dtype, str):
+        raise TypeError(f"Weight {weight!r}: dtype must be a str like 'bfloat16', got {dtype!r}")
+    name = dtype.removeprefix("torch.")
+    if name in TORCH_ONLY_DTYPES:
+        return name
+    try:
+        return np.dtype(name).name
+    except TypeError:
+        raise LayoutError(
+            f"Weight {weight!r}: dtype {dtype!r} is neither a numpy dtype name nor one of "
+            f"{', '.join(TORCH_ONLY_DTYPES)}"
+        ) from None
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a canonical dtype name."""
+    return TORCH_ONLY_DTYPES.get(dtype) or int(np.dtype(dtype).itemsize)
+
 
 def chunk(start: int, stop: int, parts: int, index: int) -> tuple[int, int]:
     """Piece ``index`` of ``[start, stop)`` cut into ``parts`` as torch's ``Shard`` cuts it:
@@ -118,9 +153,14 @@ class Weight:
     Args:
         name: matched between the source and destination sides.
         shape: global shape.
-        dtype: a numpy dtype name (its itemsize counts the bytes).
+        dtype: a numpy dtype name or a torch-only one (``bfloat16``, ``float8_e4m3fn``; a
+            ``torch.`` prefix is dropped); its itemsize counts the bytes.
         placements: ``{dim: Shard(axis) | Replicate()}``; dims not named replicate.
         stage: ``("pp", 1)``: only ranks whose ``pp`` coordinate is 1 hold it; ``None``: all.
+        shard_order: dims that shard one axis split it in layout order unless listed here:
+            listed dims split first, in this order (outermost first). FSDP2 over a TP
+            column-sharded weight (torch's ``_StridedShard(0, split_factor=tp)`` on
+            ``dp_shard``, ``Shard(0)`` on ``tp``) is ``shard_order=("tp", "dp_shard")``.
 
     Raises:
         TypeError: a field of the wrong kind (a placement that is not ``Shard``/``Replicate``).
@@ -133,6 +173,7 @@ class Weight:
     dtype: str = "float32"
     placements: Mapping[str, Placement] = field(default_factory=dict)
     stage: tuple[str, int] | None = None
+    shard_order: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -145,12 +186,7 @@ class Weight:
             if n < 0:
                 raise LayoutError(f"Weight {self.name!r}: shape {tuple(self.shape)} has a negative size")
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
-        try:
-            np.dtype(self.dtype)
-        except TypeError:
-            raise LayoutError(
-                f"Weight {self.name!r}: dtype {self.dtype!r} is not a numpy dtype name"
-            ) from None
+        object.__setattr__(self, "dtype", dtype_name(self.dtype, self.name))
         object.__setattr__(self, "placements", _placement_map(self.name, self.placements))
         for dim, p in self.placements.items():
             if not isinstance(dim, str):
@@ -179,12 +215,28 @@ class Weight:
                     f"Weight {self.name!r}: dim {self.stage[0]!r} is its pipeline stage dim; it cannot also shard it"
                 )
 
+        if self.shard_order is not None:
+            order = self.shard_order
+            if isinstance(order, str) or not isinstance(order, (tuple, list)):
+                raise TypeError(
+                    f"Weight {self.name!r}: shard_order must be a tuple of dim names, got {order!r}"
+                )
+            for dim in order:
+                if not isinstance(self.placements.get(dim), Shard):
+                    raise LayoutError(
+                        f"Weight {self.name!r}: shard_order names {dim!r}, which has no Shard placement"
+                    )
+            if len(set(order)) != len(order):
+                raise LayoutError(f"Weight {self.name!r}: shard_order {tuple(order)} repeats a dim")
+            object.__setattr__(self, "shard_order", tuple(order))
+
     def __hash__(self) -> int:
-        return hash((self.name, self.shape, self.dtype, tuple(self.placements.items()), self.stage))
+        items = tuple(self.placements.items())
+        return hash((self.name, self.shape, self.dtype, items, self.stage, self.shard_order))
 
     @property
     def itemsize(self) -> int:
-        return int(np.dtype(self.dtype).itemsize)
+        return itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -214,10 +266,12 @@ class Weight:
                 )
 
     def shard_dims(self, layout: Layout) -> tuple[tuple[str, ...], ...]:
-        """Per tensor axis, the layout dims that shard it, in nesting (layout) order."""
+        """Per tensor axis, the layout dims that shard it, in nesting order (``shard_order``
+        first, then layout order)."""
         self.check(layout)
         per_axis: list[list[str]] = [[] for _ in self.shape]
-        for dim in layout.names:
+        first = self.shard_order or ()
+        for dim in (*first, *(d for d in layout.names if d not in first)):
             p = self.placements.get(dim)
             if isinstance(p, Shard):
                 per_axis[p.axis].append(dim)
