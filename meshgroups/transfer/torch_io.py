@@ -9,9 +9,9 @@ gathers every rank's (pipeline stages hold different weights) and keeps this ran
     >>> plan = plan_transfer(src.layout, src.weights, rollout, rollout_weights)   # doctest: +SKIP
     >>> execute(plan, src.tensors, buffers)                          # doctest: +SKIP
 
-torch's FSDP2 shards a tensor axis that TP already shards *after* TP (``_StridedShard``), the
-reverse of DTensor's mesh order. A ``Weight`` nests in layout order, so the layout returned is
-the given one with those dims reordered (same ranks, same groups) when that is needed.
+torch's FSDP2 shards a tensor axis that TP already shards *after* TP (``_StridedShard`` on the
+FSDP dim), the reverse of DTensor's mesh order; such a weight gets ``shard_order=("tp",
+"dp_shard")``, and so does any weight whose mesh nests dims in another order than the layout.
 Plain tensors (not DTensors) are replicated over the layout, or over their pipeline stage.
 """
 
@@ -36,8 +36,8 @@ from .spec import Placement, Replicate, Shard, Weight
 
 @dataclass
 class ModuleWeights:
-    """A module's weights on a layout: ``weights`` (every rank's, gathered, the same list on
-    every rank) placed on ``layout``, and ``tensors``: this rank's local shards by name."""
+    """A module's weights on ``layout``: ``weights`` (every rank's, gathered, the same list on
+    every rank) and ``tensors``, this rank's local shards by name."""
 
     layout: Layout
     weights: list[Weight]
@@ -62,10 +62,11 @@ def _check_mesh(name: str, param: DTensor, layout: Layout, dims: tuple[str, ...]
         )
 
 
-def _order(
-    name: str, param: DTensor, names: tuple[str, ...], sizes: tuple[int, ...]
-) -> tuple[dict[str, Placement], list[tuple[str, str]]]:
-    """Placements by layout dim, and ``(a, b)`` pairs: ``a`` must split an axis before ``b``."""
+def _placements(
+    name: str, param: DTensor, names: tuple[str, ...], sizes: tuple[int, ...], layout: Layout
+) -> tuple[dict[str, Placement], tuple[str, ...] | None]:
+    """Placements by layout dim, and the ``shard_order`` torch's nesting needs (``None`` when
+    every axis splits in layout order)."""
     placements: dict[str, Placement] = {}
     per_axis: dict[int, list[tuple[int, int]]] = {}  # axis -> [(mesh index, split factor)]
     for i, p in enumerate(param.placements):
@@ -82,9 +83,9 @@ def _order(
                 f"parameter {name!r}: placement {p!r} on mesh dim {names[i]!r} holds no complete values "
                 "(only Shard, _StridedShard and Replicate can be transferred); redistribute it first"
             )
-    before: list[tuple[str, str]] = []
+    order: list[str] = []
     for axis, dims in per_axis.items():
-        order = [i for i, _ in dims]
+        nested = [i for i, _ in dims]  # DTensor: mesh order
         for pos, (i, factor) in enumerate(dims):
             if factor == 1:
                 continue
@@ -98,10 +99,12 @@ def _order(
                     f"parameter {name!r}: _StridedShard(dim={axis}, split_factor={factor}) on {names[i]!r} "
                     "does not match the sizes of the later dims sharding that axis; unsupported placement"
                 )
-            order.remove(i)
-            order.insert(order.index(dims[k - 1][0]) + 1, i)
-        before += [(names[a], names[b]) for a, b in zip(order, order[1:])]
-    return placements, before
+            nested.remove(i)
+            nested.insert(nested.index(dims[k - 1][0]) + 1, i)
+        dims_in_order = [names[i] for i in nested]
+        if dims_in_order != sorted(dims_in_order, key=layout.names.index):
+            order += dims_in_order
+    return placements, tuple(order) or None
 
 
 def local_weights(
@@ -110,15 +113,15 @@ def local_weights(
     *,
     dims: Mapping[str, str] | None = None,
     stage_dim: str | None = "pp",
-) -> tuple[list[Weight], dict[str, torch.Tensor], list[tuple[str, str]]]:
-    """This rank's weights (no collective): ``(weights, local shards, nesting constraints)``.
+) -> tuple[list[Weight], dict[str, torch.Tensor]]:
+    """This rank's weights and local shards (no collective).
 
     ``module``: an ``nn.Module`` (its ``named_parameters``) or a ``{name: tensor}`` mapping such
     as a state dict; ``None`` on a rank that holds none. ``dims`` renames mesh dims to layout dims
     (``{"dp_shard": "dp"}``). When ``stage_dim`` is a layout dim the DTensor meshes do not
     cover, each weight lives on this rank's stage only (``stage=("pp", k)``)."""
     if module is None:
-        return [], {}, []
+        return [], {}
     rank = dist.get_rank()
     if rank not in layout:
         raise LayoutError(f"rank {rank} passed a module but is not in the layout {layout!r}; pass None there")
@@ -127,7 +130,6 @@ def local_weights(
     coords = layout.coords(rank)
     weights: list[Weight] = []
     tensors: dict[str, torch.Tensor] = {}
-    before: list[tuple[str, str]] = []
     for name, t in items:
         if isinstance(t, DTensor):
             mesh_names = t.device_mesh.mesh_dim_names or ()
@@ -139,38 +141,17 @@ def local_weights(
                     f"({', '.join(layout.names)}); map it with dims={{mesh dim: layout dim}}"
                 )
             _check_mesh(name, t, layout, mapped, rank)
-            placements, pairs = _order(name, t, mapped, tuple(t.device_mesh.mesh.shape))
-            before += pairs
+            shape = tuple(t.device_mesh.mesh.shape)
+            placements, order = _placements(name, t, mapped, shape, layout)
             local = t.to_local()
         else:
-            mapped, placements, local = (), {}, t
+            mapped, placements, order, local = (), {}, None, t
         stage = None
         if stage_dim is not None and stage_dim in layout.names and stage_dim not in mapped:
             stage = (stage_dim, coords[stage_dim])
-        weights.append(Weight(name, tuple(t.shape), _dtype(local), placements, stage))
+        weights.append(Weight(name, tuple(t.shape), _dtype(local), placements, stage, order))
         tensors[name] = local.detach()
-    return weights, tensors, before
-
-
-def reorder(layout: Layout, before: list[tuple[str, str]]) -> Layout:
-    """``layout`` with dims reordered (same ranks) so each ``(a, b)`` has ``a`` outer; the
-    layout itself when it already agrees. Stable: otherwise layout order."""
-    names = list(layout.names)
-    if all(names.index(a) < names.index(b) for a, b in before):
-        return layout
-    out: list[str] = []
-    left = list(names)
-    while left:
-        ready = [d for d in left if not any(b == d and a in left for a, b in before)]
-        if not ready:
-            raise LayoutError(
-                f"the parameters' nesting orders conflict over dims {', '.join(left)}: no single dim order "
-                "places every weight as torch does"
-            )
-        out.append(ready[0])
-        left.remove(ready[0])
-    perm = [names.index(d) for d in out]
-    return Layout.from_grid(np.transpose(layout.grid, perm), tuple(out))
+    return weights, tensors
 
 
 def module_weights(
@@ -183,22 +164,20 @@ def module_weights(
 ) -> ModuleWeights:
     """Collective (``group``, default the world; ranks without a part pass ``module=None``):
     every rank's ``local_weights`` gathered into one list (first seen in rank order), checked
-    to agree where two ranks describe the same weight, on the layout ``reorder`` gives."""
-    weights, tensors, before = local_weights(module, layout, dims=dims, stage_dim=stage_dim)
+    to agree where two ranks describe the same weight."""
+    weights, tensors = local_weights(module, layout, dims=dims, stage_dim=stage_dim)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     # Weights travel as plain tuples (their placement mapping is read-only, not picklable)
-    wire = [(w.name, w.shape, w.dtype, tuple(w.placements.items()), w.stage) for w in weights]
-    dist.all_gather_object(gathered, (wire, before), group=group)
+    wire = [(w.name, w.shape, w.dtype, tuple(w.placements.items()), w.stage, w.shard_order) for w in weights]
+    dist.all_gather_object(gathered, wire, group=group)
     merged: dict[str, Weight] = {}
-    constraints: list[tuple[str, str]] = []
-    for part_wire, part_before in gathered:
-        constraints += [p for p in part_before if p not in constraints]
-        for name, shape, dtype, placements, stage in part_wire:
-            w = Weight(name, shape, dtype, dict(placements), stage)
+    for part in gathered:
+        for name, shape, dtype, placements, stage, order in part:
+            w = Weight(name, shape, dtype, dict(placements), stage, order)
             seen = merged.setdefault(w.name, w)
             if seen != w:
                 raise LayoutError(f"ranks describe weight {w.name!r} differently: {seen} and {w}")
-    return ModuleWeights(reorder(layout, constraints), list(merged.values()), tensors)
+    return ModuleWeights(layout, list(merged.values()), tensors)
 
 
-__all__ = ["ModuleWeights", "local_weights", "module_weights", "reorder"]
+__all__ = ["ModuleWeights", "local_weights", "module_weights"]
