@@ -277,8 +277,9 @@ def _whole(planner: Planner, src: Layout, dst: Layout) -> Plan:
         for c in planner.weight_chunks(w):
             tally.add(c.src, c.dst, np.full(c.src.size, c.nbytes, np.int64), c.step)
             counts[w] += c.src.size
-            bound += c.route.lower_bound_nodes * c.nbytes
-            holds[c.route.src_holders] = True
+            if not c.forward:
+                bound += c.route.lower_bound_nodes * c.nbytes
+                holds[c.route.src_holders] = True
     return Plan(planner, None, _LazyMessages(planner, counts), tally, bound, int(holds.sum()))
 
 

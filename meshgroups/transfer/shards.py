@@ -69,17 +69,28 @@ class Side:
 
     def block_key(self, block: tuple[int, ...]) -> BlockKey:
         """The stage and sharding-dim coordinates of ``block`` (what fixes its holders)."""
-        key: list[tuple[str, int]] = []
-        if self.weight.stage is not None:
-            key.append(self.weight.stage)
-        for dims, sizes, b in zip(self.axis_dims, self.axis_sizes, block):
-            coords = np.unravel_index(b, sizes) if sizes else ()
-            key.extend((d, int(c)) for d, c in zip(dims, coords))
-        return tuple(sorted(key, key=lambda kv: self.layout.names.index(kv[0])))
+        return _block_key(self.layout.names, self.weight.stage, self.axis_dims, self.axis_sizes, block)
 
     def holders(self, key: BlockKey) -> np.ndarray:
         """Ranks holding the block of ``key``, in layout order over the replicating dims."""
         return holders(self.layout, key, self.free_dims)
+
+
+@lru_cache(maxsize=65536)
+def _block_key(
+    names: tuple[str, ...],
+    stage: tuple[str, int] | None,
+    axis_dims: tuple[tuple[str, ...], ...],
+    axis_sizes: tuple[tuple[int, ...], ...],
+    block: tuple[int, ...],
+) -> BlockKey:
+    """Cached: every layer placed alike asks for the same keys."""
+    key: list[tuple[str, int]] = [stage] if stage is not None else []
+    for dims, sizes, b in zip(axis_dims, axis_sizes, block):
+        for d, k in zip(reversed(dims), reversed(sizes)):  # mixed radix, last dim fastest
+            key.append((d, b % k))
+            b //= k
+    return tuple(sorted(key, key=lambda kv: names.index(kv[0])))
 
 
 @lru_cache(maxsize=4096)
