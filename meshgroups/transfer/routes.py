@@ -54,7 +54,18 @@ class Planner:
     ) -> None:
         self.src, self.dst, self.node_size, self.full_check = src, dst, node_size, full_check
         self.weights = [dw for _, dw in pairs]
-        self.sides = [(Side(src, sw), Side(dst, dw)) for sw, dw in pairs]
+        # Weights placed alike (every layer's q, k, ...) share one Side per layout.
+        cache: dict[tuple[object, ...], Side] = {}
+
+        def side(which: int, layout: Layout, wt: Weight) -> Side:
+            key = (which, wt.shape, tuple(wt.placements.items()), wt.stage, wt.shard_order)
+            got = cache.get(key)
+            if got is None:
+                got = cache[key] = Side(layout, wt)
+            return got
+
+        self.sides = [(side(0, src, sw), side(1, dst, dw)) for sw, dw in pairs]
+        self._coords: dict[tuple[int, int], dict[str, int] | None] = {}
         self._holders: dict[tuple[int, BlockKey, tuple[str, ...]], tuple[np.ndarray, ByNode]] = {}
         self._routes: dict[tuple[BlockKey, tuple[str, ...], BlockKey, tuple[str, ...]], PairRoute] = {}
         self._pairs: dict[tuple[int, tuple[int, ...]], list[tuple[tuple[int, ...], Box, PairRoute, int]]] = {}
@@ -244,16 +255,24 @@ class Planner:
             if merged[d_block].size:
                 yield self._forward_chunk(w, d_block, by_d[d_block][0], merged[d_block])
 
+    def _coords_of(self, which: int, rank: int) -> dict[str, int] | None:
+        key = (which, rank)
+        if key not in self._coords:
+            layout = self.src if which == 0 else self.dst
+            self._coords[key] = layout.coords(rank) if rank in layout else None
+        return self._coords[key]
+
     def rank_chunks(self, w: int, rank: int) -> Iterator[Chunk]:
         """The pairs of weight ``w`` that ``rank`` takes part in (as a source holder, a receiver
         or a forwarder), each restricted to its messages from or to ``rank``."""
         ss, ds = self.sides[w]
         seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
         wanted: list[tuple[tuple[int, ...], tuple[int, ...] | None]] = []
-        s_own = ss.block_of(rank)
+        s_coords, d_coords = self._coords_of(0, rank), self._coords_of(1, rank)
+        s_own = ss.block_of(rank, s_coords) if s_coords is not None else None
         if s_own is not None:
             wanted.append((s_own, None))
-        d_own = ds.block_of(rank)
+        d_own = ds.block_of(rank, d_coords) if d_coords is not None else None
         if d_own is not None:
             wanted.extend((s, d_own) for s in self.src_blocks_meeting(w, d_own))
         found = []

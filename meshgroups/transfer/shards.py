@@ -48,19 +48,23 @@ class Side:
         """Per axis, every piece as ``[start, stop)`` rows, in block-index order."""
         return tuple(_intervals(n, sizes) for n, sizes in zip(self.weight.shape, self.axis_sizes))
 
-    def block_of(self, rank: int) -> tuple[int, ...] | None:
+    def block_of(self, rank: int, coords: dict[str, int] | None = None) -> tuple[int, ...] | None:
         """The block ``rank`` holds (one piece index per axis), or ``None`` (outside the layout,
-        another stage, an empty shard). O(ndim)."""
-        if rank not in self.layout:
-            return None
-        coords = self.layout.coords(rank)
-        if self.weight.box_at(self.layout, coords) is None:
+        another stage, an empty shard). O(ndim); ``coords``: the rank's, if already known."""
+        if coords is None:
+            if rank not in self.layout:
+                return None
+            coords = self.layout.coords(rank)
+        stage = self.weight.stage
+        if stage is not None and coords[stage[0]] != stage[1]:
             return None
         out = []
-        for dims, sizes in zip(self.axis_dims, self.axis_sizes):
+        for dims, sizes, iv in zip(self.axis_dims, self.axis_sizes, self.axis_intervals):
             index = 0
             for d, k in zip(dims, sizes):
                 index = index * k + coords[d]
+            if iv[index, 1] <= iv[index, 0]:
+                return None
             out.append(index)
         return tuple(out)
 
