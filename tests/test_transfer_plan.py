@@ -258,6 +258,9 @@ def test_fsdp2_tp_to_tp4() -> None:
     ]
     plan = _scenario(trainer, sws, rollout, dws, T4)
     assert plan.cross_node_bytes == plan.cross_node_lower_bound
+    nodes = plan.per_node()
+    assert nodes["send_cross"].tolist() == [plan.cross_node_bytes, 0]
+    assert nodes["recv_cross"].tolist() == [0, plan.cross_node_bytes]
     # one node of 4 rollout ranks: the replicated norm crosses once and is forwarded
     norm = [m for m in plan.messages if m.weight == "norm"]
     assert sum(m.nbytes for m in norm if m.step == 0) == 6 * 4
@@ -388,6 +391,24 @@ def test_balance_within_ten_percent_across_weights() -> None:
     plan = plan_transfer(trainer, _layers(20), rollout, _layers(20), topology=T4)
     assert plan.ideal_send_bytes * 0.9 <= plan.send_array()[:8].min()
     assert plan.busiest_send_bytes <= 1.1 * plan.ideal_send_bytes
+
+
+@pytest.mark.parametrize("module", ["__init__", "spec", "shards", "assign", "routes", "stats", "plan"])
+def test_docstring_examples(module: str) -> None:
+    import doctest
+    import importlib
+
+    name = "meshgroups.transfer" + ("" if module == "__init__" else f".{module}")
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_import_is_torch_free() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, meshgroups.transfer; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_message_is_value() -> None:

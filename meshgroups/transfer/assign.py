@@ -13,7 +13,15 @@ So a node receives each byte it needs and lacks exactly once from outside: the m
 The choice is a formula of public quantities only (the pair's holders, the weight's index, a
 rotation), so the sender and the receiver of a message compute the same choice without talking:
 node ``k`` of the pair's ``K`` cross nodes (in node order) gets the piece from source holder
-``(base + k) mod h``; the representative of a node and the intra sender rotate with the weight.
+``(base + k) mod h``; the representative of a node and the intra sender rotate with the weight::
+
+    >>> hs, hd = np.array([0, 8]), np.array([1, 4, 5, 12])  # nodes of 4: S on 0, 2; D on 0, 1, 3
+    >>> r = PairRoute.build(hs, ByNode.of(hs, 4), ByNode.of(hd, 4), 4, True)
+    >>> src, dst, step = r.messages(base=0, turn=0, rep_turn=0)
+    >>> list(zip(src.tolist(), dst.tolist(), step.tolist()))
+    [(0, 1, 0), (0, 4, 0), (8, 12, 0), (4, 5, 1)]
+    >>> r.messages_for(8, base=0, turn=0, rep_turn=0)  # rank 8's share, by lookups
+    [(8, 12, 0)]
 """
 
 from __future__ import annotations

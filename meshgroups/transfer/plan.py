@@ -151,6 +151,16 @@ class Plan:
         """Bytes received per rank as an int64 array indexed by rank (a copy)."""
         return self._recv.copy()
 
+    def per_node(self) -> dict[str, np.ndarray]:
+        """:attr:`stats` summed per node (index = node id = rank // ranks per node)."""
+        out = {}
+        for name, arr in self.stats.as_dict().items():
+            pad = -arr.size % self.node_size
+            out[name] = (
+                np.concatenate([arr, np.zeros(pad, arr.dtype)]).reshape(-1, self.node_size).sum(axis=1)
+            )
+        return out
+
     def for_rank(self, r: int) -> list[Message]:
         """The messages ``r`` sends or receives, in plan order."""
         if self.rank is None:

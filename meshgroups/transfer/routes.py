@@ -8,7 +8,15 @@ coordinates), so weights placed alike share one routing. The cross-node senders 
 turns across its pairs and across weights: pair ``(S, D)`` of weight ``w`` starts at
 ``base = w·K(S) + Σ_{D' before D} K(S, D')`` (mod the holder count), ``K`` counting cross nodes.
 Both the whole plan and a rank's part call :meth:`Planner.pairs_of` for the same ``(w, S)``, so
-they agree message for message.
+they agree message for message. A node that receives *every* piece of a destination block from
+outside gets them all on one representative, which forwards the whole block in one message::
+
+    >>> from meshgroups import Layout
+    >>> from meshgroups.transfer.spec import Shard, Weight
+    >>> w = Weight("w", (4,), placements={"tp": Shard(0)})
+    >>> p = Planner(Layout(tp=2), Layout(dp=2, rank_offset=2), [(w, Weight("w", (4,)))], node_size=2)
+    >>> [(c.box, c.src.tolist(), c.dst.tolist(), c.step.tolist()) for c in p.weight_chunks(0)]
+    [(((0, 2),), [0], [2], [0]), (((2, 4),), [1], [2], [0]), (((0, 4),), [2], [3], [1])]
 """
 
 from __future__ import annotations
