@@ -345,7 +345,7 @@ def worlds(draw: st.DrawFn) -> tuple[Layout, list[Weight], Layout, list[Weight],
             return pl, stage
 
         spl, sst = placements(src, True, ndim)
-        dpl, dst_stage = placements(dst, False, ndim)
+        dpl, dst_stage = placements(dst, True, ndim)
         sws.append(Weight(f"w{i}", shape, "int16", spl, sst))
         dws.append(Weight(f"w{i}", shape, "int16", dpl, dst_stage))
     topo = draw(st.sampled_from([None, Topology(node=2), Topology(node=4), Topology(node=8)]))
