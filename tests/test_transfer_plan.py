@@ -169,6 +169,20 @@ def test_shard_order_is_fsdp2_over_tp(dp: int, tp: int, rows: int) -> None:
         assert w.box(lay, r) == tuple((o, o + n) for o, n in zip(offset, local))
 
 
+def test_weight_round_trips() -> None:
+    import json
+    import pickle
+
+    w = Weight(
+        "w", (6, 4), "torch.bfloat16", {"dp": Shard(0), "tp": Shard(0), "x": Replicate()}, ("pp", 1), ("tp",)
+    )
+    assert w.dtype == "bfloat16" and w.itemsize == 2
+    assert pickle.loads(pickle.dumps(w)) == w
+    assert Weight.from_dict(json.loads(json.dumps(w.to_dict()))) == w
+    with pytest.raises(LayoutError, match="write 'Shard"):
+        Weight.from_dict({"name": "w", "shape": [4], "placements": {"tp": "S0"}})
+
+
 def test_chunk_is_torch_chunking() -> None:
     assert [chunk(0, 5, 4, i) for i in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
     assert [chunk(3, 10, 3, i) for i in range(3)] == [(3, 6), (6, 9), (9, 10)]
