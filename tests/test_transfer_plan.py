@@ -276,6 +276,7 @@ def test_fsdp2_tp_to_tp4() -> None:
     assert nodes["send_cross"].tolist() == [plan.cross_node_bytes, 0]
     assert nodes["recv_cross"].tolist() == [0, plan.cross_node_bytes]
     # one node of 4 rollout ranks: the replicated norm crosses once and is forwarded
+    assert plan.src == trainer and plan.dst == rollout and plan.weights == list(zip(sws, dws))
     norm = [m for m in plan.messages if m.weight == "norm"]
     assert sum(m.nbytes for m in norm if m.step == 0) == 6 * 4
     # its two pieces (FSDP halves) land on one representative, which forwards it whole

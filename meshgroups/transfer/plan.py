@@ -136,6 +136,21 @@ class Plan:
         self.node_size = planner.node_size
 
     @property
+    def src(self) -> Layout:
+        """The source layout."""
+        return self._planner.src
+
+    @property
+    def dst(self) -> Layout:
+        """The destination layout."""
+        return self._planner.dst
+
+    @property
+    def weights(self) -> list[tuple[Weight, Weight]]:
+        """``(source weight, destination weight)`` per moved weight, in destination order."""
+        return list(self._planner.pairs)
+
+    @property
     def send_bytes(self) -> Mapping[int, int]:
         return {int(r): int(self._send[r]) for r in np.flatnonzero(self._send)}
 

@@ -62,7 +62,8 @@ class Planner:
     ) -> None:
         self.src, self.dst, self.node_size, self.full_check = src, dst, node_size, full_check
         self.weights = [dw for _, dw in pairs]
-        # Weights placed alike (every layer's q, k, ...) share one Side per layout.
+        self.pairs = list(pairs)
+        # Weights placed alike (every layer's q, k, ...) share one Side's arithmetic.
         cache: dict[tuple[object, ...], Side] = {}
 
         def side(which: int, layout: Layout, wt: Weight) -> Side:
@@ -70,7 +71,7 @@ class Planner:
             got = cache.get(key)
             if got is None:
                 got = cache[key] = Side(layout, wt)
-            return got
+            return got.like(wt)
 
         self.sides = [(side(0, src, sw), side(1, dst, dw)) for sw, dw in pairs]
         self._coords: dict[tuple[int, int], dict[str, int] | None] = {}

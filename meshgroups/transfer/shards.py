@@ -43,6 +43,13 @@ class Side:
         # Holders vary over every dim that neither shards the weight nor is its stage dim.
         self.free_dims = tuple(d for d in layout.names if d not in sharding and d != stage_dim)
 
+    def like(self, weight: Weight) -> Side:
+        """This side for another weight of the same shape and placement (nothing recomputed)."""
+        twin = Side.__new__(Side)
+        twin.__dict__.update(self.__dict__)
+        twin.weight = weight
+        return twin
+
     @cached_property
     def axis_intervals(self) -> tuple[np.ndarray, ...]:
         """Per axis, every piece as ``[start, stop)`` rows, in block-index order."""
