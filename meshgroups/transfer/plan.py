@@ -130,7 +130,10 @@ class Plan:
         self.busiest_send_bytes = int(step0.max()) if step0.size else 0
         forwards = self._send - step0
         self.busiest_forward_bytes = int(forwards.max()) if forwards.size else 0
-        self.ideal_send_bytes = float(step0.sum()) / n_holders if n_holders else float("nan")
+        # n_holders < 0: a rank's plan, which cannot know the ideal; 0: nothing to send.
+        self.ideal_send_bytes = (
+            float(step0.sum()) / n_holders if n_holders > 0 else float("nan") if n_holders else 0.0
+        )
         self.n_messages = tally.n_messages
         self.n_local = tally.n_local
         self.node_size = planner.node_size
@@ -287,7 +290,7 @@ def plan_transfer(
         for c in chunks:
             tally.add(c.src, c.dst, np.full(c.src.size, c.nbytes, np.int64), c.step)
         msgs = list(_messages([w.name for w in planner.weights], iter(chunks)))
-        return Plan(planner, int(rank), msgs, tally, None, 0)
+        return Plan(planner, int(rank), msgs, tally, None, -1)
     return _whole(planner, src, dst)
 
 
