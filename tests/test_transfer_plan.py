@@ -169,6 +169,20 @@ def test_shard_order_is_fsdp2_over_tp(dp: int, tp: int, rows: int) -> None:
         assert w.box(lay, r) == tuple((o, o + n) for o, n in zip(offset, local))
 
 
+def test_weight_round_trips() -> None:
+    import json
+    import pickle
+
+    w = Weight(
+        "w", (6, 4), "torch.bfloat16", {"dp": Shard(0), "tp": Shard(0), "x": Replicate()}, ("pp", 1), ("tp",)
+    )
+    assert w.dtype == "bfloat16" and w.itemsize == 2
+    assert pickle.loads(pickle.dumps(w)) == w
+    assert Weight.from_dict(json.loads(json.dumps(w.to_dict()))) == w
+    with pytest.raises(LayoutError, match="write 'Shard"):
+        Weight.from_dict({"name": "w", "shape": [4], "placements": {"tp": "S0"}})
+
+
 def test_chunk_is_torch_chunking() -> None:
     assert [chunk(0, 5, 4, i) for i in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
     assert [chunk(3, 10, 3, i) for i in range(3)] == [(3, 6), (6, 9), (9, 10)]
@@ -258,10 +272,16 @@ def test_fsdp2_tp_to_tp4() -> None:
     ]
     plan = _scenario(trainer, sws, rollout, dws, T4)
     assert plan.cross_node_bytes == plan.cross_node_lower_bound
+    nodes = plan.per_node()
+    assert nodes["send_cross"].tolist() == [plan.cross_node_bytes, 0]
+    assert nodes["recv_cross"].tolist() == [0, plan.cross_node_bytes]
     # one node of 4 rollout ranks: the replicated norm crosses once and is forwarded
+    assert plan.src == trainer and plan.dst == rollout and plan.weights == list(zip(sws, dws))
     norm = [m for m in plan.messages if m.weight == "norm"]
     assert sum(m.nbytes for m in norm if m.step == 0) == 6 * 4
-    assert {m.step for m in norm} == {0, 1}
+    # its two pieces (FSDP halves) land on one representative, which forwards it whole
+    fwd = [m for m in norm if m.step == 1]
+    assert len(fwd) == 3 and {m.box for m in fwd} == {((0, 6),)} and len({m.src for m in fwd}) == 1
 
 
 def test_colocated_tp2dp4_to_tp4dp2() -> None:
@@ -340,7 +360,7 @@ def worlds(draw: st.DrawFn) -> tuple[Layout, list[Weight], Layout, list[Weight],
             return pl, stage
 
         spl, sst = placements(src, True, ndim)
-        dpl, dst_stage = placements(dst, False, ndim)
+        dpl, dst_stage = placements(dst, True, ndim)
         sws.append(Weight(f"w{i}", shape, "int16", spl, sst))
         dws.append(Weight(f"w{i}", shape, "int16", dpl, dst_stage))
     topo = draw(st.sampled_from([None, Topology(node=2), Topology(node=4), Topology(node=8)]))
@@ -386,6 +406,24 @@ def test_balance_within_ten_percent_across_weights() -> None:
     plan = plan_transfer(trainer, _layers(20), rollout, _layers(20), topology=T4)
     assert plan.ideal_send_bytes * 0.9 <= plan.send_array()[:8].min()
     assert plan.busiest_send_bytes <= 1.1 * plan.ideal_send_bytes
+
+
+@pytest.mark.parametrize("module", ["__init__", "spec", "shards", "assign", "routes", "stats", "plan"])
+def test_docstring_examples(module: str) -> None:
+    import doctest
+    import importlib
+
+    name = "meshgroups.transfer" + ("" if module == "__init__" else f".{module}")
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_import_is_torch_free() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, meshgroups.transfer; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_message_is_value() -> None:

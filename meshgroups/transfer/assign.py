@@ -13,7 +13,15 @@ So a node receives each byte it needs and lacks exactly once from outside: the m
 The choice is a formula of public quantities only (the pair's holders, the weight's index, a
 rotation), so the sender and the receiver of a message compute the same choice without talking:
 node ``k`` of the pair's ``K`` cross nodes (in node order) gets the piece from source holder
-``(base + k) mod h``; the representative of a node and the intra sender rotate with the weight.
+``(base + k) mod h``; the representative of a node and the intra sender rotate with the weight::
+
+    >>> hs, hd = np.array([0, 8]), np.array([1, 4, 5, 12])  # nodes of 4: S on 0, 2; D on 0, 1, 3
+    >>> r = PairRoute.build(hs, ByNode.of(hs, 4), ByNode.of(hd, 4), 4, True)
+    >>> src, dst, step = r.messages(base=0, turn=0, rep_turn=0)
+    >>> list(zip(src.tolist(), dst.tolist(), step.tolist()))
+    [(0, 1, 0), (0, 4, 0), (8, 12, 0), (4, 5, 1)]
+    >>> r.messages_for(8, base=0, turn=0, rep_turn=0)  # rank 8's share, by lookups
+    [(8, 12, 0)]
 """
 
 from __future__ import annotations
@@ -123,26 +131,53 @@ class PairRoute:
                 f"plan bug: {self.n_cross} nodes receive from outside, the minimum is {self.lower_bound_nodes}"
             )
 
-    def messages(self, base: int, turn: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(src, dst, step)`` of every message of the pair: local copies, intra-node sends,
-        one cross-node send per node (source holder ``(base + k) mod h``, representative number
-        ``turn mod size`` of the node) and the representative's forwards."""
+    def messages(
+        self, base: int, turn: int, rep_turn: int, merged: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(src, dst, step)`` of every message of the pair: local copies, intra-node sends
+        (candidate ``turn`` onwards), one cross-node send per node (source holder
+        ``(base + k) mod h`` to the node's representative number ``rep_turn mod size``) and the
+        representative's forwards — except on the ``merged`` nodes, whose representative
+        forwards the whole destination block once (see ``Planner``)."""
         h = self.src_holders.size
         intra_src = self.intra_cand[
             self.intra_start + (self.intra_pos + turn) % np.maximum(self.intra_count, 1)
         ]
         k = np.arange(self.n_cross, dtype=np.int64)
-        rep_pos = turn % np.maximum(self.cross_count, 1)
+        rep_pos = rep_turn % np.maximum(self.cross_count, 1)
         is_rep = self.cross_pos == rep_pos[self.cross_k]
         reps = self.cross_dst[is_rep]  # one per cross node, in node order
-        fwd_dst = self.cross_dst[~is_rep]
-        fwd_src = reps[self.cross_k[~is_rep]]
-        step0_src = self.src_holders[(base + k) % h] if h else k
+        forward = ~is_rep
+        if merged is not None and merged.size:
+            forward &= ~np.isin(self.cross_nodes, merged)[self.cross_k]
+        fwd_dst = self.cross_dst[forward]
+        fwd_src = reps[self.cross_k[forward]]
+        step0_src = self.src_holders[(base + k) % h]
         src = np.concatenate([self.local, intra_src, step0_src, fwd_src])
         dst = np.concatenate([self.local, self.intra_dst, reps, fwd_dst])
         step = np.zeros(src.size, dtype=np.int8)
         step[src.size - fwd_src.size :] = 1
         return src, dst, step
+
+    @cached_property
+    def cross_nodes(self) -> np.ndarray:
+        """Ids of the nodes that receive the piece from outside, ascending."""
+        return self.cross_dst[self._cross_start] // self.node_size
+
+    def node_forwards(self, nodes: np.ndarray, rep_turn: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(src, dst)``: on each of ``nodes`` (cross nodes), the representative to every
+        other holder of the destination block there, in node then holder order."""
+        ks = np.searchsorted(self.cross_nodes, nodes)
+        starts, counts = self._cross_start[ks], self.cross_count[ks]
+        offs = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        idx = np.repeat(starts, counts) + offs
+        rep_idx = np.repeat(starts + rep_turn % counts, counts)
+        keep = idx != rep_idx
+        return self.cross_dst[rep_idx[keep]], self.cross_dst[idx[keep]]
+
+    def is_cross_node(self, node: int) -> bool:
+        i = int(np.searchsorted(self.cross_nodes, node))
+        return i < self.cross_nodes.size and int(self.cross_nodes[i]) == node
 
     # ------------------------------------------------------------ one rank's messages
     @cached_property
@@ -177,9 +212,12 @@ class PairRoute:
     def _intra_src(self, i: int, turn: int) -> int:
         return int(self.intra_cand[self.intra_start[i] + (self.intra_pos[i] + turn) % self.intra_count[i]])
 
-    def messages_for(self, rank: int, base: int, turn: int) -> list[tuple[int, int, int]]:
+    def messages_for(
+        self, rank: int, base: int, turn: int, rep_turn: int, merged: bool = False
+    ) -> list[tuple[int, int, int]]:
         """The ``(src, dst, step)`` of :meth:`messages` that ``rank`` sends or receives, in the
-        same order, found by lookups: O(log h + its own messages), never O(holders)."""
+        same order, found by lookups: O(log h + its own messages), never O(holders).
+        ``merged``: ``rank``'s node is one of the merged nodes (no per-piece forwards there)."""
         found: list[tuple[int, int, int, int, int]] = []  # (section, index, src, dst, step)
         h = self.src_holders.size
         i_src, i_local, i_intra, i_cross = self._index
@@ -195,18 +233,19 @@ class PairRoute:
                 if self._intra_src(i, turn) == rank:
                     found.append((1, i, rank, int(self.intra_dst[i]), 0))
             for k in range((j - base) % h, self.n_cross, h):
-                rep = int(self.cross_dst[self._cross_start[k] + turn % self.cross_count[k]])
+                rep = int(self.cross_dst[self._cross_start[k] + rep_turn % self.cross_count[k]])
                 found.append((2, k, rank, rep, 0))
         if (i := self._find(i_cross, rank)) is not None:
             k = int(self.cross_k[i])
             start, count = int(self._cross_start[k]), int(self.cross_count[k])
-            rep_i = start + turn % count
+            rep_i = start + rep_turn % count
             if i == rep_i:
                 found.append((2, k, int(self.src_holders[(base + k) % h]), rank, 0))
-                found.extend(
-                    (3, m, rank, int(self.cross_dst[m]), 1) for m in range(start, start + count) if m != i
-                )
-            else:
+                if not merged:
+                    found.extend(
+                        (3, m, rank, int(self.cross_dst[m]), 1) for m in range(start, start + count) if m != i
+                    )
+            elif not merged:
                 found.append((3, i, int(self.cross_dst[rep_i]), rank, 1))
         found.sort()
         return [(src, dst, step) for _, _, src, dst, step in found]

@@ -130,10 +130,28 @@ class Plan:
         self.busiest_send_bytes = int(step0.max()) if step0.size else 0
         forwards = self._send - step0
         self.busiest_forward_bytes = int(forwards.max()) if forwards.size else 0
-        self.ideal_send_bytes = float(step0.sum()) / n_holders if n_holders else float("nan")
+        # n_holders < 0: a rank's plan, which cannot know the ideal; 0: nothing to send.
+        self.ideal_send_bytes = (
+            float(step0.sum()) / n_holders if n_holders > 0 else float("nan") if n_holders else 0.0
+        )
         self.n_messages = tally.n_messages
         self.n_local = tally.n_local
         self.node_size = planner.node_size
+
+    @property
+    def src(self) -> Layout:
+        """The source layout."""
+        return self._planner.src
+
+    @property
+    def dst(self) -> Layout:
+        """The destination layout."""
+        return self._planner.dst
+
+    @property
+    def weights(self) -> list[tuple[Weight, Weight]]:
+        """``(source weight, destination weight)`` per moved weight, in destination order."""
+        return list(self._planner.pairs)
 
     @property
     def send_bytes(self) -> Mapping[int, int]:
@@ -150,6 +168,16 @@ class Plan:
     def recv_array(self) -> np.ndarray:
         """Bytes received per rank as an int64 array indexed by rank (a copy)."""
         return self._recv.copy()
+
+    def per_node(self) -> dict[str, np.ndarray]:
+        """:attr:`stats` summed per node (index = node id = rank // ranks per node)."""
+        out = {}
+        for name, arr in self.stats.as_dict().items():
+            pad = -arr.size % self.node_size
+            out[name] = (
+                np.concatenate([arr, np.zeros(pad, arr.dtype)]).reshape(-1, self.node_size).sum(axis=1)
+            )
+        return out
 
     def for_rank(self, r: int) -> list[Message]:
         """The messages ``r`` sends or receives, in plan order."""
@@ -262,7 +290,7 @@ def plan_transfer(
         for c in chunks:
             tally.add(c.src, c.dst, np.full(c.src.size, c.nbytes, np.int64), c.step)
         msgs = list(_messages([w.name for w in planner.weights], iter(chunks)))
-        return Plan(planner, int(rank), msgs, tally, None, 0)
+        return Plan(planner, int(rank), msgs, tally, None, -1)
     return _whole(planner, src, dst)
 
 
@@ -277,8 +305,9 @@ def _whole(planner: Planner, src: Layout, dst: Layout) -> Plan:
         for c in planner.weight_chunks(w):
             tally.add(c.src, c.dst, np.full(c.src.size, c.nbytes, np.int64), c.step)
             counts[w] += c.src.size
-            bound += c.route.lower_bound_nodes * c.nbytes
-            holds[c.route.src_holders] = True
+            if not c.forward:
+                bound += c.route.lower_bound_nodes * c.nbytes
+                holds[c.route.src_holders] = True
     return Plan(planner, None, _LazyMessages(planner, counts), tally, bound, int(holds.sum()))
 
 

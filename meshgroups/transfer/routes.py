@@ -8,14 +8,24 @@ coordinates), so weights placed alike share one routing. The cross-node senders 
 turns across its pairs and across weights: pair ``(S, D)`` of weight ``w`` starts at
 ``base = w·K(S) + Σ_{D' before D} K(S, D')`` (mod the holder count), ``K`` counting cross nodes.
 Both the whole plan and a rank's part call :meth:`Planner.pairs_of` for the same ``(w, S)``, so
-they agree message for message.
+they agree message for message. A node that receives *every* piece of a destination block from
+outside gets them all on one representative, which forwards the whole block in one message::
+
+    >>> from meshgroups import Layout
+    >>> from meshgroups.transfer.spec import Shard, Weight
+    >>> w = Weight("w", (4,), placements={"tp": Shard(0)})
+    >>> p = Planner(Layout(tp=2), Layout(dp=2, rank_offset=2), [(w, Weight("w", (4,)))], node_size=2)
+    >>> [(c.box, c.src.tolist(), c.dst.tolist(), c.step.tolist()) for c in p.weight_chunks(0)]
+    [(((0, 2),), [0], [2], [0]), (((2, 4),), [1], [2], [0]), (((0, 4),), [2], [3], [1])]
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -36,6 +46,7 @@ class Chunk:
     dst: np.ndarray
     step: np.ndarray
     route: PairRoute
+    forward: bool = False  # a merged forward of a whole destination block (see the module doc)
 
 
 class Planner:
@@ -51,7 +62,19 @@ class Planner:
     ) -> None:
         self.src, self.dst, self.node_size, self.full_check = src, dst, node_size, full_check
         self.weights = [dw for _, dw in pairs]
-        self.sides = [(Side(src, sw), Side(dst, dw)) for sw, dw in pairs]
+        self.pairs = list(pairs)
+        # Weights placed alike (every layer's q, k, ...) share one Side's arithmetic.
+        cache: dict[tuple[object, ...], Side] = {}
+
+        def side(which: int, layout: Layout, wt: Weight) -> Side:
+            key = (which, wt.shape, tuple(wt.placements.items()), wt.stage, wt.shard_order)
+            got = cache.get(key)
+            if got is None:
+                got = cache[key] = Side(layout, wt)
+            return got.like(wt)
+
+        self.sides = [(side(0, src, sw), side(1, dst, dw)) for sw, dw in pairs]
+        self._coords: dict[tuple[int, int], dict[str, int] | None] = {}
         self._holders: dict[tuple[int, BlockKey, tuple[str, ...]], tuple[np.ndarray, ByNode]] = {}
         self._routes: dict[tuple[BlockKey, tuple[str, ...], BlockKey, tuple[str, ...]], PairRoute] = {}
         self._pairs: dict[tuple[int, tuple[int, ...]], list[tuple[tuple[int, ...], Box, PairRoute, int]]] = {}
@@ -143,18 +166,68 @@ class Planner:
         box: Box,
         route: PairRoute,
         base: int,
+        merged: np.ndarray | None = None,
     ) -> Chunk:
-        src, dst, step = route.messages(base, self._turn(w, s_block))
+        src, dst, step = route.messages(base, self._turn(w, s_block), self._rep_turn(w, d_block), merged)
         return Chunk(w, box, self._nbytes(w, box), src, dst, step, route)
 
-    def _turn(self, w: int, s_block: tuple[int, ...]) -> int:
-        """Rotation of representatives and intra-node senders: the weight plus the source
-        block's row-major index, so consecutive pieces land on different ranks."""
-        ss, _ = self.sides[w]
+    def _forward_chunk(self, w: int, d_block: tuple[int, ...], route: PairRoute, nodes: np.ndarray) -> Chunk:
+        src, dst = route.node_forwards(nodes, self._rep_turn(w, d_block))
+        box = self.sides[w][1].block_box(d_block)
+        return Chunk(w, box, self._nbytes(w, box), src, dst, np.ones(src.size, np.int8), route, True)
+
+    @staticmethod
+    def _flat(intervals: tuple[np.ndarray, ...], block: tuple[int, ...]) -> int:
         flat = 0
-        for iv, b in zip(ss.axis_intervals, s_block):
+        for iv, b in zip(intervals, block):
             flat = flat * len(iv) + b
-        return w + flat
+        return flat
+
+    def _turn(self, w: int, s_block: tuple[int, ...]) -> int:
+        """Rotation of intra-node senders: the weight plus the source block's row-major index."""
+        return w + self._flat(self.sides[w][0].axis_intervals, s_block)
+
+    def _rep_turn(self, w: int, d_block: tuple[int, ...]) -> int:
+        """Which holder of a destination block represents its node (number ``turn mod count``
+        of the holders there): one choice per (weight, block), so every piece of the block
+        lands on the same representative, which can forward the block whole."""
+        return self._rep_table[(w, d_block)]
+
+    @cached_property
+    def _rep_table(self) -> dict[tuple[int, tuple[int, ...]], int]:
+        """Greedy by bytes over the weights in order: per destination block key (blocks placed
+        alike share one), the position with the least bytes so far takes the next block, so the
+        forwarding load spreads evenly over a node's holders. Positions run over the lcm of the
+        key's per-node holder counts, so ``turn mod count`` is even on every node. One pass over
+        every weight's destination blocks (the model's structure, not the world)."""
+        loads: dict[tuple[BlockKey, tuple[str, ...]], np.ndarray] = {}
+        table: dict[tuple[int, tuple[int, ...]], int] = {}
+        for w, (_, ds) in enumerate(self.sides):
+            sizes = [len(iv) for iv in ds.axis_intervals]
+            for d_block in itertools.product(*[range(k) for k in sizes]):
+                box = ds.block_box(d_block)
+                if any(b <= a for a, b in box):
+                    continue
+                key = (ds.block_key(d_block), ds.free_dims)
+                load = loads.get(key)
+                if load is None:
+                    counts = np.unique(self._holders_of(1, ds, key[0])[1].count).tolist()
+                    load = loads[key] = np.zeros(math.lcm(*counts), np.float64)
+                p = int(np.argmin(load))
+                load[p] += self._nbytes(w, box)
+                table[(w, d_block)] = p
+        return table
+
+    @staticmethod
+    def _merged_nodes(routes: list[PairRoute]) -> np.ndarray:
+        """Nodes that receive *every* piece of a block from outside (so its representative
+        gets the whole block and forwards it in one message); none when the block is one piece."""
+        if len(routes) < 2:
+            return np.zeros(0, np.int64)
+        out = routes[0].cross_nodes
+        for r in routes[1:]:
+            out = np.intersect1d(out, r.cross_nodes, assume_unique=True)
+        return out
 
     def _nbytes(self, w: int, box: Box) -> int:
         n = self.weights[w].itemsize
@@ -175,12 +248,28 @@ class Planner:
                     f"plan bug: source pieces of {self.weights[w].name!r} axis {axis} do not tile it"
                 )
         sizes = [len(iv) for iv in ss.axis_intervals]
+        pairs = []
+        by_d: dict[tuple[int, ...], list[PairRoute]] = {}
         for flat in range(int(np.prod(sizes))):
             s_block = tuple(int(i) for i in np.unravel_index(flat, sizes)) if sizes else ()
             if any(iv[b, 1] <= iv[b, 0] for iv, b in zip(ss.axis_intervals, s_block)):
                 continue
             for d_block, box, route, base in self.pairs_of(w, s_block):
-                yield self.chunk(w, s_block, d_block, box, route, base)
+                pairs.append((s_block, d_block, box, route, base))
+                by_d.setdefault(d_block, []).append(route)
+        merged = {d: self._merged_nodes(routes) for d, routes in by_d.items()}
+        for s_block, d_block, box, route, base in pairs:
+            yield self.chunk(w, s_block, d_block, box, route, base, merged[d_block])
+        for d_block in sorted(merged):
+            if merged[d_block].size:
+                yield self._forward_chunk(w, d_block, by_d[d_block][0], merged[d_block])
+
+    def _coords_of(self, which: int, rank: int) -> dict[str, int] | None:
+        key = (which, rank)
+        if key not in self._coords:
+            layout = self.src if which == 0 else self.dst
+            self._coords[key] = layout.coords(rank) if rank in layout else None
+        return self._coords[key]
 
     def rank_chunks(self, w: int, rank: int) -> Iterator[Chunk]:
         """The pairs of weight ``w`` that ``rank`` takes part in (as a source holder, a receiver
@@ -188,10 +277,11 @@ class Planner:
         ss, ds = self.sides[w]
         seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
         wanted: list[tuple[tuple[int, ...], tuple[int, ...] | None]] = []
-        s_own = ss.block_of(rank)
+        s_coords, d_coords = self._coords_of(0, rank), self._coords_of(1, rank)
+        s_own = ss.block_of(rank, s_coords) if s_coords is not None else None
         if s_own is not None:
             wanted.append((s_own, None))
-        d_own = ds.block_of(rank)
+        d_own = ds.block_of(rank, d_coords) if d_coords is not None else None
         if d_own is not None:
             wanted.extend((s, d_own) for s in self.src_blocks_meeting(w, d_own))
         found = []
@@ -201,16 +291,29 @@ class Planner:
                     continue
                 seen.add((s_block, d_block))
                 found.append((s_block, d_block, box, route, base))
-        # The whole plan's order: source blocks, then destination blocks, row-major.
-        for s_block, d_block, box, route, base in sorted(found, key=lambda f: (f[0], f[1])):
-            got = route.messages_for(rank, base, self._turn(w, s_block))
-            if d_block == d_own and sum(1 for m in got if m[1] == rank) != 1:
-                raise PlanError(
-                    f"plan bug: rank {rank} gets piece {box} of {self.weights[w].name!r} not exactly once"
-                )
+        found.sort(key=lambda f: (f[0], f[1]))  # the whole plan's order: source, then destination blocks
+        node = rank // self.node_size
+        own_routes = [f[3] for f in found if f[1] == d_own]
+        merged = len(own_routes) >= 2 and all(r.is_cross_node(node) for r in own_routes)
+        is_rep = False
+        for s_block, d_block, box, route, base in found:
+            got = route.messages_for(
+                rank, base, self._turn(w, s_block), self._rep_turn(w, d_block), merged and d_block == d_own
+            )
+            if d_block == d_own:
+                n_in = sum(1 for m in got if m[1] == rank)
+                is_rep = merged and n_in == 1
+                if n_in != (0 if merged and not is_rep else 1) or (merged and n_in and got[-1][2] != 0):
+                    raise PlanError(
+                        f"plan bug: rank {rank} gets piece {box} of {self.weights[w].name!r} {n_in} times"
+                    )
             if got:
                 src, dst, step = (np.array(col, dtype=np.int64) for col in zip(*got))
                 yield Chunk(w, box, self._nbytes(w, box), src, dst, step.astype(np.int8), route)
+        if merged and d_own is not None:
+            c = self._forward_chunk(w, d_own, own_routes[0], np.array([node], np.int64))
+            mine = (c.src == rank) | (c.dst == rank)
+            yield Chunk(w, c.box, c.nbytes, c.src[mine], c.dst[mine], c.step[mine], c.route, True)
 
 
 __all__ = ["Chunk", "Planner"]

@@ -43,24 +43,35 @@ class Side:
         # Holders vary over every dim that neither shards the weight nor is its stage dim.
         self.free_dims = tuple(d for d in layout.names if d not in sharding and d != stage_dim)
 
+    def like(self, weight: Weight) -> Side:
+        """This side for another weight of the same shape and placement (nothing recomputed)."""
+        twin = Side.__new__(Side)
+        twin.__dict__.update(self.__dict__)
+        twin.weight = weight
+        return twin
+
     @cached_property
     def axis_intervals(self) -> tuple[np.ndarray, ...]:
         """Per axis, every piece as ``[start, stop)`` rows, in block-index order."""
         return tuple(_intervals(n, sizes) for n, sizes in zip(self.weight.shape, self.axis_sizes))
 
-    def block_of(self, rank: int) -> tuple[int, ...] | None:
+    def block_of(self, rank: int, coords: dict[str, int] | None = None) -> tuple[int, ...] | None:
         """The block ``rank`` holds (one piece index per axis), or ``None`` (outside the layout,
-        another stage, an empty shard). O(ndim)."""
-        if rank not in self.layout:
-            return None
-        coords = self.layout.coords(rank)
-        if self.weight.box_at(self.layout, coords) is None:
+        another stage, an empty shard). O(ndim); ``coords``: the rank's, if already known."""
+        if coords is None:
+            if rank not in self.layout:
+                return None
+            coords = self.layout.coords(rank)
+        stage = self.weight.stage
+        if stage is not None and coords[stage[0]] != stage[1]:
             return None
         out = []
-        for dims, sizes in zip(self.axis_dims, self.axis_sizes):
+        for dims, sizes, iv in zip(self.axis_dims, self.axis_sizes, self.axis_intervals):
             index = 0
             for d, k in zip(dims, sizes):
                 index = index * k + coords[d]
+            if iv[index, 1] <= iv[index, 0]:
+                return None
             out.append(index)
         return tuple(out)
 
@@ -69,17 +80,28 @@ class Side:
 
     def block_key(self, block: tuple[int, ...]) -> BlockKey:
         """The stage and sharding-dim coordinates of ``block`` (what fixes its holders)."""
-        key: list[tuple[str, int]] = []
-        if self.weight.stage is not None:
-            key.append(self.weight.stage)
-        for dims, sizes, b in zip(self.axis_dims, self.axis_sizes, block):
-            coords = np.unravel_index(b, sizes) if sizes else ()
-            key.extend((d, int(c)) for d, c in zip(dims, coords))
-        return tuple(sorted(key, key=lambda kv: self.layout.names.index(kv[0])))
+        return _block_key(self.layout.names, self.weight.stage, self.axis_dims, self.axis_sizes, block)
 
     def holders(self, key: BlockKey) -> np.ndarray:
         """Ranks holding the block of ``key``, in layout order over the replicating dims."""
         return holders(self.layout, key, self.free_dims)
+
+
+@lru_cache(maxsize=65536)
+def _block_key(
+    names: tuple[str, ...],
+    stage: tuple[str, int] | None,
+    axis_dims: tuple[tuple[str, ...], ...],
+    axis_sizes: tuple[tuple[int, ...], ...],
+    block: tuple[int, ...],
+) -> BlockKey:
+    """Cached: every layer placed alike asks for the same keys."""
+    key: list[tuple[str, int]] = [stage] if stage is not None else []
+    for dims, sizes, b in zip(axis_dims, axis_sizes, block):
+        for d, k in zip(reversed(dims), reversed(sizes)):  # mixed radix, last dim fastest
+            key.append((d, b % k))
+            b //= k
+    return tuple(sorted(key, key=lambda kv: names.index(kv[0])))
 
 
 @lru_cache(maxsize=4096)

@@ -234,6 +234,61 @@ class Weight:
         items = tuple(self.placements.items())
         return hash((self.name, self.shape, self.dtype, items, self.stage, self.shard_order))
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # The read-only placements view does not pickle; rebuild from a plain dict.
+        return (
+            Weight,
+            (self.name, self.shape, self.dtype, dict(self.placements), self.stage, self.shard_order),
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready dict; placements as ``"Shard(0)"`` / ``"Replicate()"``::
+
+        >>> Weight("w", (4, 2), "bfloat16", {"tp": Shard(1)}).to_dict()["placements"]
+        {'tp': 'Shard(1)'}
+        """
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "placements": {
+                d: f"Shard({p.axis})" if isinstance(p, Shard) else "Replicate()"
+                for d, p in self.placements.items()
+            },
+            "stage": list(self.stage) if self.stage is not None else None,
+            "shard_order": list(self.shard_order) if self.shard_order is not None else None,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> Weight:
+        """The inverse of :meth:`to_dict` (``LayoutError`` naming a placement it cannot read)."""
+        if not isinstance(data, Mapping):
+            raise TypeError(f"Weight.from_dict takes a mapping, got {data!r}")
+        pl: dict[str, Placement] = {}
+        raw = data.get("placements") or {}
+        if not isinstance(raw, Mapping):
+            raise TypeError(
+                f"placements must be a mapping of dim -> 'Shard(axis)'|'Replicate()', got {raw!r}"
+            )
+        for dim, text in raw.items():
+            t = str(text).replace(" ", "")
+            if t == "Replicate()":
+                pl[dim] = Replicate()
+            elif t.startswith("Shard(") and t.endswith(")") and t[6:-1].isdigit():
+                pl[dim] = Shard(int(t[6:-1]))
+            else:
+                raise LayoutError(f"placement {text!r} of dim {dim!r}: write 'Shard(axis)' or 'Replicate()'")
+        stage, order = data.get("stage"), data.get("shard_order")
+        shape = data.get("shape")
+        return cls(
+            str(data.get("name")),
+            tuple(shape) if isinstance(shape, (list, tuple)) else shape,  # type: ignore[arg-type]
+            str(data.get("dtype", "float32")),
+            pl,
+            tuple(stage) if isinstance(stage, (list, tuple)) else stage,  # type: ignore[arg-type]
+            tuple(order) if isinstance(order, (list, tuple)) else order,  # type: ignore[arg-type]
+        )
+
     @property
     def itemsize(self) -> int:
         return itemsize(self.dtype)
