@@ -9,8 +9,9 @@ Models are built per layout: ``tp`` shards like Megatron (q/k/v/gate/up and the 
 rows, o/down on columns), ``pp`` assigns stages (layers split evenly, embedding first, head
 last), ``ep``/``etp`` shard experts, ``dp_shard``/``fsdp`` shard rows after ``tp`` (FSDP2);
 other dims replicate. ``--weights FILE`` reads ``{"src": [...], "dst": [...]}`` instead, each
-weight ``{"name", "shape", "dtype", "placements": {dim: axis | "replicate"}, "stage": [dim, i],
-"shard_order": [dims]}`` (all but name and shape optional). Bad input exits with status 2.
+weight as ``Weight.to_dict`` writes it: ``{"name", "shape", "dtype", "placements": {dim:
+"Shard(0)" | "Replicate()"}, "stage": [dim, i], "shard_order": [dims]}`` (all but name and
+shape optional). Bad input exits with status 2.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 
 from .layout import Layout
 from .topology import Topology
-from .transfer import Replicate, Shard, Weight, plan_transfer
+from .transfer import Shard, Weight, plan_transfer
 from .transfer.spec import Placement
 
 #: name: (hidden, ffn, kv width, vocab, layers, experts (0: dense), dtype)
@@ -95,31 +96,6 @@ def model_weights(model: str, layout: Layout) -> list[Weight]:
     return out
 
 
-def _weight(data: Any, where: str) -> Weight:
-    if not isinstance(data, dict) or "name" not in data or "shape" not in data:
-        raise ValueError(f"{where}: each weight is an object with at least 'name' and 'shape', got {data!r}")
-    placements: dict[str, Placement] = {}
-    for dim, p in (data.get("placements") or {}).items():
-        if p == "replicate" or p is None:
-            placements[dim] = Replicate()
-        elif isinstance(p, int) and not isinstance(p, bool):
-            placements[dim] = Shard(p)
-        else:
-            raise ValueError(
-                f"{where}: placement of {dim!r} in {data['name']!r} must be an axis or 'replicate', got {p!r}"
-            )
-    stage = data.get("stage")
-    order = data.get("shard_order")
-    return Weight(
-        data["name"],
-        tuple(data["shape"]),
-        data.get("dtype", "float32"),
-        placements,
-        tuple(stage) if stage is not None else None,
-        tuple(order) if order is not None else None,
-    )
-
-
 def read_weights(path: str) -> tuple[list[Weight], list[Weight]]:
     """``(src weights, dst weights)`` from a JSON file ``{"src": [...], "dst": [...]}``."""
     with open(path) as f:
@@ -130,7 +106,15 @@ def read_weights(path: str) -> tuple[list[Weight], list[Weight]]:
         or not isinstance(data.get("dst"), list)
     ):
         raise ValueError(f'--weights {path}: expected an object {{"src": [...], "dst": [...]}}')
-    return [_weight(w, f"{path} src") for w in data["src"]], [_weight(w, f"{path} dst") for w in data["dst"]]
+    out: tuple[list[Weight], list[Weight]] = ([], [])
+    for side, weights in zip(("src", "dst"), out):
+        for item in data[side]:
+            if not isinstance(item, dict) or "name" not in item or "shape" not in item:
+                raise ValueError(
+                    f"--weights {path} {side}: each weight needs 'name' and 'shape', got {item!r}"
+                )
+            weights.append(Weight.from_dict(item))
+    return out
 
 
 def _dims(text: str, what: str) -> list[tuple[str, int]]:

@@ -36,7 +36,13 @@ PARAMETER_SETS = {
     ],
     "weight_transfer.ipynb": [
         {},
-        {"src": {"dp": 2, "tp": 4}, "dst": {"tp": 2, "dp": 4}, "dst_offset": 0, "ranks_per_node": 4, "rank": 3},
+        {
+            "src": {"dp": 2, "tp": 4},
+            "dst": {"tp": 2, "dp": 4},
+            "dst_offset": 0,
+            "ranks_per_node": 4,
+            "rank": 3,
+        },
     ],
 }
 CASES = [(name, i) for name, sets in PARAMETER_SETS.items() for i in range(len(sets))]

@@ -10,7 +10,7 @@ import pytest
 from meshgroups import Layout, Topology
 from meshgroups._cli_transfer import model_weights
 from meshgroups.cli import main
-from meshgroups.transfer import plan_transfer
+from meshgroups.transfer import Shard, Weight, plan_transfer
 
 
 def _json(capsys, *argv):
@@ -52,10 +52,13 @@ def test_colocated_fsdp_and_experts(capsys):
 
 def test_weights_from_json(tmp_path, capsys):
     spec = {
-        "src": [{"name": "w", "shape": [6, 4], "placements": {"tp": 0}}, {"name": "b", "shape": [4]}],
+        "src": [
+            {"name": "w", "shape": [6, 4], "placements": {"tp": "Shard(0)"}},
+            {"name": "b", "shape": [4]},
+        ],
         "dst": [
-            {"name": "w", "shape": [6, 4], "placements": {"tp": 1, "dp": "replicate"}},
-            {"name": "b", "shape": [4], "placements": {"tp": 0}},
+            {"name": "w", "shape": [6, 4], "placements": {"tp": "Shard(1)", "dp": "Replicate()"}},
+            Weight("b", (4,), placements={"tp": Shard(0)}).to_dict(),
         ],
     }
     path = tmp_path / "weights.json"
@@ -96,8 +99,9 @@ def test_bad_weight_files_exit_2(tmp_path, capsys):
         ),
         "axis.json": (
             json.dumps({"src": [{"name": "w", "shape": [4], "placements": {"tp": "rows"}}], "dst": []}),
-            "must be an axis or 'replicate'",
+            "write 'Shard(axis)' or 'Replicate()'",
         ),
+        "noshape.json": (json.dumps({"src": [{"name": "w"}], "dst": []}), "needs 'name' and 'shape'"),
     }
     for name, (text, message) in cases.items():
         (tmp_path / name).write_text(text)

@@ -74,7 +74,7 @@ def _talk_only(plan, groups):
 
 
 def _run(plan, srcs, dsts, groups, bucket_bytes, rank):
-    from meshgroups.transfer.execute import execute, plan_sides
+    from meshgroups.transfer.execute import execute
 
     seen = []
     report = execute(
@@ -83,7 +83,7 @@ def _run(plan, srcs, dsts, groups, bucket_bytes, rank):
     assert [p.bucket for p in seen] == list(range(1, report.buckets + 1)), seen
     assert report.buckets >= 3, report.buckets  # small buckets: several of them
     names = [n for p in seen for n in p.weights_done]
-    assert sorted(names) == sorted(d.name for _, d in plan_sides(plan)[2]), names  # each once
+    assert sorted(names) == sorted(d.name for _, d in plan.weights), names  # each once
     done = [p.bytes_done for p in seen]
     assert done == sorted(done) and (not seen or done[-1] == seen[-1].bytes_total), done
     return report

@@ -98,12 +98,6 @@ class _Part:
     nbytes: int
 
 
-def plan_sides(plan: Plan) -> tuple[Layout, Layout, list[tuple[Weight, Weight]]]:
-    """The plan's source and destination layouts and its (source, destination) weights."""
-    planner = plan._planner  # the plan's own record of its inputs (same package)
-    return planner.src, planner.dst, [(s.weight, d.weight) for s, d in planner.sides]
-
-
 @dataclass(frozen=True)
 class Buckets:
     """Every rank's buckets (a pure function of the plan's weights and ``bucket_bytes``).
@@ -359,7 +353,7 @@ def execute(
     me = dist.get_rank()
     wait = as_timedelta(timeout, default_timeout())
     status = _Status(group if group is not None else dist.group.WORLD, wait)  # type: ignore[arg-type]
-    src, dst, pairs = plan_sides(plan)
+    src, dst, pairs = plan.src, plan.dst, plan.weights
     report = Report()
     error: BaseException | None = None
     parts: dict[int, list[_Part]] = {}
@@ -438,4 +432,4 @@ def _where(bucket: int, stage: str) -> str:
     return "the check before the first bucket" if bucket < 0 else f"bucket {bucket} ({stage})"
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Buckets", "Progress", "Report", "TransferError", "execute", "plan_sides"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "Buckets", "Progress", "Report", "TransferError", "execute"]

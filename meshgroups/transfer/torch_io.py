@@ -167,13 +167,10 @@ def module_weights(
     to agree where two ranks describe the same weight."""
     weights, tensors = local_weights(module, layout, dims=dims, stage_dim=stage_dim)
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    # Weights travel as plain tuples (their placement mapping is read-only, not picklable)
-    wire = [(w.name, w.shape, w.dtype, tuple(w.placements.items()), w.stage, w.shard_order) for w in weights]
-    dist.all_gather_object(gathered, wire, group=group)
+    dist.all_gather_object(gathered, weights, group=group)
     merged: dict[str, Weight] = {}
     for part in gathered:
-        for name, shape, dtype, placements, stage, order in part:
-            w = Weight(name, shape, dtype, dict(placements), stage, order)
+        for w in part:
             seen = merged.setdefault(w.name, w)
             if seen != w:
                 raise LayoutError(f"ranks describe weight {w.name!r} differently: {seen} and {w}")
