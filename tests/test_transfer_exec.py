@@ -228,6 +228,8 @@ def test_disjoint_layouts_world8():
 
 # -------------------------------------------------------------------------------- job 2: colocated
 def worker_colocated(rank, world):
+    import time
+
     import torch
     import torch.distributed as dist
     from meshgroups.compat.group_initializer import WeightTransferGroupInitializer, reset_group_cache
@@ -311,6 +313,15 @@ def worker_colocated(rank, world):
         _check(many, ws, dsts, full, rank, "legacy")
         out["legacy_broadcasts"] = report.broadcasts
         reset_group_cache()
+
+    # a rank that never arrives: the others fail after the timeout instead of hanging (last:
+    # their unanswered status exchange stays pending on the default group)
+    if rank == 7:
+        time.sleep(6)
+        return out
+    with pytest.raises(TransferError, match="got no status from every rank in the check") as err:
+        execute(plan, _shards(one, ws, full, rank), _buffers(many, ws, rank), timeout=2)
+    assert err.value.ranks == () and err.value.done == ()
     return out
 
 

@@ -403,8 +403,8 @@ def _agree(
         failed, same = status.exchange(error is not None, digest)
     except Exception as exc:
         raise TransferError(
-            f"weight transfer: the status exchange after {_where(bucket, stage)} failed on rank "
-            f"{dist.get_rank()} ({type(exc).__name__}: {exc}); some rank is gone or stuck",
+            f"weight transfer: rank {dist.get_rank()} got no status from every rank in {_where(bucket, stage)} "
+            f"({type(exc).__name__}: {exc}) within {status.timeout}; a rank is gone or stuck",
             (),
             bucket,
             stage,
