@@ -348,7 +348,7 @@ def test_sharing_rules_name_a_rank():
 
 def test_buckets_cut_rows_and_pack_whole_weights():
     from meshgroups.transfer import Weight
-    from meshgroups.transfer.execute import Buckets
+    from meshgroups.transfer.buckets import Buckets
 
     ws = [Weight("a", (4, 2)), Weight("b", (10, 2)), Weight("c", ()), Weight("d", (1, 100))]
     b = Buckets.of(ws, bucket_bytes=40)

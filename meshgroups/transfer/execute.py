@@ -6,12 +6,13 @@ passes empty mappings)::
     >>> plan = plan_transfer(trainer, weights, rollout, rollout_weights)      # doctest: +SKIP
     >>> execute(plan, {"wq": trainer_shard}, {"wq": rollout_buffer}, bucket_bytes=64 << 20)  # doctest: +SKIP
 
-Buckets are the same on every rank: weights in plan order, a weight bigger than a bucket cut
-into blocks of rows (axis 0), packed while their *full* sizes fit ``bucket_bytes`` — so a rank
-stages at most about one bucket at a time. Per bucket: stage the slices this rank sends, agree
-that every rank is ready (one small all-reduce), step 0 (sources send; colocated ranks copy
-locally), write into the buffers, step 1 (forwards inside a node, read from the buffers just
-written), agree that every rank finished, then report progress. One-to-one slices go
+Buckets are the same on every rank (``buckets.Buckets``: weights in plan order, big ones cut
+into row blocks, packed by full size), so a rank stages about one bucket at a time. Before the
+first bucket every rank checks its inputs against its boxes. Per bucket: prepare (views and
+staging buffers of both steps), agree that every rank is ready (one small all-reduce, which
+also carries the previous bucket's ``progress`` outcome), step 0 (sources send; colocated ranks
+copy locally), write into the buffers, step 1 (forwards inside a node, sent from the buffers
+just written), agree that every rank finished, report progress. One-to-one slices go
 point-to-point on the default group; a fan-out goes as one broadcast over its ``TransferGroups``
 group when ``groups`` is given. Any failure on any rank — a bad input, a failed or timed-out
 send, an exception from ``progress`` — becomes a ``TransferError`` on every rank, naming the
@@ -36,6 +37,7 @@ from .._torch_seam import default_timeout
 from ..errors import MeshConfigError
 from ..layout import Layout
 from ..plan import as_timedelta
+from .buckets import Buckets, Part, parts_by_bucket
 from .spec import Box, Weight
 
 if TYPE_CHECKING:
@@ -51,9 +53,9 @@ class TransferError(RuntimeError):
 
     Attributes:
         ranks: the ranks that failed. bucket: the bucket it happened in (0-based; ``-1``: the
-            check before the first). stage: ``"check"``, ``"prepare"``, ``"transfer"`` or
-            ``"progress"``. done: weights complete on every rank before the failure (the others
-            may be partly written).
+            check before the first). stage: ``"check"``, ``"prepare"`` (nothing of the bucket
+            moved yet), ``"transfer"`` or ``"progress"`` (the bucket is complete). done: weights
+            complete on every rank before the failure (the others may be partly written).
     """
 
     def __init__(self, message: str, ranks: tuple[int, ...], bucket: int, stage: str, done: tuple[str, ...]):
@@ -83,79 +85,6 @@ class Report:
     bytes_copied: int = 0
     broadcasts: int = 0
     weights: tuple[str, ...] = field(default_factory=tuple)
-
-
-@dataclass(frozen=True)
-class _Part:
-    """A message clipped to one bucket's rows (``box``); ``key`` names the plan's message."""
-
-    w: int
-    src: int
-    dst: int
-    box: Box
-    step: int
-    key: tuple[str, int, Box, int]
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Buckets:
-    """Every rank's buckets (a pure function of the plan's weights and ``bucket_bytes``).
-
-    Weight ``i`` is cut into blocks of ``rows[i]`` rows along axis 0 (the whole weight when it
-    fits a bucket; a 0-d weight is one block); blocks are packed in order while their full sizes
-    fit ``bucket_bytes`` (a single row bigger than a bucket gets a bucket of its own).
-    ``bucket[first[i] + k]`` is the bucket of weight ``i``'s block ``k``::
-
-        >>> from meshgroups.transfer import Weight  # doctest: +SKIP
-        >>> b = Buckets.of([Weight("a", (4, 2)), Weight("b", (10, 2))], bucket_bytes=40)
-        >>> b.count, b.rows, b.bucket
-        (3, (4, 5), (0, 1, 2))
-    """
-
-    count: int
-    rows: tuple[int, ...]
-    first: tuple[int, ...]
-    bucket: tuple[int, ...]
-
-    @classmethod
-    def of(cls, weights: Sequence[Weight], bucket_bytes: int) -> Buckets:
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise MeshConfigError(f"bucket_bytes={bucket_bytes!r} must be a positive int")
-        rows_t: list[int] = []
-        first: list[int] = []
-        bucket_of: list[int] = []
-        bucket, load = -1, 0
-        for w in weights:
-            rows = w.shape[0] if w.shape else 1
-            row_bytes = w.nbytes // rows if rows else 0
-            per = max(1, min(rows, bucket_bytes // row_bytes)) if row_bytes else max(rows, 1)
-            rows_t.append(per)
-            first.append(len(bucket_of))
-            for start in range(0, max(rows, 1), per):
-                size = row_bytes * (min(rows, start + per) - start)
-                if bucket < 0 or (load + size > bucket_bytes and load > 0):
-                    bucket, load = bucket + 1, 0
-                load += size
-                bucket_of.append(bucket)
-        return cls(bucket + 1, tuple(rows_t), tuple(first), tuple(bucket_of))
-
-    def split(self, w: int, box: Box) -> list[tuple[int, Box]]:
-        """``box`` of weight ``w`` cut at block boundaries: ``[(bucket, sub-box), ...]``."""
-        if not box:
-            return [(self.bucket[self.first[w]], box)]
-        per = self.rows[w]
-        (lo, hi), rest = box[0], box[1:]
-        out = []
-        for k in range(lo // per, -(-hi // per)):
-            a, b = max(lo, k * per), min(hi, (k + 1) * per)
-            out.append((self.bucket[self.first[w] + k], ((a, b), *rest)))
-        return out
-
-    def last_bucket(self, w: int) -> int:
-        """The bucket holding weight ``w``'s last block (the weight is done after it)."""
-        end = self.first[w + 1] if w + 1 < len(self.first) else len(self.bucket)
-        return self.bucket[end - 1]
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -237,84 +166,84 @@ def _digest(pairs: Sequence[tuple[Weight, Weight]], src: Layout, dst: Layout, ex
     return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 
 
-def _parts(plan: Plan, me: int, index: Mapping[str, int], buckets: Buckets) -> dict[int, list[_Part]]:
-    """This rank's messages cut into buckets."""
-    out: dict[int, list[_Part]] = {}
-    for m in plan.for_rank(me):
-        w = index[m.weight]
-        per_element = m.nbytes // max(1, _count(m.box))
-        for b, box in buckets.split(w, m.box):
-            part = _Part(
-                w, m.src, m.dst, box, m.step, (m.weight, m.src, m.box, m.step), per_element * _count(box)
-            )
-            out.setdefault(b, []).append(part)
-    return out
+@dataclass
+class _Step:
+    """One step of one bucket on this rank, prepared: every view taken and staging buffer
+    allocated, so what can fail locally fails before any rank moves data."""
+
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dst, src) local
+    fills: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (staging, view) to send
+    p2p: list[tuple[bool, torch.Tensor, int]] = field(default_factory=list)  # (is send, tensor, peer)
+    casts: list[tuple[tuple[int, ...], int, Box, int, torch.Tensor]] = field(default_factory=list)
+    landing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (staging, dst view)
 
 
-def _count(box: Box) -> int:
-    n = 1
-    for a, b in box:
-        n *= b - a
-    return n
+def _contiguous(view: torch.Tensor, fills: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``view`` itself when contiguous, else a staging buffer filled from it when the step runs
+    (a forward's view is written at step 0, after this is prepared)."""
+    if view.is_contiguous():
+        return view
+    staging = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+    fills.append((staging, view))
+    return staging
 
 
-def _run_step(
-    parts: Sequence[_Part],
-    local: _Local,
-    groups: TransferGroups | None,
-    timeout: timedelta,
-    report: Report,
-) -> None:
-    """One step of one bucket: post every send/receive/broadcast, wait, write the buffers.
-
-    Sends and receives are ordered by (weight, box, sender, receiver) on both sides, so the
-    point-to-point pairs match; broadcasts on one group follow the same order on every member."""
-    me = local.me
-    ops: list[dist.P2POp] = []
-    casts: list[tuple[tuple[int, ...], int, Box, int, torch.Tensor]] = []
-    landing: list[tuple[torch.Tensor, torch.Tensor]] = []
+def _prepare(parts: Sequence[Part], local: _Local, groups: TransferGroups | None, report: Report) -> _Step:
+    """Sends and receives are ordered by (weight, box, sender, receiver) on both sides, so the
+    point-to-point pairs match; a fan-out is one broadcast for its sender and each receiver."""
+    me, step = local.me, _Step()
     staged: dict[tuple[int, Box], torch.Tensor] = {}
     cast_seen: set[tuple[tuple[int, ...], int, Box]] = set()
     for p in sorted(parts, key=lambda p: (p.w, p.box, p.src, p.dst)):
         ranks = groups.routes.get(p.key) if groups is not None else None
-        if p.src == me and p.dst == me:
-            local.view("dst", p.w, p.box).copy_(local.view("src", p.w, p.box))
-            report.bytes_copied += p.nbytes
-        elif p.src == me:
-            side = "src" if p.step == 0 else "dst"  # a forward re-sends what step 0 wrote
-            if (p.w, p.box) not in staged:
-                staged[(p.w, p.box)] = local.view(side, p.w, p.box).contiguous()
-            data = staged[(p.w, p.box)]
-            report.bytes_sent += p.nbytes
-            if ranks is None:
-                ops.append(dist.P2POp(dist.isend, data, p.dst))
-            elif (ranks, p.w, p.box) not in cast_seen:
-                cast_seen.add((ranks, p.w, p.box))
-                casts.append((ranks, p.w, p.box, p.src, data))
-        else:
-            view = local.view("dst", p.w, p.box)
-            buf = torch.empty(view.shape, dtype=view.dtype, device=view.device)
-            landing.append((buf, view))
-            report.bytes_received += p.nbytes
-            if ranks is None:
-                ops.append(dist.P2POp(dist.irecv, buf, p.src))
-            else:
-                casts.append((ranks, p.w, p.box, p.src, buf))
-    works = list(dist.batch_isend_irecv(ops)) if ops else []
-    for ranks, _, _, src, data in sorted(casts, key=lambda c: (c[0], c[1], c[2])):
-        group = groups.group(ranks) if groups is not None else None
-        if group is None:
+        if ranks is not None and groups is not None and groups.group(ranks) is None:
             raise MeshConfigError(
                 f"rank {me} has no transfer group over ranks {ranks}; rebuild TransferGroups"
             )
+        if p.src == me and p.dst == me:
+            step.copies.append((local.view("dst", p.w, p.box), local.view("src", p.w, p.box)))
+            report.bytes_copied += p.nbytes
+        elif p.src == me:
+            if (p.w, p.box) not in staged:  # a forward (step 1) re-sends what step 0 wrote
+                view = local.view("src" if p.step == 0 else "dst", p.w, p.box)
+                staged[(p.w, p.box)] = _contiguous(view, step.fills)
+            report.bytes_sent += p.nbytes
+            if ranks is None:
+                step.p2p.append((True, staged[(p.w, p.box)], p.dst))
+            elif (ranks, p.w, p.box) not in cast_seen:
+                cast_seen.add((ranks, p.w, p.box))
+                step.casts.append((ranks, p.w, p.box, p.src, staged[(p.w, p.box)]))
+        else:
+            view = local.view("dst", p.w, p.box)
+            buf = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+            step.landing.append((buf, view))
+            report.bytes_received += p.nbytes
+            if ranks is None:
+                step.p2p.append((False, buf, p.src))
+            else:
+                step.casts.append((ranks, p.w, p.box, p.src, buf))
+    report.messages += len(parts)
+    return step
+
+
+def _run(step: _Step, groups: TransferGroups | None, timeout: timedelta) -> int:
+    """Post every send, receive and broadcast of a prepared step, wait, write the buffers.
+    Broadcasts go in one order on every rank (by group, weight, box). Returns broadcasts made."""
+    for dst_view, src_view in step.copies:
+        dst_view.copy_(src_view)
+    for staging, view in step.fills:
+        staging.copy_(view)
+    ops = [dist.P2POp(dist.isend if send else dist.irecv, t, peer) for send, t, peer in step.p2p]
+    works = list(dist.batch_isend_irecv(ops)) if ops else []
+    for ranks, _, _, src, data in sorted(step.casts, key=lambda c: (c[0], c[1], c[2])):
+        group = groups.group(ranks) if groups is not None else None
         works.append(dist.broadcast(data, src=src, group=group, async_op=True))
-        report.broadcasts += 1
     for work in works:
         if work is not None and work.wait(timeout) is False:
-            raise TimeoutError(f"a send or receive of rank {me} did not finish within {timeout}")
-    for buf, view in landing:
+            raise TimeoutError(f"a send or receive of rank {dist.get_rank()} did not finish within {timeout}")
+    for buf, view in step.landing:
         view.copy_(buf)
-    report.messages += len(parts)
+    return len(step.casts)
 
 
 def execute(
@@ -356,29 +285,37 @@ def execute(
     src, dst, pairs = plan.src, plan.dst, plan.weights
     report = Report()
     error: BaseException | None = None
-    parts: dict[int, list[_Part]] = {}
+    parts: dict[int, list[Part]] = {}
     buckets = Buckets(0, (), (), ())
+    local = _Local(me, pairs, src, dst)
     try:
         buckets = Buckets.of([d for _, d in pairs], bucket_bytes)
-        parts = _parts(plan, me, {d.name: i for i, (_, d) in enumerate(pairs)}, buckets)
-        local = _Local(me, pairs, src, dst)
-        needs = {("src" if p.step == 0 and p.src == me else "dst", p.w) for ps in parts.values() for p in ps}
-        needs |= {("dst", p.w) for ps in parts.values() for p in ps if p.src == p.dst == me}
+        index = {d.name: i for i, (_, d) in enumerate(pairs)}
+        parts = parts_by_bucket(plan.for_rank(me), index, buckets)
+        mine = [p for ps in parts.values() for p in ps]
+        needs = {("src" if p.step == 0 and p.src == me else "dst", p.w) for p in mine}
+        needs |= {("dst", p.w) for p in mine if p.src == p.dst == me}
         for side, w in sorted(needs):
             local.take(side, w, src_tensors if side == "src" else dst_buffers)
-        report.weights = tuple(sorted({pairs[p.w][1].name for ps in parts.values() for p in ps}))
+        report.weights = tuple(sorted({pairs[p.w][1].name for p in mine}))
     except Exception as exc:
         error = exc
-    routes = None if groups is None else groups.sets
-    digest = _digest(pairs, src, dst, (bucket_bytes, routes))
+    digest = _digest(pairs, src, dst, (bucket_bytes, None if groups is None else groups.sets))
     total = sum(p.nbytes for ps in parts.values() for p in ps)
     done: list[str] = []
     _agree(status, error, digest, -1, "check", done)
     for b in range(buckets.count):
+        steps: list[_Step] = []
         error = None
         try:
-            for step in (0, 1):
-                _run_step([p for p in parts.get(b, ()) if p.step == step], local, groups, wait, report)
+            for s in (0, 1):
+                steps.append(_prepare([p for p in parts.get(b, ()) if p.step == s], local, groups, report))
+        except Exception as exc:
+            error = exc
+        _agree(status, error, digest, b, "prepare", done)
+        try:
+            for step in steps:
+                report.broadcasts += _run(step, groups, wait)
         except Exception as exc:
             error = exc
         _agree(status, error, digest, b, "transfer", done)
@@ -432,4 +369,4 @@ def _where(bucket: int, stage: str) -> str:
     return "the check before the first bucket" if bucket < 0 else f"bucket {bucket} ({stage})"
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Buckets", "Progress", "Report", "TransferError", "execute"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "Progress", "Report", "TransferError", "execute"]
