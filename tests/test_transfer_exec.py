@@ -44,7 +44,7 @@ def _buffers(layout, weights, rank):
     for w in weights:
         box = w.box(layout, rank)
         if box:
-            out[w.name] = torch.full([b - a for a, b in box], float("nan"))
+            out[w.name] = torch.full([b - a for a, b in box], float("nan"), dtype=getattr(torch, w.dtype))
     return out
 
 
@@ -296,20 +296,27 @@ def worker_colocated(rank, world):
         _check(rollout, dst_w, dsts, full, rank, "retry")
 
     # legacy WeightTransferGroupInitializer: one group of the sender and every receiver is the
-    # plan's single fan-out when trainer rank 0 alone holds the weights
-    one, many = Layout(tp=1), Layout(dp=7, rank_offset=1)
-    ws = [Weight("w", (4, 3))]
-    full = _full(ws, seed=2)
+    # plan's single fan-out when trainer rank 0 alone holds the weights (rank 7: in neither
+    # layout, it takes part in the collective calls with nothing to move; bf16 weights)
+    one, many = Layout(tp=1), Layout(dp=6, rank_offset=1)
+    ws = [Weight("w", (4, 3), "bfloat16")]
+    full = {"w": _full(ws, seed=2)["w"].to(torch.bfloat16)}
     with init_job({"trainer": one, "rollout": many}) as job:
         plan = plan_transfer(one, ws, many, ws)
         transfer = job.transfer_groups(plan)
         _, _, legacy_group, legacy_ranks, _ = WeightTransferGroupInitializer(
-            rank, world, list(range(8))
+            rank, world, list(range(7))
         ).init_dist_group(backend="gloo")
-        assert transfer.sets == [tuple(legacy_ranks)], (transfer.sets, legacy_ranks)
-        assert dist.get_process_group_ranks(legacy_group) == legacy_ranks
+        assert transfer.sets == [tuple(range(7))]
+        if rank < 7:
+            assert transfer.sets == [tuple(legacy_ranks)], (transfer.sets, legacy_ranks)
+            assert dist.get_process_group_ranks(legacy_group) == legacy_ranks
+            assert dist.get_process_group_ranks(transfer.group(legacy_ranks)) == legacy_ranks
+        else:
+            assert legacy_group is None and transfer.group(range(7)) is None and job.roles() == ()
         dsts = _buffers(many, ws, rank)
-        report = execute(plan, _shards(one, ws, full, rank), dsts, bucket_bytes=16, groups=transfer)
+        report = execute(plan, _shards(one, ws, full, rank), dsts, bucket_bytes=12, groups=transfer)
+        assert report.buckets == 2
         _check(many, ws, dsts, full, rank, "legacy")
         out["legacy_broadcasts"] = report.broadcasts
         reset_group_cache()
@@ -329,7 +336,8 @@ def test_colocated_failures_and_legacy_world8():
     results = run(worker_colocated, 8, timeout=400, pg_timeout=120)
     assert sum(r["checked"] for r in results) == 2 * (48 + 60) + 8 * 5
     assert sum(r["copied"] for r in results) > 0  # colocated: some slices are local copies
-    assert all(r["legacy_broadcasts"] == 4 for r in results)  # 4 rows of 12 B: 4 buckets of 16 B
+    # 4 rows of 6 B bf16, 12 B buckets: 2 buckets, one broadcast each; rank 7 in none
+    assert [r["legacy_broadcasts"] for r in results] == [2] * 7 + [0]
 
 
 # ------------------------------------------------------------------------------- no processes
