@@ -9,10 +9,10 @@ passes empty mappings)::
 Buckets are the same on every rank (``buckets.Buckets``: weights in plan order, big ones cut
 into row blocks, packed by full size), so a rank stages about one bucket at a time. Before the
 first bucket every rank checks its inputs against its boxes. Per bucket: prepare (views and
-staging buffers of both steps), agree that every rank is ready (one small all-reduce, which
-also carries the previous bucket's ``progress`` outcome), step 0 (sources send; colocated ranks
-copy locally), write into the buffers, step 1 (forwards inside a node, sent from the buffers
-just written), agree that every rank finished, report progress. One-to-one slices go
+staging buffers of both steps), agree that every rank is ready (one small all-reduce), step 0
+(sources send; colocated ranks copy locally), write into the buffers, step 1 (forwards inside a
+node, sent from the buffers just written), agree that every rank finished, call ``progress``
+and agree that it returned everywhere. One-to-one slices go
 point-to-point on the default group; a fan-out goes as one broadcast over its ``TransferGroups``
 group when ``groups`` is given. Any failure on any rank — a bad input, a failed or timed-out
 send, an exception from ``progress`` — becomes a ``TransferError`` on every rank, naming the
@@ -266,7 +266,7 @@ def execute(
         dst_buffers: ``{weight name: this rank's destination buffer}``, written in place.
         bucket_bytes: full-weight bytes per bucket (see ``Buckets``); the same on every rank.
         progress: called after each bucket with a ``Progress``; an exception it raises fails
-            the transfer on every rank at the next bucket.
+            the transfer on every rank before the next bucket.
         timeout: bound on each wait (seconds or timedelta); default: the default group's.
         groups: ``TransferGroups`` of this plan: fan-outs go as broadcasts over them; without,
             every slice goes point-to-point.
