@@ -144,7 +144,7 @@ def _fsdp_tp(rank):
 
 def _pipeline_permuted(rank):
     """A pipeline trainer pp=2 × tp=2 (DTensors on each stage's tp mesh) -> a rollout without
-    pp on a permuted placement; plus uneven shapes with empty shards."""
+    pp, both on permuted placements; plus uneven shapes with empty shards."""
     from torch.distributed.tensor import Replicate as TR
     from torch.distributed.tensor import Shard as TS
     from torch.distributed.tensor import distribute_tensor
@@ -153,7 +153,7 @@ def _pipeline_permuted(rank):
     from meshgroups.transfer.jobs import init_job
     from meshgroups.transfer.torch_io import module_weights
 
-    trainer = Layout(pp=2, tp=2)
+    trainer = Layout.from_grid([[3, 0], [1, 2]], ("pp", "tp"))  # permuted: stage 0 is ranks 3, 0
     rollout = Layout.from_grid([[6, 4], [7, 5]], ("dp", "tp"))  # non-contiguous, ranks decrease
     dst_w = [
         Weight("emb", (9, 4), placements={"tp": Shard(0)}),
@@ -174,7 +174,7 @@ def _pipeline_permuted(rank):
         by_name = {w.name: w for w in src.weights}
         assert by_name["emb"].stage == ("pp", 0) and by_name["head"].stage == ("pp", 1)
         plan = plan_transfer(src.layout, src.weights, rollout, dst_w)
-        assert {m.src for m in plan.messages if m.weight == "emb"} <= {0, 1}  # stage 0 only
+        assert {m.src for m in plan.messages if m.weight == "emb"} <= {3, 0}  # stage 0 only
         groups = job.transfer_groups(plan)
         _talk_only(plan, groups)
         dsts = _buffers(rollout, dst_w, rank)
