@@ -138,7 +138,8 @@ def local_weights(
             if not mesh_names or unknown:
                 raise LayoutError(
                     f"parameter {name!r}: mesh dim {(unknown or ['(unnamed)'])[0]!r} is not a dim of the layout "
-                    f"({', '.join(layout.names)}); map it with dims={{mesh dim: layout dim}}"
+                    f"({', '.join(layout.names)}); map it with dims={{mesh dim: layout dim}}, or for a flattened "
+                    "mesh dim (dp_cp) pass the layout flattened alike (layout.flatten('dp', 'cp'))"
                 )
             _check_mesh(name, t, layout, mapped, rank)
             shape = tuple(t.device_mesh.mesh.shape)
