@@ -255,6 +255,7 @@ def _scenario(src: Layout, sws: list[Weight], dst: Layout, dws: list[Weight], to
 
 
 def _node(topo: Topology) -> int:
+    """The plan's node: the level named node, else the smallest level."""
     return topo.size("node") if "node" in topo.names else topo.levels[0][1]
 
 
@@ -361,9 +362,15 @@ def worlds(draw: st.DrawFn) -> tuple[Layout, list[Weight], Layout, list[Weight],
 
         spl, sst = placements(src, True, ndim)
         dpl, dst_stage = placements(dst, True, ndim)
-        sws.append(Weight(f"w{i}", shape, "int16", spl, sst))
+        # Sometimes nest against layout order (FSDP2 over TP): the sharding dims reversed.
+        s_order = tuple(reversed(list(spl))) if spl and draw(st.booleans()) else None
+        sws.append(Weight(f"w{i}", shape, "int16", spl, sst, s_order))
         dws.append(Weight(f"w{i}", shape, "int16", dpl, dst_stage))
-    topo = draw(st.sampled_from([None, Topology(node=2), Topology(node=4), Topology(node=8)]))
+    topo = draw(
+        st.sampled_from(
+            [None, Topology(node=2), Topology(node=4), Topology(node=8), Topology(host=4, rack=8)]
+        )
+    )
     return src, sws, dst, dws, topo
 
 
