@@ -386,6 +386,27 @@ def test_plan_against_brute_force(
     check_local(plan, src, sws, dst, dws, topo)
 
 
+def test_larger_permuted_world() -> None:
+    """48 ranks, a permuted rollout spread over nodes, pipeline stages, nested and uneven
+    sharding: the brute force, the balance property and every rank's part."""
+    trainer = Layout(pp=2, dp=4, tp=4)
+    grid = np.random.default_rng(7).permutation(16).reshape(8, 2) + 32
+    rollout = Layout.from_grid(grid, ("dp", "tp"))
+    sws = [
+        Weight("a", (10, 6), "float16", {"dp": Shard(0), "tp": Shard(1)}, ("pp", 0), ("tp", "dp")),
+        Weight("b", (7,), "float16", {"tp": Shard(0)}, ("pp", 1)),
+        Weight("c", (5, 9), "float16", {}, ("pp", 1)),
+    ]
+    dws = [
+        Weight("a", (10, 6), "float16", {"tp": Shard(0)}),
+        Weight("b", (7,), "float16", {"dp": Shard(0), "tp": Shard(0)}),
+        Weight("c", (5, 9), "float16", {"tp": Shard(1)}),
+    ]
+    topo = Topology(node=4)
+    plan = _scenario(trainer, sws, rollout, dws, topo)
+    check_balance(plan, trainer, sws, 4)
+
+
 def _layers(n: int, stage: tuple[str, int] | None = None) -> list[Weight]:
     out = []
     for i in range(n):
