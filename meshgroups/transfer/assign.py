@@ -181,7 +181,9 @@ class PairRoute:
         is_rep = self.cross_pos == rep_pos[self.cross_k]
         reps = self.cross_dst[is_rep]  # one per cross node, in node order
         forward = ~is_rep
-        if merged is not None and merged.size:
+        if merged is not None and merged.size == n_cross:  # merged ⊆ cross nodes: all of them
+            forward[:] = False
+        elif merged is not None and merged.size:
             forward &= ~np.isin(self.cross_nodes, merged)[self.cross_k]
         fwd_dst = self.cross_dst[forward]
         fwd_src = reps[self.cross_k[forward]]

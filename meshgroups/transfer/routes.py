@@ -89,9 +89,14 @@ class Planner:
         self._coords: dict[tuple[int, int], dict[str, int] | None] = {}
         self._senders: dict[tuple[int, tuple[int, ...]], list[Senders]] = {}
         # Weights whose source blocks are keyed by the same dims (and vary over the same dims).
-        self._by_signature: dict[tuple[tuple[str, ...], frozenset[str]], list[int]] = {}
+        # Weights whose source blocks are keyed by the same dims and vary over the same dims,
+        # by pipeline stage: the candidates when replaying one holder set's history.
+        self._by_signature: dict[
+            tuple[tuple[str, ...], frozenset[str]], dict[tuple[str, int] | None, list[int]]
+        ] = {}
         for w, (ss, _) in enumerate(self.sides):
-            self._by_signature.setdefault((ss.free_dims, ss.keyed_dims), []).append(w)
+            stages = self._by_signature.setdefault((ss.free_dims, ss.keyed_dims), {})
+            stages.setdefault(ss.stage_key, []).append(w)
         self._holders: dict[tuple[int, BlockKey, tuple[str, ...]], tuple[np.ndarray, ByNode]] = {}
         self._routes: dict[tuple[BlockKey, tuple[str, ...], BlockKey, tuple[str, ...]], PairRoute] = {}
         self._pairs: dict[tuple[int, tuple[int, ...]], list[tuple[tuple[int, ...], Box, PairRoute]]] = {}
@@ -166,7 +171,12 @@ class Planner:
         the ``r`` left over to the holders with the fewest bytes so far (ties: holder order).
         A function of the weights alone, so every rank replays the same choices."""
         loads: np.ndarray | None = None
-        for w in self._by_signature.get((free_dims, frozenset(d for d, _ in key)), ()):
+        fixed = dict(key)
+        stages = self._by_signature.get((free_dims, frozenset(fixed)), {})
+        candidates = sorted(
+            w for stage, ws in stages.items() if stage is None or fixed.get(stage[0]) == stage[1] for w in ws
+        )
+        for w in candidates:
             s_block = self._block_for(w, key)
             if s_block is None:
                 continue

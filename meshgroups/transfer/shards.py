@@ -46,10 +46,10 @@ class Side:
         self.free_dims = tuple(
             d for d in layout.names if d not in sharding and d != stage_dim and sizes[d] > 1
         )
-        self._stage_key = weight.stage if stage_dim is not None and sizes[stage_dim] > 1 else None
+        self.stage_key = weight.stage if stage_dim is not None and sizes[stage_dim] > 1 else None
         keyed = {d for d in sharding if sizes[d] > 1}
-        if self._stage_key is not None:
-            keyed.add(self._stage_key[0])
+        if self.stage_key is not None:
+            keyed.add(self.stage_key[0])
         self.keyed_dims = frozenset(keyed)
 
     def like(self, weight: Weight) -> Side:
@@ -89,7 +89,7 @@ class Side:
 
     def block_key(self, block: tuple[int, ...]) -> BlockKey:
         """The stage and sharding-dim coordinates of ``block`` (what fixes its holders)."""
-        return _block_key(self.layout.names, self._stage_key, self.axis_dims, self.axis_sizes, block)
+        return _block_key(self.layout.names, self.stage_key, self.axis_dims, self.axis_sizes, block)
 
     def holders(self, key: BlockKey) -> np.ndarray:
         """Ranks holding the block of ``key``, in layout order over the replicating dims."""
