@@ -30,12 +30,16 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from meshgroups import Layout, Topology
-from meshgroups.transfer import Replicate, Shard, Weight, plan_transfer
+from meshgroups.transfer import Plan, Replicate, Shard, Weight, plan_transfer
+
+T = TypeVar("T")
 
 NODE = 8
 INTRA_BW, INTER_BW = 300e9, 50e9  # bytes/s per rank: NVLink port, 400 Gb/s NIC
@@ -114,7 +118,7 @@ def baselines(trainer: Layout, rollout: Layout, weights: list[Weight]) -> list[R
     return rows
 
 
-def plan_row(plan) -> Row:  # type: ignore[no-untyped-def]
+def plan_row(plan: Plan) -> Row:
     s = plan.stats
     cross_out, cross_in = s.send_cross, s.recv_cross
     intra_out, intra_in = s.send - cross_out, s.recv - cross_in
@@ -126,7 +130,7 @@ def plan_row(plan) -> Row:  # type: ignore[no-untyped-def]
     return Row("plan", plan.cross_node_bytes, int(s.send.max()), sent, seconds)
 
 
-def timed(fn):  # type: ignore[no-untyped-def]
+def timed(fn: Callable[[], T]) -> tuple[T, tuple[float, float]]:
     """``(result, (wall seconds, CPU seconds))``: the planner is single-threaded, so its CPU time
     is what it costs on an idle core even when this shared machine is oversubscribed."""
     w0, c0 = time.perf_counter(), time.process_time()

@@ -12,16 +12,17 @@ So a node receives each byte it needs and lacks exactly once from outside: the m
 
 The choice is a formula of public quantities only (the pair's holders, the weight's index, a
 rotation), so the sender and the receiver of a message compute the same choice without talking:
-node ``k`` of the pair's ``K`` cross nodes (in node order) gets the piece from source holder
-``(base + k) mod h``; the representative of a node and the intra sender rotate with the weight::
+node ``k`` of the pair's ``K`` cross nodes (in node order) gets the piece from the source holder
+:class:`Senders` names; the representative of a node and the intra sender rotate::
 
     >>> hs, hd = np.array([0, 8]), np.array([1, 4, 5, 12])  # nodes of 4: S on 0, 2; D on 0, 1, 3
     >>> r = PairRoute.build(hs, ByNode.of(hs, 4), ByNode.of(hd, 4), 4, True)
-    >>> src, dst, step = r.messages(base=0, turn=0, rep_turn=0)
+    >>> one = Senders(1, np.zeros(0, np.int64))  # K = 2 = 1·h: holder k mod 2 sends unit k
+    >>> src, dst, step, part = r.messages(one, turn=0, rep_turn=0)
     >>> list(zip(src.tolist(), dst.tolist(), step.tolist()))
     [(0, 1, 0), (0, 4, 0), (8, 12, 0), (4, 5, 1)]
-    >>> r.messages_for(8, base=0, turn=0, rep_turn=0)  # rank 8's share, by lookups
-    [(8, 12, 0)]
+    >>> r.messages_for(8, one, turn=0, rep_turn=0)  # rank 8's share, by lookups
+    [(8, 12, 0, 0)]
 """
 
 from __future__ import annotations
@@ -47,6 +48,37 @@ def _runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
     values, starts, counts = np.unique(keys, return_index=True, return_counts=True)
     pos = np.arange(keys.size, dtype=np.int64) - np.repeat(starts, counts)
     return values, starts.astype(np.int64), counts.astype(np.int64), pos
+
+
+@dataclass(frozen=True)
+class Senders:
+    """Which of a pair's ``h`` source holders sends each of its cross-node units (unit
+    ``u = part·K + k``: that part of the piece to the ``k``-th of the ``K`` nodes lacking it):
+    with ``K·parts = q·h + r``, unit ``u < q·h``
+    comes from holder ``u mod h`` (every holder sends ``q``), unit ``q·h + i`` from holder
+    ``extra[i]`` (the ``r`` left over go to the least-loaded holders; see ``Planner``)::
+
+        >>> s = Senders(1, np.array([2]))
+        >>> s.holder_of(np.arange(4), h=3).tolist(), s.units_of(2, h=3)
+        ([0, 1, 2, 2], [2, 3])
+    """
+
+    q: int
+    extra: np.ndarray
+    parts: int = 1  # the piece is cut in this many parts, each a unit per node (see Planner)
+
+    def holder_of(self, units: np.ndarray, h: int) -> np.ndarray:
+        """Holder index (into the pair's holders) of each unit."""
+        full = self.q * h
+        out = units % h
+        late = units >= full
+        out[late] = self.extra[units[late] - full]
+        return out
+
+    def units_of(self, j: int, h: int) -> list[int]:
+        """The units holder ``j`` sends, ascending."""
+        full = self.q * h
+        return [j + m * h for m in range(self.q)] + [full + int(i) for i in np.flatnonzero(self.extra == j)]
 
 
 @dataclass(frozen=True)
@@ -132,32 +164,39 @@ class PairRoute:
             )
 
     def messages(
-        self, base: int, turn: int, rep_turn: int, merged: np.ndarray | None = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(src, dst, step)`` of every message of the pair: local copies, intra-node sends
-        (candidate ``turn`` onwards), one cross-node send per node (source holder
-        ``(base + k) mod h`` to the node's representative number ``rep_turn mod size``) and the
-        representative's forwards — except on the ``merged`` nodes, whose representative
-        forwards the whole destination block once (see ``Planner``)."""
-        h = self.src_holders.size
+        self, senders: Senders, turn: int, rep_turn: int, merged: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(src, dst, step, part)`` of every message of the pair: local copies, intra-node
+        sends (candidate ``turn`` onwards), the cross-node sends (each part of the piece once per
+        node, from the holder ``senders`` names, to the node's representative number
+        ``rep_turn mod size``; part-major) and the representative's forwards — except on the
+        ``merged`` nodes, whose representative forwards the whole destination block once (see
+        ``Planner``). ``part`` is -1 where the message carries the whole piece."""
+        h, n_cross = self.src_holders.size, self.n_cross
         intra_src = self.intra_cand[
             self.intra_start + (self.intra_pos + turn) % np.maximum(self.intra_count, 1)
         ]
-        k = np.arange(self.n_cross, dtype=np.int64)
+        units = np.arange(n_cross * senders.parts, dtype=np.int64)
         rep_pos = rep_turn % np.maximum(self.cross_count, 1)
         is_rep = self.cross_pos == rep_pos[self.cross_k]
         reps = self.cross_dst[is_rep]  # one per cross node, in node order
         forward = ~is_rep
-        if merged is not None and merged.size:
+        if merged is not None and merged.size == n_cross:  # merged ⊆ cross nodes: all of them
+            forward[:] = False
+        elif merged is not None and merged.size:
             forward &= ~np.isin(self.cross_nodes, merged)[self.cross_k]
         fwd_dst = self.cross_dst[forward]
         fwd_src = reps[self.cross_k[forward]]
-        step0_src = self.src_holders[(base + k) % h]
+        step0_src = self.src_holders[senders.holder_of(units, h)]
+        step0_dst = reps[units % n_cross] if n_cross else units
         src = np.concatenate([self.local, intra_src, step0_src, fwd_src])
-        dst = np.concatenate([self.local, self.intra_dst, reps, fwd_dst])
+        dst = np.concatenate([self.local, self.intra_dst, step0_dst, fwd_dst])
         step = np.zeros(src.size, dtype=np.int8)
         step[src.size - fwd_src.size :] = 1
-        return src, dst, step
+        part = np.full(src.size, -1, dtype=np.int64)
+        head = self.local.size + self.intra_dst.size
+        part[head : head + units.size] = units // max(n_cross, 1)
+        return src, dst, step, part
 
     @cached_property
     def cross_nodes(self) -> np.ndarray:
@@ -213,42 +252,47 @@ class PairRoute:
         return int(self.intra_cand[self.intra_start[i] + (self.intra_pos[i] + turn) % self.intra_count[i]])
 
     def messages_for(
-        self, rank: int, base: int, turn: int, rep_turn: int, merged: bool = False
-    ) -> list[tuple[int, int, int]]:
-        """The ``(src, dst, step)`` of :meth:`messages` that ``rank`` sends or receives, in the
-        same order, found by lookups: O(log h + its own messages), never O(holders).
+        self, rank: int, senders: Senders, turn: int, rep_turn: int, merged: bool = False
+    ) -> list[tuple[int, int, int, int]]:
+        """The ``(src, dst, step, part)`` of :meth:`messages` that ``rank`` sends or receives,
+        in the same order, found by lookups: O(log h + its own messages), never O(holders).
         ``merged``: ``rank``'s node is one of the merged nodes (no per-piece forwards there)."""
-        found: list[tuple[int, int, int, int, int]] = []  # (section, index, src, dst, step)
-        h = self.src_holders.size
+        found: list[tuple[int, int, int, int, int, int, int]] = []  # (section, part, index, ...)
+        h, n_cross = self.src_holders.size, self.n_cross
         i_src, i_local, i_intra, i_cross = self._index
         if (i := self._find(i_local, rank)) is not None:
-            found.append((0, i, rank, rank, 0))
+            found.append((0, -1, i, rank, rank, 0, -1))
         if (i := self._find(i_intra, rank)) is not None:
-            found.append((1, i, self._intra_src(i, turn), rank, 0))
+            found.append((1, -1, i, self._intra_src(i, turn), rank, 0, -1))
         j = self._find(i_src, rank)
         if j is not None:
             node = rank // self.node_size
             lo, hi = np.searchsorted(self._intra_nodes, [node, node + 1])
             for i in range(int(lo), int(hi)):
                 if self._intra_src(i, turn) == rank:
-                    found.append((1, i, rank, int(self.intra_dst[i]), 0))
-            for k in range((j - base) % h, self.n_cross, h):
+                    found.append((1, -1, i, rank, int(self.intra_dst[i]), 0, -1))
+            for u in senders.units_of(j, h):
+                part, k = divmod(u, n_cross)
                 rep = int(self.cross_dst[self._cross_start[k] + rep_turn % self.cross_count[k]])
-                found.append((2, k, rank, rep, 0))
+                found.append((2, part, k, rank, rep, 0, part))
         if (i := self._find(i_cross, rank)) is not None:
             k = int(self.cross_k[i])
             start, count = int(self._cross_start[k]), int(self.cross_count[k])
             rep_i = start + rep_turn % count
             if i == rep_i:
-                found.append((2, k, int(self.src_holders[(base + k) % h]), rank, 0))
+                units = np.arange(senders.parts, dtype=np.int64) * n_cross + k
+                for part, who in enumerate(senders.holder_of(units, h).tolist()):
+                    found.append((2, part, k, int(self.src_holders[who]), rank, 0, part))
                 if not merged:
                     found.extend(
-                        (3, m, rank, int(self.cross_dst[m]), 1) for m in range(start, start + count) if m != i
+                        (3, -1, m, rank, int(self.cross_dst[m]), 1, -1)
+                        for m in range(start, start + count)
+                        if m != i
                     )
             elif not merged:
-                found.append((3, i, int(self.cross_dst[rep_i]), rank, 1))
+                found.append((3, -1, i, int(self.cross_dst[rep_i]), rank, 1, -1))
         found.sort()
-        return [(src, dst, step) for _, _, src, dst, step in found]
+        return [(src, dst, step, part) for *_, src, dst, step, part in found]
 
 
-__all__ = ["ByNode", "PairRoute", "PlanError"]
+__all__ = ["ByNode", "PairRoute", "PlanError", "Senders"]

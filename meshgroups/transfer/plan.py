@@ -266,6 +266,8 @@ def plan_transfer(
     dst_weights: Sequence[Weight],
     topology: Topology | None = None,
     rank: int | None = None,
+    *,
+    min_part_bytes: int = 1 << 20,
 ) -> Plan:
     """Plan moving ``dst_weights`` (matched by name to ``src_weights``) from ``src`` to ``dst``.
 
@@ -273,6 +275,9 @@ def plan_transfer(
         topology: its ``node`` level (else its smallest) is the node; ``None``: each rank its
             own node.
         rank: ``None`` for the whole plan; a rank for only its messages (O(its shards)).
+        min_part_bytes: a piece with more source holders than nodes to reach is cut into parts
+            (each node gets every part, each part from another holder) so the send load
+            spreads; no part is smaller than this.
 
     Raises:
         TypeError: an argument of the wrong kind.
@@ -281,7 +286,11 @@ def plan_transfer(
     """
     pairs = _match(src, src_weights, dst, dst_weights)
     # A rank's part checks its own coverage (routes.rank_chunks); the whole plan every holder's.
-    planner = Planner(src, dst, pairs, _node_size(topology), full_check=rank is None)
+    if isinstance(min_part_bytes, bool) or not isinstance(min_part_bytes, int) or min_part_bytes < 1:
+        raise TypeError(f"min_part_bytes must be a positive int, got {min_part_bytes!r}")
+    planner = Planner(
+        src, dst, pairs, _node_size(topology), full_check=rank is None, min_part_bytes=min_part_bytes
+    )
     if rank is not None:
         if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool):
             raise TypeError(f"rank must be an int or None, got {rank!r}")
@@ -305,8 +314,8 @@ def _whole(planner: Planner, src: Layout, dst: Layout) -> Plan:
         for c in planner.weight_chunks(w):
             tally.add(c.src, c.dst, np.full(c.src.size, c.nbytes, np.int64), c.step)
             counts[w] += c.src.size
-            if not c.forward:
-                bound += c.route.lower_bound_nodes * c.nbytes
+            if c.piece_nbytes:  # once per pair
+                bound += c.route.lower_bound_nodes * c.piece_nbytes
                 holds[c.route.src_holders] = True
     return Plan(planner, None, _LazyMessages(planner, counts), tally, bound, int(holds.sum()))
 

@@ -4,9 +4,9 @@
 source block ``S`` it lists the destination blocks ``D`` that intersect ``S`` (per axis, by
 binary search in the two tilings, then their product) and routes each pair with
 :class:`~meshgroups.transfer.assign.PairRoute`, cached by the blocks' keys (stage and sharding
-coordinates), so weights placed alike share one routing. The cross-node senders of ``S`` take
-turns across its pairs and across weights: pair ``(S, D)`` of weight ``w`` starts at
-``base = w·K(S) + Σ_{D' before D} K(S, D')`` (mod the holder count), ``K`` counting cross nodes.
+coordinates), so weights placed alike share one routing. The cross-node senders of a piece are
+chosen by bytes: over the weights in order, per set of holders, each pair's units go round the
+holders and the remainder to the least-loaded ones (:meth:`Planner._replay`).
 Both the whole plan and a rank's part call :meth:`Planner.pairs_of` for the same ``(w, S)``, so
 they agree message for message. A node that receives *every* piece of a destination block from
 outside gets them all on one representative, which forwards the whole block in one message::
@@ -21,6 +21,7 @@ outside gets them all on one representative, which forwards the whole block in o
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -30,9 +31,17 @@ from functools import cached_property
 import numpy as np
 
 from ..layout import Layout
-from .assign import ByNode, PairRoute, PlanError
+from .assign import ByNode, PairRoute, PlanError, Senders
 from .shards import BlockKey, Side, axis_pairs, holders
-from .spec import Box, Weight
+from .spec import Box, Weight, chunk
+
+
+def part_box(box: Box, parts: int, i: int) -> Box:
+    """Part ``i`` of ``parts`` of ``box``: its longest axis (the first of equals) cut as torch
+    chunks it."""
+    axis = max(range(len(box)), key=lambda a: (box[a][1] - box[a][0], -a))
+    lo, hi = chunk(box[axis][0], box[axis][1], parts, i)
+    return (*box[:axis], (lo, hi), *box[axis + 1 :])
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,7 @@ class Chunk:
     step: np.ndarray
     route: PairRoute
     forward: bool = False  # a merged forward of a whole destination block (see the module doc)
+    piece_nbytes: int = 0  # set on the first chunk of a pair: the bytes of its whole piece
 
 
 class Planner:
@@ -59,8 +69,10 @@ class Planner:
         pairs: Sequence[tuple[Weight, Weight]],
         node_size: int,
         full_check: bool = True,
+        min_part_bytes: int = 1 << 20,
     ) -> None:
         self.src, self.dst, self.node_size, self.full_check = src, dst, node_size, full_check
+        self.min_part_bytes = min_part_bytes
         self.weights = [dw for _, dw in pairs]
         self.pairs = list(pairs)
         # Weights placed alike (every layer's q, k, ...) share one Side's arithmetic.
@@ -75,9 +87,19 @@ class Planner:
 
         self.sides = [(side(0, src, sw), side(1, dst, dw)) for sw, dw in pairs]
         self._coords: dict[tuple[int, int], dict[str, int] | None] = {}
+        self._senders: dict[tuple[int, tuple[int, ...]], list[Senders]] = {}
+        # Weights whose source blocks are keyed by the same dims (and vary over the same dims).
+        # Weights whose source blocks are keyed by the same dims and vary over the same dims,
+        # by pipeline stage: the candidates when replaying one holder set's history.
+        self._by_signature: dict[
+            tuple[tuple[str, ...], frozenset[str]], dict[tuple[str, int] | None, list[int]]
+        ] = {}
+        for w, (ss, _) in enumerate(self.sides):
+            stages = self._by_signature.setdefault((ss.free_dims, ss.keyed_dims), {})
+            stages.setdefault(ss.stage_key, []).append(w)
         self._holders: dict[tuple[int, BlockKey, tuple[str, ...]], tuple[np.ndarray, ByNode]] = {}
         self._routes: dict[tuple[BlockKey, tuple[str, ...], BlockKey, tuple[str, ...]], PairRoute] = {}
-        self._pairs: dict[tuple[int, tuple[int, ...]], list[tuple[tuple[int, ...], Box, PairRoute, int]]] = {}
+        self._pairs: dict[tuple[int, tuple[int, ...]], list[tuple[tuple[int, ...], Box, PairRoute]]] = {}
 
     # ------------------------------------------------------------------ holders and routes
     def _holders_of(self, which: int, side: Side, key: BlockKey) -> tuple[np.ndarray, ByNode]:
@@ -111,9 +133,9 @@ class Planner:
                 tuple((r[2], r[3]) for r in rows),
             )
 
-    def pairs_of(self, w: int, s_block: tuple[int, ...]) -> list[tuple[tuple[int, ...], Box, PairRoute, int]]:
+    def _listed(self, w: int, s_block: tuple[int, ...]) -> list[tuple[tuple[int, ...], Box, PairRoute]]:
         """Every destination block meeting source block ``s_block`` of weight ``w``, in block
-        order, with the piece's box, the pair's route and its cross-node sender base."""
+        order, with the piece's box and the pair's route."""
         ck = (w, s_block)
         got = self._pairs.get(ck)
         if got is not None:
@@ -123,21 +145,73 @@ class Planner:
             axis_pairs(n, s_sizes, d_sizes, b, None)
             for n, s_sizes, d_sizes, b in zip(ss.weight.shape, ss.axis_sizes, ds.axis_sizes, s_block)
         ]
-        listed = [
+        got = [
             (d_block, box, self.route(ss, s_block, ds, d_block))
             for _, d_block, box in self._product(per_axis)
         ]
-        h = max(1, len(self._holders_of(0, ss, ss.block_key(s_block))[0]))
-        total = sum(r.n_cross for _, _, r in listed)
-        base = w * total
-        got = []
-        for d_block, box, route in listed:
-            got.append((d_block, box, route, base % h))
-            base += route.n_cross
         if len(self._pairs) > 4096:  # bound the memory of a whole plan's walk
             self._pairs.clear()
         self._pairs[ck] = got
         return got
+
+    def pairs_of(
+        self, w: int, s_block: tuple[int, ...]
+    ) -> list[tuple[tuple[int, ...], Box, PairRoute, Senders]]:
+        """:meth:`_listed` with each pair's cross-node senders."""
+        senders = self._senders.get((w, s_block))
+        if senders is None:
+            ss = self.sides[w][0]
+            self._replay(ss.block_key(s_block), ss.free_dims)
+            senders = self._senders[(w, s_block)]
+        return [(d, box, route, who) for (d, box, route), who in zip(self._listed(w, s_block), senders)]
+
+    def _replay(self, key: BlockKey, free_dims: tuple[str, ...]) -> None:
+        """Choose the cross-node senders of every pair whose source block has holders ``key``:
+        over the weights in order, each pair's ``K = q·h + r`` units give every holder ``q`` and
+        the ``r`` left over to the holders with the fewest bytes so far (ties: holder order).
+        A function of the weights alone, so every rank replays the same choices."""
+        loads: np.ndarray | None = None
+        fixed = dict(key)
+        stages = self._by_signature.get((free_dims, frozenset(fixed)), {})
+        candidates = sorted(
+            w for stage, ws in stages.items() if stage is None or fixed.get(stage[0]) == stage[1] for w in ws
+        )
+        for w in candidates:
+            s_block = self._block_for(w, key)
+            if s_block is None:
+                continue
+            if loads is None:
+                hs = self._holders_of(0, self.sides[w][0], key)[0]
+                loads = np.zeros(hs.size, np.float64)
+            h = loads.size
+            out = []
+            for _, box, route in self._listed(w, s_block):
+                parts = self._parts(w, box, route.n_cross, h)
+                q, r = divmod(route.n_cross * parts, h)
+                unit = self._nbytes(w, box) / parts
+                if q:
+                    loads += q * unit
+                extra = np.argsort(loads, kind="stable")[:r] if r else np.zeros(0, np.int64)
+                loads[extra] += unit
+                out.append(Senders(q, extra, parts))
+            self._senders[(w, s_block)] = out
+
+    def _block_for(self, w: int, key: BlockKey) -> tuple[int, ...] | None:
+        """The non-empty source block of weight ``w`` whose holders are ``key``, if any."""
+        ss = self.sides[w][0]
+        fixed = dict(key)
+        stage = ss.weight.stage
+        if stage is not None and fixed.get(stage[0], 0) != stage[1]:
+            return None
+        block = []
+        for dims, sizes, iv in zip(ss.axis_dims, ss.axis_sizes, ss.axis_intervals):
+            index = 0
+            for d, k in zip(dims, sizes):
+                index = index * k + fixed.get(d, 0)  # size-1 dims are not in keys
+            if iv[index, 1] <= iv[index, 0]:
+                return None
+            block.append(index)
+        return tuple(block)
 
     def src_blocks_meeting(self, w: int, d_block: tuple[int, ...]) -> list[tuple[int, ...]]:
         """Source blocks of weight ``w`` that intersect destination block ``d_block``; checks
@@ -158,18 +232,51 @@ class Planner:
             per_axis.append(rows)
         return [s for s, _, _ in self._product(per_axis)]
 
-    def chunk(
+    def chunks(
         self,
         w: int,
         s_block: tuple[int, ...],
         d_block: tuple[int, ...],
         box: Box,
         route: PairRoute,
-        base: int,
+        senders: Senders,
         merged: np.ndarray | None = None,
-    ) -> Chunk:
-        src, dst, step = route.messages(base, self._turn(w, s_block), self._rep_turn(w, d_block), merged)
-        return Chunk(w, box, self._nbytes(w, box), src, dst, step, route)
+    ) -> list[Chunk]:
+        """The pair's messages as chunks of one box each (the piece, or one part of it)."""
+        got = route.messages(senders, self._turn(w, s_block), self._rep_turn(w, d_block), merged)
+        return self._runs(w, box, senders.parts, route, *got)
+
+    def _runs(
+        self,
+        w: int,
+        box: Box,
+        parts: int,
+        route: PairRoute,
+        src: np.ndarray,
+        dst: np.ndarray,
+        step: np.ndarray,
+        part: np.ndarray,
+    ) -> list[Chunk]:
+        """Cut messages into runs of equal ``part`` (-1: the whole piece), one chunk each."""
+        if src.size == 0:
+            return []
+        cuts = np.flatnonzero(part[1:] != part[:-1]) + 1
+        out = []
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), src.size]):
+            b = box if part[lo] < 0 else part_box(box, parts, int(part[lo]))
+            out.append(Chunk(w, b, self._nbytes(w, b), src[lo:hi], dst[lo:hi], step[lo:hi], route))
+        return out
+
+    def _parts(self, w: int, box: Box, n_cross: int, h: int) -> int:
+        """How many parts a piece is cut into for its cross-node sends: when it has more
+        holders than nodes to reach, enough parts for every holder to send one (at most the
+        longest axis, each part at least ``min_part_bytes``), so the load spreads."""
+        if n_cross == 0 or h <= n_cross or not box:
+            return 1
+        longest = max(b - a for a, b in box)
+        parts = max(1, min(h // n_cross, longest, self._nbytes(w, box) // self.min_part_bytes))
+        size = -(-longest // parts)
+        return -(-longest // size)  # chunks of ceil(n / parts) leave no empty part
 
     def _forward_chunk(self, w: int, d_block: tuple[int, ...], route: PairRoute, nodes: np.ndarray) -> Chunk:
         src, dst = route.node_forwards(nodes, self._rep_turn(w, d_block))
@@ -254,12 +361,14 @@ class Planner:
             s_block = tuple(int(i) for i in np.unravel_index(flat, sizes)) if sizes else ()
             if any(iv[b, 1] <= iv[b, 0] for iv, b in zip(ss.axis_intervals, s_block)):
                 continue
-            for d_block, box, route, base in self.pairs_of(w, s_block):
-                pairs.append((s_block, d_block, box, route, base))
+            for d_block, box, route, senders in self.pairs_of(w, s_block):
+                pairs.append((s_block, d_block, box, route, senders))
                 by_d.setdefault(d_block, []).append(route)
         merged = {d: self._merged_nodes(routes) for d, routes in by_d.items()}
-        for s_block, d_block, box, route, base in pairs:
-            yield self.chunk(w, s_block, d_block, box, route, base, merged[d_block])
+        for s_block, d_block, box, route, senders in pairs:
+            out = self.chunks(w, s_block, d_block, box, route, senders, merged[d_block])
+            out[0] = dataclasses.replace(out[0], piece_nbytes=self._nbytes(w, box))
+            yield from out
         for d_block in sorted(merged):
             if merged[d_block].size:
                 yield self._forward_chunk(w, d_block, by_d[d_block][0], merged[d_block])
@@ -286,34 +395,43 @@ class Planner:
             wanted.extend((s, d_own) for s in self.src_blocks_meeting(w, d_own))
         found = []
         for s_block, only in wanted:
-            for d_block, box, route, base in self.pairs_of(w, s_block):
+            for d_block, box, route, senders in self.pairs_of(w, s_block):
                 if (only is not None and d_block != only) or (s_block, d_block) in seen:
                     continue
                 seen.add((s_block, d_block))
-                found.append((s_block, d_block, box, route, base))
+                found.append((s_block, d_block, box, route, senders))
         found.sort(key=lambda f: (f[0], f[1]))  # the whole plan's order: source, then destination blocks
         node = rank // self.node_size
         own_routes = [f[3] for f in found if f[1] == d_own]
         merged = len(own_routes) >= 2 and all(r.is_cross_node(node) for r in own_routes)
-        is_rep = False
-        for s_block, d_block, box, route, base in found:
+        for s_block, d_block, box, route, senders in found:
             got = route.messages_for(
-                rank, base, self._turn(w, s_block), self._rep_turn(w, d_block), merged and d_block == d_own
+                rank, senders, self._turn(w, s_block), self._rep_turn(w, d_block), merged and d_block == d_own
             )
-            if d_block == d_own:
-                n_in = sum(1 for m in got if m[1] == rank)
-                is_rep = merged and n_in == 1
-                if n_in != (0 if merged and not is_rep else 1) or (merged and n_in and got[-1][2] != 0):
+            cols = (
+                [np.array(col, dtype=np.int64) for col in zip(*got)] if got else [np.zeros(0, np.int64)] * 4
+            )
+            out = self._runs(w, box, senders.parts, route, cols[0], cols[1], cols[2].astype(np.int8), cols[3])
+            if (
+                d_block == d_own
+            ):  # the piece arrives whole, or not at all on a merged node's non-representative
+                arrived = sum(_volume(c.box) * int((c.dst == rank).sum()) for c in out)
+                if arrived not in ((0, _volume(box)) if merged else (_volume(box),)):
                     raise PlanError(
-                        f"plan bug: rank {rank} gets piece {box} of {self.weights[w].name!r} {n_in} times"
+                        f"plan bug: rank {rank} gets {arrived} elements of piece {box} of {self.weights[w].name!r}"
                     )
-            if got:
-                src, dst, step = (np.array(col, dtype=np.int64) for col in zip(*got))
-                yield Chunk(w, box, self._nbytes(w, box), src, dst, step.astype(np.int8), route)
+            yield from out
         if merged and d_own is not None:
             c = self._forward_chunk(w, d_own, own_routes[0], np.array([node], np.int64))
             mine = (c.src == rank) | (c.dst == rank)
             yield Chunk(w, c.box, c.nbytes, c.src[mine], c.dst[mine], c.step[mine], c.route, True)
 
 
-__all__ = ["Chunk", "Planner"]
+def _volume(box: Box) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
+
+
+__all__ = ["Chunk", "Planner", "part_box"]

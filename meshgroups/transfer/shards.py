@@ -40,8 +40,17 @@ class Side:
         self.axis_sizes = tuple(tuple(sizes[d] for d in dims) for dims in self.axis_dims)
         sharding = {d for dims in self.axis_dims for d in dims}
         stage_dim = weight.stage[0] if weight.stage is not None else None
-        # Holders vary over every dim that neither shards the weight nor is its stage dim.
-        self.free_dims = tuple(d for d in layout.names if d not in sharding and d != stage_dim)
+        # Holders vary over every dim that neither shards the weight nor is its stage dim. Dims
+        # of size 1 are left out of both the key and the free dims, so two weights with the same
+        # holders always get the same key (their senders are then chosen from one history).
+        self.free_dims = tuple(
+            d for d in layout.names if d not in sharding and d != stage_dim and sizes[d] > 1
+        )
+        self.stage_key = weight.stage if stage_dim is not None and sizes[stage_dim] > 1 else None
+        keyed = {d for d in sharding if sizes[d] > 1}
+        if self.stage_key is not None:
+            keyed.add(self.stage_key[0])
+        self.keyed_dims = frozenset(keyed)
 
     def like(self, weight: Weight) -> Side:
         """This side for another weight of the same shape and placement (nothing recomputed)."""
@@ -80,7 +89,7 @@ class Side:
 
     def block_key(self, block: tuple[int, ...]) -> BlockKey:
         """The stage and sharding-dim coordinates of ``block`` (what fixes its holders)."""
-        return _block_key(self.layout.names, self.weight.stage, self.axis_dims, self.axis_sizes, block)
+        return _block_key(self.layout.names, self.stage_key, self.axis_dims, self.axis_sizes, block)
 
     def holders(self, key: BlockKey) -> np.ndarray:
         """Ranks holding the block of ``key``, in layout order over the replicating dims."""
@@ -99,7 +108,8 @@ def _block_key(
     key: list[tuple[str, int]] = [stage] if stage is not None else []
     for dims, sizes, b in zip(axis_dims, axis_sizes, block):
         for d, k in zip(reversed(dims), reversed(sizes)):  # mixed radix, last dim fastest
-            key.append((d, b % k))
+            if k > 1:
+                key.append((d, b % k))
             b //= k
     return tuple(sorted(key, key=lambda kv: names.index(kv[0])))
 
