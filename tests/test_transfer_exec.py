@@ -365,3 +365,14 @@ def test_buckets_cut_rows_and_pack_whole_weights():
     assert b.split(2, ()) == [(3, ())] and b.last_bucket(1) == 2 and b.last_bucket(3) == 4
     with pytest.raises(ValueError, match="bucket_bytes=0"):
         Buckets.of(ws, 0)
+
+
+@pytest.mark.parametrize(
+    "module", ["meshgroups.transfer.buckets", "meshgroups.transfer.jobs", "meshgroups._cli_transfer"]
+)
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

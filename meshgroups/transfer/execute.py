@@ -3,7 +3,7 @@
 ``execute`` is collective over the default group (every rank calls it, a rank with no part
 passes empty mappings)::
 
-    >>> plan = plan_transfer(trainer, weights, rollout, rollout_weights)      # doctest: +SKIP
+    >>> plan = plan_transfer(trainer, weights, rollout, rollout_weights)  # doctest: +SKIP
     >>> execute(plan, {"wq": trainer_shard}, {"wq": rollout_buffer}, bucket_bytes=64 << 20)  # doctest: +SKIP
 
 Buckets are the same on every rank (``buckets.Buckets``: weights in plan order, big ones cut

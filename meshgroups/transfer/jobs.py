@@ -4,11 +4,11 @@
 through ``meshgroups.init_mesh`` (checked across ranks, each distinct group created once via one
 shared ``GroupCache``) — after refusing layouts that overlap when they were declared disjoint::
 
-    >>> import torch.distributed as dist                          # doctest: +SKIP
-    >>> dist.init_process_group("gloo")                           # 8 ranks  # doctest: +SKIP
+    >>> dist.init_process_group("gloo")  # 8 ranks                       # doctest: +SKIP
     >>> job = init_job({"trainer": Layout(dp=2, tp=2), "rollout": Layout(tp=4, rank_offset=4)})  # doctest: +SKIP
-    >>> job["trainer"].mesh                                       # None on ranks 4..7  # doctest: +SKIP
-    >>> with job: ...                                             # close() releases every group  # doctest: +SKIP
+    >>> job.roles(5), job["trainer"].mesh is None                         # doctest: +SKIP
+    (('rollout',), True)
+    >>> job.close()  # or leave a ``with job:`` block                      # doctest: +SKIP
 
 Layouts may sit anywhere in the world (any offset, ``Layout.from_grid`` with permuted ranks);
 ``sharing="colocated"`` requires both to cover the same ranks, ``"any"`` checks nothing.
@@ -229,9 +229,10 @@ class TransferGroups:
     The legacy ``WeightTransferGroupInitializer`` (one group of trainer rank 0 and every
     rollout rank) is the special case of a plan where one rank sends everything to all.
 
-        >>> groups = TransferGroups(plan)                    # doctest: +SKIP
-        >>> groups.sets                                      # e.g. [(0, 4, 5, 6, 7)]  # doctest: +SKIP
-        >>> groups.group((0, 4, 5, 6, 7))                    # this rank's group, or None  # doctest: +SKIP
+        >>> groups = TransferGroups(plan)                                  # doctest: +SKIP
+        >>> groups.sets                                                     # doctest: +SKIP
+        [(0, 4, 5, 6, 7)]
+        >>> groups.group((0, 4, 5, 6, 7))  # this rank's group, or None    # doctest: +SKIP
     """
 
     def __init__(

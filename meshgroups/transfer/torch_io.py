@@ -5,9 +5,9 @@ names the dims, ``param.placements`` says how each shards the tensor. ``module_w
 them into ``Weight`` objects on the trainer's ``Layout`` (mesh dim names mapped to layout dims),
 gathers every rank's (pipeline stages hold different weights) and keeps this rank's local shards::
 
-    >>> src = module_weights(model, trainer_layout)                  # doctest: +SKIP
-    >>> plan = plan_transfer(src.layout, src.weights, rollout, rollout_weights)   # doctest: +SKIP
-    >>> execute(plan, src.tensors, buffers)                          # doctest: +SKIP
+    >>> src = module_weights(model, trainer_layout)  # doctest: +SKIP
+    >>> plan = plan_transfer(src.layout, src.weights, rollout, rollout_weights)  # doctest: +SKIP
+    >>> execute(plan, src.tensors, buffers)  # doctest: +SKIP
 
 torch's FSDP2 shards a tensor axis that TP already shards *after* TP (``_StridedShard`` on the
 FSDP dim), the reverse of DTensor's mesh order; such a weight gets ``shard_order=("tp",
