@@ -122,6 +122,11 @@ def _fsdp_tp(rank):
             assert renamed[0].placements == {"dp": Shard(0), "tp": Shard(0)}
             with pytest.raises(LayoutError, match="holds ranks"):
                 local_weights(model, Layout.from_grid([[0, 2], [1, 3]], ("dp_shard", "tp")))
+            from torch.distributed.tensor import DTensor, Partial
+
+            partial = DTensor.from_local(torch.ones(2), job["trainer"].mesh["tp"], [Partial()])
+            with pytest.raises(LayoutError, match="Partial.* holds no complete values"):
+                local_weights({"grad": partial}, trainer)
         # FSDP2 splits TP's row shards again (_StridedShard): tp nests outside dp_shard there
         placed = {w.name: (dict(w.placements), w.shard_order) for w in src.weights}
         assert placed["0.weight"] == ({"dp_shard": Shard(0), "tp": Shard(0)}, ("tp", "dp_shard")), placed
