@@ -43,6 +43,14 @@ PARAMETER_SETS = {
             "ranks_per_node": 4,
             "rank": 3,
         },
+        # 128 ranks on nodes of 6 (partial nodes), an out-of-range rank
+        {
+            "src": {"pp": 4, "dp": 2, "tp": 8},
+            "dst": {"dp": 4, "tp": 4},
+            "dst_offset": 64,
+            "ranks_per_node": 6,
+            "rank": -1,
+        },
     ],
 }
 CASES = [(name, i) for name, sets in PARAMETER_SETS.items() for i in range(len(sets))]
