@@ -319,7 +319,12 @@ class Planner:
                 load = loads.get(key)
                 if load is None:
                     counts = np.unique(self._holders_of(1, ds, key[0])[1].count).tolist()
-                    load = loads[key] = np.zeros(math.lcm(*counts), np.float64)
+                    positions = math.lcm(*counts)
+                    if (
+                        positions > 4096
+                    ):  # irregular placements: bound the table, evenness is then approximate
+                        positions = max(counts)
+                    load = loads[key] = np.zeros(positions, np.float64)
                 p = int(np.argmin(load))
                 load[p] += self._nbytes(w, box)
                 table[(w, d_block)] = p
