@@ -461,7 +461,9 @@ def test_balance_within_ten_percent_across_weights() -> None:
     assert plan.busiest_send_bytes <= 1.1 * plan.ideal_send_bytes
 
 
-@pytest.mark.parametrize("module", ["__init__", "spec", "shards", "assign", "choose", "routes", "stats", "plan"])
+@pytest.mark.parametrize(
+    "module", ["__init__", "spec", "shards", "assign", "choose", "routes", "stats", "plan"]
+)
 def test_docstring_examples(module: str) -> None:
     import doctest
     import importlib
