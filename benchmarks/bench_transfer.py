@@ -19,6 +19,9 @@ Schemes (their data movement modelled in closed form; the plan's is the real pla
   no regard to nodes.
 - ``plan``: :func:`meshgroups.transfer.plan_transfer` with ``Topology(node=8)``.
 
+A last table feeds a small rollout (4 nodes) from the same trainers: the plan's send balance
+with whole pieces and with pieces cut into parts.
+
 Link model (printed): per rank an NVLink port (intra-node) and a NIC (inter-node), full
 bisection. A rank's time is its busiest port (bytes in or out over that bandwidth) plus its
 messages × the inter-node latency; the transfer takes the slowest rank's time (ring broadcasts
@@ -187,6 +190,22 @@ def main() -> None:
             f"| {world:,} | {n:,} | {fmt(t_whole)} | {fmt(local['trainer rank 0'])} "
             f"| {fmt(local['rollout rank 0'])} | {ratio:.3f} |"
         )
+    print()
+    print("A small rollout (4 nodes, `dp=4 × tp=8`) fed by the same trainers: each piece has many")
+    print("more holders than nodes to reach; whole pieces vs pieces cut into parts (`min_part_bytes`):\n")
+    print(
+        "| trainer ranks | busiest / ideal, whole pieces | busiest / ideal, parts | messages, whole | messages, parts |"
+    )
+    print("|---|---|---|---|---|")
+    for world in (int(x) for x in args.worlds.split(",")):
+        half = world // 2
+        trainer = Layout(pp=PP, dp=half // (PP * TP_TRAIN), tp=TP_TRAIN)
+        small = Layout(dp=4, tp=TP_TRAIN, rank_offset=half)
+        small_w = [Weight(w.name, w.shape, w.dtype, {"tp": w.placements["tp"]}) for w in dst_w]
+        whole = plan_transfer(trainer, src_w, small, small_w, topology=topo, min_part_bytes=1 << 62)
+        parts = plan_transfer(trainer, src_w, small, small_w, topology=topo)
+        ratio = [p.busiest_send_bytes / p.ideal_send_bytes for p in (whole, parts)]
+        print(f"| {half:,} | {ratio[0]:.2f} | {ratio[1]:.3f} | {whole.n_messages:,} | {parts.n_messages:,} |")
 
 
 if __name__ == "__main__":

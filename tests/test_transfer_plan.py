@@ -251,6 +251,18 @@ def test_plan_rejects() -> None:
         plan_transfer(Layout(tp=2), [a, a], Layout(tp=2), [a])
     with pytest.raises(TypeError, match="topology"):
         plan_transfer(Layout(tp=2), [a], Layout(tp=2), [a], topology=8)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="rank must be an int"):
+        plan_transfer(Layout(tp=2), [a], Layout(tp=2), [a], rank="0")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="min_part_bytes"):
+        plan_transfer(Layout(tp=2), [a], Layout(tp=2), [a], min_part_bytes=0)
+    with pytest.raises(LayoutError, match="unknown dim 'tp' in placements; dims are dp"):
+        plan_transfer(Layout(dp=2), [a], Layout(tp=2), [a])
+    part = plan_transfer(Layout(tp=2), [a], Layout(tp=2, rank_offset=2), [a], rank=9)  # in neither
+    assert part.n_messages == 0 and list(part.messages) == [] and part.cross_node_lower_bound is None
+    with pytest.raises(LayoutError, match="rank 9's messages only"):
+        part.for_rank(0)
+    whole = plan_transfer(Layout(tp=2), [a], Layout(tp=2, rank_offset=2), [a])
+    assert "cross-node lower bound" in whole.summary() and "2 messages" in repr(whole)
 
 
 # --------------------------------------------------------------------------- the issue's scenarios
@@ -449,7 +461,9 @@ def test_balance_within_ten_percent_across_weights() -> None:
     assert plan.busiest_send_bytes <= 1.1 * plan.ideal_send_bytes
 
 
-@pytest.mark.parametrize("module", ["__init__", "spec", "shards", "assign", "routes", "stats", "plan"])
+@pytest.mark.parametrize(
+    "module", ["__init__", "spec", "shards", "assign", "choose", "routes", "stats", "plan"]
+)
 def test_docstring_examples(module: str) -> None:
     import doctest
     import importlib

@@ -6,7 +6,7 @@ binary search in the two tilings, then their product) and routes each pair with
 :class:`~meshgroups.transfer.assign.PairRoute`, cached by the blocks' keys (stage and sharding
 coordinates), so weights placed alike share one routing. The cross-node senders of a piece are
 chosen by bytes: over the weights in order, per set of holders, each pair's units go round the
-holders and the remainder to the least-loaded ones (:meth:`Planner._replay`).
+holders and the remainder to the least-loaded ones (see :mod:`~meshgroups.transfer.choose`).
 Both the whole plan and a rank's part call :meth:`Planner.pairs_of` for the same ``(w, S)``, so
 they agree message for message. A node that receives *every* piece of a destination block from
 outside gets them all on one representative, which forwards the whole block in one message::
@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
 from ..layout import Layout
 from .assign import ByNode, PairRoute, PlanError, Senders
+from .choose import Choices
 from .shards import BlockKey, Side, axis_pairs, holders
 from .spec import Box, Weight, chunk
 
@@ -59,7 +58,7 @@ class Chunk:
     piece_nbytes: int = 0  # set on the first chunk of a pair: the bytes of its whole piece
 
 
-class Planner:
+class Planner(Choices):
     """Routes for matched weights between two layouts; see the module docstring."""
 
     def __init__(
@@ -165,54 +164,6 @@ class Planner:
             senders = self._senders[(w, s_block)]
         return [(d, box, route, who) for (d, box, route), who in zip(self._listed(w, s_block), senders)]
 
-    def _replay(self, key: BlockKey, free_dims: tuple[str, ...]) -> None:
-        """Choose the cross-node senders of every pair whose source block has holders ``key``:
-        over the weights in order, each pair's ``K = q·h + r`` units give every holder ``q`` and
-        the ``r`` left over to the holders with the fewest bytes so far (ties: holder order).
-        A function of the weights alone, so every rank replays the same choices."""
-        loads: np.ndarray | None = None
-        fixed = dict(key)
-        stages = self._by_signature.get((free_dims, frozenset(fixed)), {})
-        candidates = sorted(
-            w for stage, ws in stages.items() if stage is None or fixed.get(stage[0]) == stage[1] for w in ws
-        )
-        for w in candidates:
-            s_block = self._block_for(w, key)
-            if s_block is None:
-                continue
-            if loads is None:
-                hs = self._holders_of(0, self.sides[w][0], key)[0]
-                loads = np.zeros(hs.size, np.float64)
-            h = loads.size
-            out = []
-            for _, box, route in self._listed(w, s_block):
-                parts = self._parts(w, box, route.n_cross, h)
-                q, r = divmod(route.n_cross * parts, h)
-                unit = self._nbytes(w, box) / parts
-                if q:
-                    loads += q * unit
-                extra = np.argsort(loads, kind="stable")[:r] if r else np.zeros(0, np.int64)
-                loads[extra] += unit
-                out.append(Senders(q, extra, parts))
-            self._senders[(w, s_block)] = out
-
-    def _block_for(self, w: int, key: BlockKey) -> tuple[int, ...] | None:
-        """The non-empty source block of weight ``w`` whose holders are ``key``, if any."""
-        ss = self.sides[w][0]
-        fixed = dict(key)
-        stage = ss.weight.stage
-        if stage is not None and fixed.get(stage[0], 0) != stage[1]:
-            return None
-        block = []
-        for dims, sizes, iv in zip(ss.axis_dims, ss.axis_sizes, ss.axis_intervals):
-            index = 0
-            for d, k in zip(dims, sizes):
-                index = index * k + fixed.get(d, 0)  # size-1 dims are not in keys
-            if iv[index, 1] <= iv[index, 0]:
-                return None
-            block.append(index)
-        return tuple(block)
-
     def src_blocks_meeting(self, w: int, d_block: tuple[int, ...]) -> list[tuple[int, ...]]:
         """Source blocks of weight ``w`` that intersect destination block ``d_block``; checks
         that they tile it exactly (``PlanError`` otherwise)."""
@@ -267,80 +218,10 @@ class Planner:
             out.append(Chunk(w, b, self._nbytes(w, b), src[lo:hi], dst[lo:hi], step[lo:hi], route))
         return out
 
-    def _parts(self, w: int, box: Box, n_cross: int, h: int) -> int:
-        """How many parts a piece is cut into for its cross-node sends: when it has more
-        holders than nodes to reach, enough parts for every holder to send one (at most the
-        longest axis, each part at least ``min_part_bytes``), so the load spreads."""
-        if n_cross == 0 or h <= n_cross or not box:
-            return 1
-        longest = max(b - a for a, b in box)
-        parts = max(1, min(h // n_cross, longest, self._nbytes(w, box) // self.min_part_bytes))
-        size = -(-longest // parts)
-        return -(-longest // size)  # chunks of ceil(n / parts) leave no empty part
-
     def _forward_chunk(self, w: int, d_block: tuple[int, ...], route: PairRoute, nodes: np.ndarray) -> Chunk:
         src, dst = route.node_forwards(nodes, self._rep_turn(w, d_block))
         box = self.sides[w][1].block_box(d_block)
         return Chunk(w, box, self._nbytes(w, box), src, dst, np.ones(src.size, np.int8), route, True)
-
-    @staticmethod
-    def _flat(intervals: tuple[np.ndarray, ...], block: tuple[int, ...]) -> int:
-        flat = 0
-        for iv, b in zip(intervals, block):
-            flat = flat * len(iv) + b
-        return flat
-
-    def _turn(self, w: int, s_block: tuple[int, ...]) -> int:
-        """Rotation of intra-node senders: the weight plus the source block's row-major index."""
-        return w + self._flat(self.sides[w][0].axis_intervals, s_block)
-
-    def _rep_turn(self, w: int, d_block: tuple[int, ...]) -> int:
-        """Which holder of a destination block represents its node (number ``turn mod count``
-        of the holders there): one choice per (weight, block), so every piece of the block
-        lands on the same representative, which can forward the block whole."""
-        return self._rep_table[(w, d_block)]
-
-    @cached_property
-    def _rep_table(self) -> dict[tuple[int, tuple[int, ...]], int]:
-        """Greedy by bytes over the weights in order: per destination block key (blocks placed
-        alike share one), the position with the least bytes so far takes the next block, so the
-        forwarding load spreads evenly over a node's holders. Positions run over the lcm of the
-        key's per-node holder counts, so ``turn mod count`` is even on every node. One pass over
-        every weight's destination blocks (the model's structure, not the world)."""
-        loads: dict[tuple[BlockKey, tuple[str, ...]], np.ndarray] = {}
-        table: dict[tuple[int, tuple[int, ...]], int] = {}
-        for w, (_, ds) in enumerate(self.sides):
-            sizes = [len(iv) for iv in ds.axis_intervals]
-            for d_block in itertools.product(*[range(k) for k in sizes]):
-                box = ds.block_box(d_block)
-                if any(b <= a for a, b in box):
-                    continue
-                key = (ds.block_key(d_block), ds.free_dims)
-                load = loads.get(key)
-                if load is None:
-                    counts = np.unique(self._holders_of(1, ds, key[0])[1].count).tolist()
-                    load = loads[key] = np.zeros(math.lcm(*counts), np.float64)
-                p = int(np.argmin(load))
-                load[p] += self._nbytes(w, box)
-                table[(w, d_block)] = p
-        return table
-
-    @staticmethod
-    def _merged_nodes(routes: list[PairRoute]) -> np.ndarray:
-        """Nodes that receive *every* piece of a block from outside (so its representative
-        gets the whole block and forwards it in one message); none when the block is one piece."""
-        if len(routes) < 2:
-            return np.zeros(0, np.int64)
-        out = routes[0].cross_nodes
-        for r in routes[1:]:
-            out = np.intersect1d(out, r.cross_nodes, assume_unique=True)
-        return out
-
-    def _nbytes(self, w: int, box: Box) -> int:
-        n = self.weights[w].itemsize
-        for a, b in box:
-            n *= b - a
-        return n
 
     # ------------------------------------------------------------------ whole and local walks
     def weight_chunks(self, w: int) -> Iterator[Chunk]:
