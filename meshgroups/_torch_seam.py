@@ -399,6 +399,16 @@ def flatten_on_root(
     return register_flattened(root, layout, name, group, coordinate)
 
 
+def forget_dtensor_caches() -> None:
+    """Drop DTensor's sharding-propagation caches (torch's debug helpers). They are keyed by mesh
+    *equality*, which ignores process groups, so after a close an equal mesh built later would
+    be handed cached specs naming the destroyed groups ("Could not resolve the process group")."""
+    from torch.distributed.tensor import debug
+
+    debug._clear_python_sharding_prop_cache()
+    debug._clear_fast_path_sharding_prop_cache()
+
+
 def detach_builder(root: DeviceMesh | None) -> None:
     if root is not None:
         root._mg_builder = None  # type: ignore[attr-defined]

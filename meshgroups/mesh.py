@@ -30,6 +30,7 @@ from ._torch_seam import (
     detach_builder,
     flatten_on_root,
     flattened_dim,
+    forget_dtensor_caches,
     make_group_mesh,
     make_root,
     register_builder,
@@ -102,6 +103,7 @@ class MeshGroups:
         self._meshes.clear()
         self._subset_meshes.clear()
         destroyed = self.cache.release(self._keys, self._pads)
+        forget_dtensor_caches()
         self._keys.clear()
         self._pads.clear()
         return destroyed
