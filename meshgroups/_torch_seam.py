@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -141,6 +142,23 @@ class RootedMesh(DeviceMesh):
     _mg_builder: GroupBuilder | None = None
     _mg_token: tuple[int, int] | None = None
 
+    @property
+    def _flatten_rank_map(self) -> tuple[int, ...]:
+        # torch builds this O(world) tuple (for hashing and equality) in its constructor, for
+        # every mesh; here it is made on first use, once per rank map, and shared by the root's
+        # meshes. Pickles and copies make their own.
+        root = self._root_mesh or self
+        memo = root.__dict__.get("_mg_rank_tuple")
+        if memo is None or memo[0] is not self._rank_map:
+            memo = (self._rank_map, tuple(self._rank_map.tolist()))
+            if self._rank_map is root._rank_map:
+                root.__dict__["_mg_rank_tuple"] = memo
+        return memo[1]
+
+    @_flatten_rank_map.setter
+    def _flatten_rank_map(self, value: tuple[int, ...]) -> None:
+        pass  # always derived from _rank_map (torch's constructor sets it from there too)
+
     def __getitem__(self, mesh_dim_names: str | tuple[str, ...]) -> DeviceMesh:
         if not self._mesh_dim_names:
             raise RuntimeError("Cannot slice a DeviceMesh without mesh_dim_names!")
@@ -167,6 +185,7 @@ class RootedMesh(DeviceMesh):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state.pop("_mg_builder", None)
+        state.pop("_mg_rank_tuple", None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -283,26 +302,39 @@ def _derived(
     parent: DeviceMesh,
     layout: _MeshLayout,
     names: tuple[str, ...],
-    group_names: list[str],
+    group_names: Sequence[str],
     coordinate: tuple[int, ...] | None,
 ) -> RootedMesh:
-    """A mesh over ``parent``'s root rank map, made in O(ndim): the attributes torch 2.13's
-    constructor sets, its O(world) ones (the rank-map tuple, the coordinate) taken from the root
-    or computed from the parent's coordinate instead of searched for."""
+    """A mesh over ``parent``'s root rank map, made in O(ndim)."""
     root = parent._get_root_mesh()
+    return _new_mesh(root._device_type, layout, root._rank_map, names, root, group_names, coordinate)
+
+
+def _new_mesh(
+    device_type: str,
+    layout: _MeshLayout,
+    rank_map: torch.Tensor,
+    names: tuple[str, ...],
+    root: DeviceMesh | None,
+    group_names: Sequence[str],
+    coordinate: tuple[int, ...] | None,
+) -> RootedMesh:
+    """The state torch 2.13's constructor gives a mesh (``_init_backend=False``), without its
+    O(world) searches: the coordinate is given (layout arithmetic), the rank-map tuple is made
+    on first use (``RootedMesh._flatten_rank_map``)."""
     mesh = RootedMesh.__new__(RootedMesh)
+    threaded = dist.is_initialized() and dist.get_backend() == "threaded"
     mesh.__dict__.update(
-        _device_type=root._device_type,
+        _device_type=device_type,
         _layout=layout,
-        _rank_map=root._rank_map,
+        _rank_map=rank_map,
         _mesh_dim_names=names,
         _root_mesh=root,
-        _flatten_rank_map=root._flatten_rank_map,
-        _thread_id=root._thread_id,
+        _thread_id=threading.get_ident() if threaded else None,
         _flatten_mapping={},
         _pg_registry={},
         _dim_group_names=list(group_names),
-        _rank=root._rank,
+        _rank=dist.get_rank(),
         _coordinate_on_dim=coordinate,
         _hash=None,
     )
@@ -314,14 +346,15 @@ def make_root(
     device_type: str,
     ranks: torch.Tensor,
     names: tuple[str, ...],
+    coordinate: tuple[int, ...] | None,
     builder: GroupBuilder,
     token: tuple[int, int],
 ) -> RootedMesh:
-    """The root mesh over ``ranks`` with ``groups`` (one per dim, in mesh order; ``None`` on a
-    rank outside it, whose coordinate is then ``None``), building new groups with ``builder``.
-    torch's constructor (O(world), once) computes the coordinate and the rank-map tuple."""
-    mesh = RootedMesh(device_type, ranks, mesh_dim_names=names, _init_backend=False)
-    mesh._dim_group_names = [g.group_name for g in groups] if groups is not None else []
+    """The root mesh over ``ranks`` (C-contiguous) with ``groups`` (one per dim, in mesh order)
+    at ``coordinate``; both ``None`` on a rank outside it. New groups come from ``builder``."""
+    layout = _MeshLayout.from_sizes_strides(tuple(ranks.shape))
+    group_names = [g.group_name for g in groups] if groups is not None else []
+    mesh = _new_mesh(device_type, layout, ranks.reshape(-1), names, None, group_names, coordinate)
     for group in groups or ():
         mesh._pg_registry[group.group_name] = group
     mesh._mg_builder, mesh._mg_token = builder, token
@@ -341,12 +374,16 @@ def make_group_mesh(
     where it has one, else a mesh with coordinate ``None`` — what ``DeviceMesh("cpu", [0, 2])``
     is on ranks 1 and 3 when there is one row. Its rank map holds every row, so ``_flatten`` and
     ``_unflatten`` ask for the same groups on every rank."""
-    size = rows.shape[1]
-    mesh = RootedMesh(device_type, rows.reshape(-1)[:size], mesh_dim_names=(name,), _init_backend=False)
-    mesh._rank_map = rows.reshape(-1).contiguous()
-    mesh._flatten_rank_map = tuple(mesh._rank_map.tolist())
-    mesh._coordinate_on_dim = None if coordinate is None else (coordinate,)
-    mesh._dim_group_names = [group.group_name] if group is not None else []
+    layout = _MeshLayout.from_sizes_strides((rows.shape[1],), (1,))
+    mesh = _new_mesh(
+        device_type,
+        layout,
+        rows.reshape(-1).contiguous(),
+        (name,),
+        None,
+        [group.group_name] if group is not None else [],
+        None if coordinate is None else (coordinate,),
+    )
     if group is not None:
         mesh._pg_registry[group.group_name] = group
     mesh._mg_builder, mesh._mg_token = builder, token

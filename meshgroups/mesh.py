@@ -160,6 +160,7 @@ class MeshGroups:
             # int32, what torch keeps as its rank map: built once, taken without a copy
             torch.from_numpy(layout.grid_as(np.int32)),
             layout.names,
+            None if coords is None else tuple(coords[d] for d in layout.names),
             self._build_for_torch,
             self._token,
         )
