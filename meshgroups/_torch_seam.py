@@ -236,9 +236,9 @@ class RootedMesh(DeviceMesh):
                 f"Flatten mesh with mesh_dim_name {name} has been created before over other dims; "
                 "pick another name for the flattened dim"
             )
-        rows = layout.remap_to_tensor(root._rank_map)
-        (group,) = self._builder()([rows], (name,), (override,))
-        return register_flattened(root, layout, name, group, _position(rows, self._rank))
+        (group_name,) = self._init_process_groups(layout, root._rank_map, (name,), (override,)) or (None,)
+        group = None if group_name is None else root._pg_registry[group_name]
+        return register_flattened(root, layout, name, group, _position(layout, root._rank_map, self._rank))
 
     def _unflatten(  # type: ignore[override]
         self,
@@ -293,8 +293,8 @@ class RootedMesh(DeviceMesh):
         return [g.group_name for g in groups if g is not None]  # torch: all or none
 
 
-def _position(rows: torch.Tensor, rank: int) -> tuple[int, ...] | None:
-    hit = (rows == rank).nonzero()
+def _position(layout: _MeshLayout, rank_map: torch.Tensor, rank: int) -> tuple[int, ...] | None:
+    hit = (layout.remap_to_tensor(rank_map) == rank).nonzero()
     return (int(hit[0, 1]),) if hit.numel() else None
 
 
