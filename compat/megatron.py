@@ -8,9 +8,11 @@
     parallel_state.initialize_model_parallel(2, 2)         # checked, deduplicated groups
 
 ``install`` makes ``megatron.core.parallel_state`` and ``megatron.core.process_groups_config``
-resolve to ``meshgroups.compat.parallel_state`` / ``process_groups_config`` (``sys.modules``
-aliases: every ``from megatron.core.parallel_state import ...`` in megatron-core's models, DDP,
-schedules and megatron_fsdp binds compat's functions), and sets the group-creation strategy
+resolve to ``meshgroups.compat.parallel_state`` / ``process_groups_config``: a finder first on
+``sys.meta_path`` answers those two names with the compat modules, so Python still imports
+``megatron`` and ``megatron.core`` first and binds the submodule attributes as usual, and every
+``from megatron.core.parallel_state import ...`` in megatron-core's models, DDP, schedules and
+megatron_fsdp binds compat's functions. It also sets the group-creation strategy
 ``initialize_model_parallel`` uses. ``uninstall`` removes the aliases and forgets every
 megatron module imported since ``install``, so the next ``import megatron.core`` is
 megatron-core's own again (objects already holding compat functions keep them).
@@ -18,7 +20,10 @@ megatron-core's own again (objects already holding compat functions keep them).
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import sys
+from collections.abc import Sequence
 from types import ModuleType
 
 from meshgroups import Strategy
@@ -34,6 +39,28 @@ _ALIASES: dict[str, ModuleType] = {
 # While installed: the sys.modules entries the aliases replaced, and the modules present before.
 _saved: dict[str, ModuleType | None] | None = None
 _before: set[str] = set()
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Answers an aliased name with the compat module (the module object itself, unchanged)."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname in _ALIASES:
+            return importlib.machinery.ModuleSpec(fullname, self)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return _ALIASES[spec.name]
+
+    def exec_module(self, module: ModuleType) -> None:
+        # the import system stamped the alias's spec on the module: give it its own back
+        module.__spec__ = _SPECS[module.__name__]
+
+
+_FINDER = _AliasFinder()
+_SPECS = {m.__name__: m.__spec__ for m in _ALIASES.values()}
 
 
 def installed() -> bool:
@@ -65,7 +92,7 @@ def install(strategy: Strategy = "global") -> None:
         )
     _before = set(sys.modules)
     _saved = {name: sys.modules.get(name) for name in _ALIASES}
-    sys.modules.update(_ALIASES)
+    sys.meta_path.insert(0, _FINDER)
 
 
 def uninstall() -> None:
@@ -74,6 +101,8 @@ def uninstall() -> None:
     global _saved
     if _saved is None:
         return
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
     for name in [
         n for n in sys.modules if (n == "megatron" or n.startswith("megatron.")) and n not in _before
     ]:
