@@ -2,7 +2,8 @@
 
 Every view arranges the grid in 2-D: one row per combination of the outer dims, one column per
 index of the innermost dim. Colours mark the groups of a chosen dim (or dim set). Big worlds
-show a window: the first ``max_cells`` ranks of the grid, said so in the caption. matplotlib is
+show a window: the first rows and at most ``MAX_COLUMNS`` columns, ``max_cells`` cells in all,
+said so in the caption. Every argument is checked (``TypeError``/``LayoutError``). matplotlib is
 an optional extra (``pip install meshgroups[plot]``), imported only by :func:`plot`.
 """
 
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .checks import MAX_RANK, MAX_WORLD_SIZE, check_int, check_positive, short_repr
+from .errors import LayoutError
 from .layout import Layout
 from .topology import Topology
 
@@ -22,9 +25,43 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
+#: Most columns a drawing (HTML or figure) shows: wider grids show a window of their first
+#: columns, as taller ones show their first rows, so drawing time and figure size stay bounded.
+MAX_COLUMNS = 64
+#: Most cells a drawing's window may be asked for (``max_cells``).
+MAX_CELLS = 16384
+#: Largest resolution ``savefig`` is given by the command line (a 16 × 12 inch figure at 400 dpi
+#: is 6400 × 4800 pixels, ~120 MB in memory).
+MAX_DPI = 400
+
+
+def _check_layout(layout: object) -> Layout:
+    if not isinstance(layout, Layout):
+        raise TypeError(f"expected a meshgroups.Layout, got {type(layout).__name__}")
+    return layout
+
+
+def _check_count(value: object, what: str, limit: int, allow_none: bool = False) -> int | None:
+    """An int option in ``1..limit`` (or None where allowed)."""
+    if value is None and allow_none:
+        return None
+    return check_positive(value, what, limit)
+
+
+def _check_rank_arg(value: object, what: str) -> int | None:
+    if value is None:
+        return None
+    rank = check_int(value, what)
+    if not 0 <= rank <= MAX_RANK:
+        raise LayoutError(f"{what}={rank} is not a rank (0..{MAX_RANK})")
+    return rank
+
+
 def _dims_arg(layout: Layout, color_by: str | Sequence[str] | None) -> tuple[str, ...]:
     if color_by is None:
         return (layout.names[-1],)
+    if not isinstance(color_by, (str, Sequence)):
+        raise TypeError(f"color_by must be a dim name or a sequence of them, got {type(color_by).__name__}")
     dims = (color_by,) if isinstance(color_by, str) else tuple(color_by)
     layout.resolve(*dims)  # validates, views included
     return dims
@@ -32,8 +69,12 @@ def _dims_arg(layout: Layout, color_by: str | Sequence[str] | None) -> tuple[str
 
 def group_ids(layout: Layout, *dims: str) -> np.ndarray:
     """For every cell of ``layout.grid``, the index of its group varying ``dims`` (a row of
-    ``groups(*dims)``, dims of a view allowed)."""
-    owner = layout.resolve(*dims) if dims else layout
+    ``groups(*dims)``, dims of a view allowed)::
+
+        >>> group_ids(Layout(dp=2, tp=2), "tp").tolist()
+        [[0, 0], [1, 1]]
+    """
+    owner = _check_layout(layout).resolve(*dims) if dims else layout
     rows = owner.groups(*dims)
     # Sorted lookup, not a table indexed by rank: memory follows the layout, not its rank range.
     members = rows.ravel()
@@ -42,22 +83,38 @@ def group_ids(layout: Layout, *dims: str) -> np.ndarray:
     return ids[np.searchsorted(members[order], layout.grid)]
 
 
-def _grid_2d(layout: Layout, max_cells: int) -> tuple[np.ndarray, int, bool]:
-    cols = layout.shape[-1]
-    flat = layout.grid.reshape(-1, cols)
+def _grid_2d(layout: Layout, max_cells: int, max_cols: int | None = None) -> tuple[np.ndarray, int, bool]:
+    """The first rows (and, with ``max_cols``, columns) of the 2-D grid holding at most
+    ``max_cells`` cells; its column count; whether anything was left out."""
+    full_cols = layout.shape[-1]
+    cols = full_cols if max_cols is None else min(full_cols, max_cols, max_cells)
+    flat = layout.grid.reshape(-1, full_cols)
     max_rows = max(1, max_cells // cols)
-    return flat[:max_rows], cols, flat.shape[0] > max_rows
+    return flat[:max_rows, :cols], cols, flat.shape[0] > max_rows or cols < full_cols
 
 
 def _coloured_window(
-    layout: Layout, color_by: str | Sequence[str] | None, max_cells: int
+    layout: Layout, color_by: str | Sequence[str] | None, max_cells: object
 ) -> tuple[tuple[str, ...], np.ndarray, int, bool, np.ndarray]:
-    """What html() and plot() draw: the colour dims, the 2-D window of ranks, its column count,
-    whether it was clipped, and each cell's group index."""
+    """What html() and plot() draw: the colour dims, the 2-D window of ranks (at most
+    ``MAX_COLUMNS`` columns), its column count, whether it was clipped, and each cell's group
+    index."""
+    _check_layout(layout)
+    cells = check_positive(max_cells, "max_cells", MAX_CELLS)
     dims = _dims_arg(layout, color_by)
-    rows, cols, clipped = _grid_2d(layout, max_cells)
-    gids = group_ids(layout, *dims).reshape(-1, cols)[: len(rows)]
+    rows, cols, clipped = _grid_2d(layout, cells, MAX_COLUMNS)
+    gids = group_ids(layout, *dims).reshape(-1, layout.shape[-1])[: len(rows), :cols]
     return dims, rows, cols, clipped, gids
+
+
+def _window_note(layout: Layout, rows: np.ndarray) -> str:
+    """What a clipped drawing says it shows."""
+    if rows.shape[1] < layout.shape[-1]:
+        return (
+            f"first {rows.shape[0]} rows × {rows.shape[1]} of {layout.shape[-1]} columns "
+            f"of {layout.world_size} ranks"
+        )
+    return f"first {rows.size} of {layout.world_size} ranks"
 
 
 def _row_label(layout: Layout, row: int) -> str:
@@ -74,8 +131,15 @@ def _palette(n: int) -> list[tuple[float, float, float]]:
 
 
 def short_list(ranks: Sequence[int], limit: int | None = 16) -> str:
-    """``[0, 1, 2, …, 99] (100 ranks)`` past ``limit`` members; the whole list with ``None``."""
-    ranks = list(ranks)
+    """``[0, 1, 2, …, 99] (100 ranks)`` past ``limit`` members; the whole list with ``None``::
+
+    >>> short_list(range(100), 4)
+    '[0, 1, 2, …, 99] (100 ranks)'
+    """
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, (Sequence, np.ndarray, range)):
+        raise TypeError(f"short_list takes a sequence of ranks, got {type(ranks).__name__}")
+    _check_count(limit, "limit", MAX_WORLD_SIZE, allow_none=True)
+    ranks = [check_int(r, "each rank") for r in ranks]
     if limit is None or len(ranks) <= limit:
         return str(ranks)
     head = ", ".join(str(r) for r in ranks[: max(limit - 1, 1)])
@@ -89,13 +153,25 @@ def span_table(layout: Layout, topology: Topology, dims: Sequence[Sequence[str]]
         dim  size  span    groups  leave node  leave domain
         tp   8     node    16      0           0
     """
+    _check_layout(layout)
+    if not isinstance(topology, Topology):
+        raise TypeError(
+            f"topology must be a meshgroups.Topology (e.g. Topology.parse({short_repr(topology)}) for a str), "
+            f"got {type(topology).__name__}"
+        )
     families: list[tuple[str, Layout, tuple[str, ...]]] = []
+    if dims is not None and (isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence)):
+        raise TypeError(f"dims must be a list of dim tuples such as [('dp', 'cp')], got {short_repr(dims)}")
     if dims is None:
         families = [(d, layout, (d,)) for d in layout.names]
         for k, view in layout.views.items():
             families += [(f"{k}.{d}", view, (d,)) for d in view.names if d not in layout.names]
     else:
         for group in dims:
+            if isinstance(group, (str, bytes)) or not isinstance(group, Sequence):
+                raise TypeError(
+                    f"each entry of dims is a tuple of dim names such as ('dp', 'cp'), got {short_repr(group)}"
+                )
             owner = layout.resolve(*group)
             families.append(("×".join(group), owner, tuple(group)))
     header = ("dim", "size", "span", "groups", *tuple(f"leave {name}" for name in topology.names))
@@ -133,6 +209,11 @@ def text(
     of the layout and its views, group size, number of groups, the first ``max_groups``
     groups (each cut to ``max_members`` ranks, saying how many it has; ``None`` for all), and
     intra/inter-node status when ``ranks_per_node`` is given."""
+    _check_layout(layout)
+    _check_count(ranks_per_node, "ranks_per_node", MAX_RANK + 1, allow_none=True)
+    _check_count(max_groups, "max_groups", MAX_WORLD_SIZE)
+    _check_count(max_grid, "max_grid", MAX_WORLD_SIZE)
+    _check_count(max_members, "max_members", MAX_WORLD_SIZE, allow_none=True)
     lines = [repr(layout), f"world: {layout.world_size} ranks ({layout.describe_ranks()})"]
     if layout.world_size <= max_grid:
         rows, cols, _ = _grid_2d(layout, max_grid)
@@ -181,13 +262,15 @@ def html(
     """An HTML table of the grid, cells coloured by the groups of ``color_by`` (default: the
     innermost dim); ``highlight_rank``'s group is outlined; node changes get a thick left edge."""
     dims, rows, cols, clipped, gids = _coloured_window(layout, color_by, max_cells)
+    _check_count(ranks_per_node, "ranks_per_node", MAX_RANK + 1, allow_none=True)
+    _check_rank_arg(highlight_rank, "highlight_rank")
     colors = _palette(int(gids.max()) + 1)
     mine = set()
     if highlight_rank is not None and highlight_rank in layout:
         mine = set(layout.group_of(highlight_rank, *dims).tolist())
     caption = f"{html_lib.escape(repr(layout))} — coloured by {'×'.join(dims)}"
     if clipped:
-        caption += f" (first {rows.size} of {layout.world_size} ranks)"
+        caption += f" ({_window_note(layout, rows)})"
     out = [f"<table style='border-collapse:collapse;font-family:monospace'><caption>{caption}</caption>"]
     out.append("<tr><th></th>" + "".join(f"<th>{layout.names[-1]}={c}</th>" for c in range(cols)) + "</tr>")
     for r, row in enumerate(rows.tolist()):
@@ -248,7 +331,10 @@ def plot(
     """A matplotlib figure of the grid: one cell per rank (labelled when there are at most 512
     cells), coloured by the groups of ``color_by``, node boundaries as thick lines,
     ``highlight_rank``'s group outlined. Worlds beyond ``max_cells`` ranks show a window, their
-    first ``max_cells`` ranks (the title says so), so a 16k-rank layout draws in about a second."""
+    first ``max_cells`` ranks (the title says so), so a 16k-rank layout draws in about a second;
+    grids wider than ``MAX_COLUMNS`` show their first columns (``pp=2 tp=4096``: 64 columns)."""
+    if ax is not None and not hasattr(ax, "imshow"):
+        raise TypeError(f"ax must be a matplotlib Axes, got {type(ax).__name__}")
     try:
         # The object-oriented API only: no pyplot, no backend switch, so a Jupyter kernel keeps
         # its inline backend (the figure shows with display(fig)) and the caller's own plots too.
@@ -259,6 +345,8 @@ def plot(
     except ImportError:  # pragma: no cover - depends on the environment
         raise ImportError("plot() needs matplotlib: pip install 'meshgroups[plot]'") from None
     dims, rows, cols, clipped, gids = _coloured_window(layout, color_by, max_cells)
+    _check_count(ranks_per_node, "ranks_per_node", MAX_RANK + 1, allow_none=True)
+    _check_rank_arg(highlight_rank, "highlight_rank")
     n_rows = len(rows)
     if ax is None:
         fig = Figure(figsize=(min(max(7.0, 2 + 0.6 * cols), 16), min(2 + 0.45 * n_rows, 12)))
@@ -282,14 +370,17 @@ def plot(
         members = np.isin(rows, layout.group_of(highlight_rank, *dims))
         for r, c in zip(*np.nonzero(members)):
             ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2))
-    ax.set_xticks(range(cols), [f"{layout.names[-1]}={c}" for c in range(cols)], fontsize=7)
+    col_step = max(1, cols // 32)  # at most ~32 labels per axis, like the rows
+    ax.set_xticks(
+        range(0, cols, col_step), [f"{layout.names[-1]}={c}" for c in range(0, cols, col_step)], fontsize=7
+    )
     step = max(1, n_rows // 32)
     ax.set_yticks(range(0, n_rows, step), [_row_label(layout, r) for r in range(0, n_rows, step)], fontsize=7)
     title = f"{layout!r}\ncoloured by {'×'.join(dims)} groups"
     if ranks_per_node:
         title += f", node boundaries every {ranks_per_node} ranks"
     if clipped:
-        title += f"\n(first {rows.size} of {layout.world_size} ranks shown)"
+        title += f"\n({_window_note(layout, rows)} shown)"
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return fig

@@ -90,7 +90,7 @@ def test_infer_errors_name_the_family():
         Layout.infer({"tp": [[0, 1], [2, 3]], "dp": [[0, 1, 2, 3]]})
     with pytest.raises(LayoutError, match="family 'dp' does not cover the same 4 ranks"):
         Layout.infer({"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 4]]})
-    with pytest.raises(LayoutError, match="lists of integer ranks of one size"):
+    with pytest.raises(LayoutError, match="equal-sized lists of integer ranks"):
         Layout.infer({"tp": [[0, 1], [2]]})
     with pytest.raises(TypeError, match="mapping of family name"):
         Layout.infer([[0, 1]])
