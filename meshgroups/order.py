@@ -71,8 +71,19 @@ def megatron_order(layout: Layout) -> tuple[str | None, str]:
         )
     if layout.views:
         return None, "the layout has views; an order string states one factorisation"
+    if layout.strides is None:
+        for name in layout.names:
+            rows = layout.groups(name)
+            steps = rows[:, 1:] - rows[:, :-1]
+            if steps.size and not (steps == steps[0, 0]).all():
+                first = rows[0].tolist()
+                shown = str(first) if len(first) <= 8 else f"{first[:8]}…"
+                return None, (
+                    f"the members of dim {name} are not evenly spaced ({name} group {shown}: its factors "
+                    "sit on different levels), which no order string can state"
+                )
     if layout.strides is None or not layout.is_contiguous or layout.rank_offset:
-        return None, "its ranks are not an evenly strided block from rank 0 (a dim is split across levels)"
+        return None, "its ranks are not one evenly strided block from rank 0, which no order string can state"
     live = sorted((s, n) for n, s in zip(layout.names, layout.strides) if s)
     order = [n for _, n in live] + [n for n in reversed(layout.names) if n not in {m for _, m in live}]
     sizes = dict(zip(layout.names, layout.shape))

@@ -62,6 +62,27 @@ def test_plot_draws_and_windows_big_worlds(tmp_path):
     assert pixels.shape[0] > 200 and np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0).shape[0] > 8
 
 
+def test_drawings_show_a_window_of_columns_too():
+    wide = Layout(pp=2, tp=4096)
+    fig = plot(wide)
+    assert "first 2 rows × 64 of 4096 columns of 8192 ranks shown" in fig.axes[0].get_title()
+    assert len(fig.axes[0].get_xticklabels()) <= 33
+    assert "first 2 rows × 64 of 4096 columns" in html(wide)
+
+
+def test_demo_checks_its_python_arguments():
+    from meshgroups.demo import check_args
+
+    with pytest.raises(ValueError, match="the layout has 4 ranks"):
+        check_args(Layout(dp=2, tp=2), 8, "global", 60.0)
+    with pytest.raises(ValueError, match="nproc=65 must be between 1 and 64"):
+        check_args(Layout(dp=65), 65, "global", 60.0)
+    with pytest.raises(ValueError, match="timeout=1e-300 must be between 1 and 86400"):
+        check_args(Layout(dp=2), 2, "global", 1e-300)
+    with pytest.raises(TypeError):
+        check_args(None, 2, "global", 60.0)  # type: ignore[arg-type]
+
+
 def test_plot_without_matplotlib_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"pip install 'meshgroups\[plot\]'"):
@@ -155,7 +176,7 @@ def test_cli_plot_writes_png(tmp_path):
 
 
 def test_cli_demo_on_real_processes():
-    out = cli("demo", "--nproc", "4", "dp=2", "tp=2", timeout=180)
+    out = cli("demo", "--nproc", "4", "dp=-1", "tp=2", timeout=180)  # dp=-1: filled from --nproc
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all 12 checks passed" in out.stdout  # 4 ranks × 3 groups each (dp, tp, dp×tp)
     assert "4 processes (spawned on 127.0.0.1, gloo)" in out.stdout
