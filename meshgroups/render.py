@@ -33,6 +33,8 @@ MAX_CELLS = 16384
 #: Largest resolution ``savefig`` is given by the command line (a 16 × 12 inch figure at 400 dpi
 #: is 6400 × 4800 pixels, ~120 MB in memory).
 MAX_DPI = 400
+#: Colours of the HTML grid; groups beyond these reuse them (the figure uses 20).
+PALETTE = 64
 
 
 def _check_layout(layout: object) -> Layout:
@@ -88,9 +90,17 @@ def _grid_2d(layout: Layout, max_cells: int, max_cols: int | None = None) -> tup
     ``max_cells`` cells; its column count; whether anything was left out."""
     full_cols = layout.shape[-1]
     cols = full_cols if max_cols is None else min(full_cols, max_cols, max_cells)
-    flat = layout.grid.reshape(-1, full_cols)
-    max_rows = max(1, max_cells // cols)
-    return flat[:max_rows, :cols], cols, flat.shape[0] > max_rows or cols < full_cols
+    total_rows = layout.world_size // full_cols
+    n_rows = min(total_rows, max(1, max_cells // cols))
+    # Only the window's ranks are computed (affine: from the strides), never the whole grid.
+    index = (np.arange(n_rows, dtype=np.int64)[:, None] * full_cols + np.arange(cols)[None, :]).ravel()
+    if layout.strides is not None:
+        coords = np.unravel_index(index, layout.shape)
+        ranks = layout.rank_offset + sum(c * s for c, s in zip(coords, layout.strides))
+    else:
+        ranks = layout.grid.ravel()[index]
+    window = np.asarray(ranks, dtype=np.int64).reshape(n_rows, cols)
+    return window, cols, total_rows > n_rows or cols < full_cols
 
 
 def _coloured_window(
@@ -103,8 +113,38 @@ def _coloured_window(
     cells = check_positive(max_cells, "max_cells", MAX_CELLS)
     dims = _dims_arg(layout, color_by)
     rows, cols, clipped = _grid_2d(layout, cells, MAX_COLUMNS)
-    gids = group_ids(layout, *dims).reshape(-1, layout.shape[-1])[: len(rows), :cols]
-    return dims, rows, cols, clipped, gids
+    return dims, rows, cols, clipped, _window_group_ids(layout, dims, rows)
+
+
+def _window_group_ids(layout: Layout, dims: tuple[str, ...], rows: np.ndarray) -> np.ndarray:
+    """``group_ids`` for the window's cells only: O(cells × ndim), not O(W), so a window of a
+    16M-rank layout costs what a small layout's does. A group's index is its position among
+    ``groups(*dims)``'s rows: the other dims' coordinates, row-major."""
+    ids = [_group_index(layout, dims, rank) for rank in rows.ravel().tolist()]
+    return np.array(ids, dtype=np.int64).reshape(rows.shape)
+
+
+def _group_index(layout: Layout, dims: tuple[str, ...], rank: int) -> int:
+    """The row of ``groups(*dims)`` holding ``rank``: its other coordinates, row-major. O(ndim)."""
+    owner = layout.resolve(*dims)
+    coords = owner.coords(rank)
+    index = 0
+    for name, size in zip(owner.names, owner.shape):
+        if name not in dims:
+            index = index * size + coords[name]
+    return index
+
+
+def _group_label(layout: Layout, dims: tuple[str, ...], rank: int) -> str:
+    """``[first, …, last] (size)`` of ``rank``'s group, in O(ndim) for big groups."""
+    owner = layout.resolve(*dims)
+    size = owner.size(*dims)
+    if size <= 8:
+        return str(owner.group_of(rank, *dims).tolist())
+    coords = owner.coords(rank)
+    first = owner.rank_at(**{**coords, **{d: 0 for d in dims}})
+    last = owner.rank_at(**{**coords, **{d: owner.size(d) - 1 for d in dims}})
+    return f"[{first}, …, {last}] ({size})"
 
 
 def _window_note(layout: Layout, rows: np.ndarray) -> str:
@@ -264,10 +304,10 @@ def html(
     dims, rows, cols, clipped, gids = _coloured_window(layout, color_by, max_cells)
     _check_count(ranks_per_node, "ranks_per_node", MAX_RANK + 1, allow_none=True)
     _check_rank_arg(highlight_rank, "highlight_rank")
-    colors = _palette(int(gids.max()) + 1)
-    mine = set()
+    colors = _palette(min(int(gids.max()) + 1, PALETTE))
+    mine = None
     if highlight_rank is not None and highlight_rank in layout:
-        mine = set(layout.group_of(highlight_rank, *dims).tolist())
+        mine = _group_index(layout, dims, highlight_rank)
     caption = f"{html_lib.escape(repr(layout))} — coloured by {'×'.join(dims)}"
     if clipped:
         caption += f" ({_window_note(layout, rows)})"
@@ -276,9 +316,9 @@ def html(
     for r, row in enumerate(rows.tolist()):
         cells = []
         for c, rank in enumerate(row):
-            red, green, blue = (int(255 * x) for x in colors[int(gids[r, c])])
+            red, green, blue = (int(255 * x) for x in colors[int(gids[r, c]) % len(colors)])
             style = f"background:rgb({red},{green},{blue});padding:2px 6px;text-align:right"
-            if rank in mine:
+            if mine is not None and int(gids[r, c]) == mine:
                 style += ";outline:3px solid black"
             # node boundaries wherever they fall: between columns and between rows
             if ranks_per_node and c and rank // ranks_per_node != row[c - 1] // ranks_per_node:
@@ -288,7 +328,7 @@ def html(
             cells.append(f"<td style='{style}'>{rank}</td>")
         out.append(f"<tr><th>{html_lib.escape(_row_label(layout, r))}</th>{''.join(cells)}</tr>")
     out.append("</table>")
-    out.append(_legend(layout, dims, gids, colors, ranks_per_node))
+    out.append(_legend(layout, dims, gids, rows, colors, ranks_per_node))
     return "".join(out)
 
 
@@ -296,24 +336,25 @@ def _legend(
     layout: Layout,
     dims: tuple[str, ...],
     gids: np.ndarray,
+    rows: np.ndarray,
     colors: list[tuple[float, float, float]],
     ranks_per_node: int | None,
     limit: int = 16,
 ) -> str:
     """Which colour is which group (the first ``limit`` groups shown), and what the edges mean."""
+    rank_of = {int(g): int(r) for g, r in zip(gids.ravel()[::-1].tolist(), rows.ravel()[::-1].tolist())}
     owner = layout.resolve(*dims)
-    groups = owner.groups(*dims)
+    n_groups = owner.world_size // owner.size(*dims)
     shown = sorted(set(int(g) for g in np.unique(gids)))[:limit]
     items = []
     for g in shown:
-        red, green, blue = (int(255 * x) for x in colors[g])
-        members = groups[g].tolist()
-        label = str(members) if len(members) <= 8 else f"[{members[0]}, …, {members[-1]}] ({len(members)})"
+        red, green, blue = (int(255 * x) for x in colors[g % len(colors)])
+        label = _group_label(layout, dims, rank_of[g])
         items.append(
             f"<span style='background:rgb({red},{green},{blue});padding:1px 6px;margin:2px;"
             f"display:inline-block'>{'×'.join(dims)} group {g}: {label}</span>"
         )
-    more = len(groups) - len(shown)
+    more = n_groups - len(shown)
     note = f" … and {more} more groups" if more > 0 else ""
     edges = f" Thick edges: node boundaries (every {ranks_per_node} ranks)." if ranks_per_node else ""
     return f"<div style='font-family:monospace;font-size:90%'>{''.join(items)}{note}{edges}</div>"
@@ -367,7 +408,7 @@ def plot(
         r, c = np.nonzero(nodes[1:, :] != nodes[:-1, :])
         ax.hlines(r + 0.5, c - 0.5, c + 0.5, colors="black", linewidth=width)
     if highlight_rank is not None and highlight_rank in layout:
-        members = np.isin(rows, layout.group_of(highlight_rank, *dims))
+        members = gids == _group_index(layout, dims, highlight_rank)
         for r, c in zip(*np.nonzero(members)):
             ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2))
     col_step = max(1, cols // 32)  # at most ~32 labels per axis, like the rows

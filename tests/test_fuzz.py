@@ -183,6 +183,23 @@ RENDER: dict[str, Callable[[object], object]] = {
 }
 
 
+def test_widget_entry_points_raise_only_type_or_value_errors():
+    from meshgroups import widgets
+
+    sizes = {"pp": 2, "cp": 1, "tp": 2}
+    calls = {
+        "explore(world)": lambda v: widgets.explore(v, sizes, "", "tp", 0, 4),
+        "explore(sizes)": lambda v: widgets.explore(8, v, "", "tp", 0, 4),
+        "explore(size)": lambda v: widgets.explore(8, {**sizes, "tp": v}, "", "tp", 0, 4),
+        "explore(order)": lambda v: widgets.explore(8, sizes, v, "tp", 0, 4),
+        "explore(color_by)": lambda v: widgets.explore(8, sizes, "", v, 0, 4),
+        "explore(rank)": lambda v: widgets.explore(8, sizes, "", "tp", v, 4),
+        "explore(ranks_per_node)": lambda v: widgets.explore(8, sizes, "", "tp", 0, v),
+    }
+    escapes = [e for label, call in calls.items() for e in _escapes(call, label)]
+    assert not escapes, "\n".join(escapes)
+
+
 def test_core_entry_points_raise_only_type_or_value_errors():
     escapes = [e for label, call in CORE.items() for e in _escapes(call, label)]
     assert not escapes, "\n".join(escapes)
@@ -376,3 +393,44 @@ def test_cli_random_words_exit_0_or_2_never_a_traceback(command, words):
     assert "Traceback" not in err
     if code == 2:
         assert len([line for line in err.splitlines() if "error:" in line]) == 1, err
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "[" * 100_000 + "]" * 100_000,  # nested past the JSON decoder's recursion limit
+        '{"tp": [[0.0, 1.9]]}',  # float ranks
+        '{"tp": [["0", "1"]]}',  # string ranks
+        '{"tp": [[0, NaN]]}',
+        '{"tp": [[0, 18446744073709551616]]}',
+        "{" + ", ".join(f'"f{i}": [[0], [1]]' for i in range(2000)) + "}",  # 2,000 size-1 families
+        '{"format": "meshgroups.Layout/1", "dims": [["a", 1e400]]}',
+        "\xff\xfe",
+    ],
+)
+def test_cli_from_json_refuses_hostile_files(tmp_path, content):
+    path = tmp_path / "groups.json"
+    path.write_text(content, encoding="latin-1")
+    assert _refused_cleanly(["show", "--from-json", str(path)]) is None
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from(sorted(CORE)),
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=12),
+        st.binary(max_size=4),
+        st.lists(st.integers(min_value=-(2**65), max_value=2**65), max_size=6),
+        st.lists(st.lists(st.integers(min_value=-4, max_value=2**33), max_size=3), max_size=3),
+        st.dictionaries(st.text(max_size=4), st.integers(min_value=-4, max_value=9), max_size=3),
+    ),
+)
+def test_core_entry_points_with_random_values(label, value):
+    try:
+        CORE[label](value)
+    except (TypeError, ValueError):
+        pass
