@@ -100,6 +100,9 @@ def _layout(parser: argparse.ArgumentParser, args: argparse.Namespace, default: 
                 sizes = " × ".join(f"{n}={s}" for n, s in pairs)
                 parser.error(f"{sizes} = {layout.world_size} does not match world size {args.world_size}")
             return layout
+        unknown = [name for name, size in pairs if size == -1]
+        if unknown and args.world_size is None:
+            parser.error(f"{unknown[0]}=-1 needs --world-size N to infer it from")
         return Layout(pairs, world_size=args.world_size)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))

@@ -384,7 +384,10 @@ def plot(
         from matplotlib.figure import Figure
         from matplotlib.patches import Rectangle
     except ImportError:  # pragma: no cover - depends on the environment
-        raise ImportError("plot() needs matplotlib: pip install 'meshgroups[plot]'") from None
+        raise ImportError(
+            "plot() needs matplotlib: pip install 'meshgroups[plot]' (in a clone of the repository: "
+            "pip install -e '.[plot]')"
+        ) from None
     dims, rows, cols, clipped, gids = _coloured_window(layout, color_by, max_cells)
     _check_count(ranks_per_node, "ranks_per_node", MAX_RANK + 1, allow_none=True)
     _check_rank_arg(highlight_rank, "highlight_rank")

@@ -126,6 +126,7 @@ def test_cli_big_worlds_print_a_bounded_summary():
         (["show", "pp=2", "tp=3", "--world-size", "16"], "pp=2 × tp=3 = 6 does not match world_size=16"),
         (["show", "dp=-1", "tp=3", "--world-size", "16"], "tp=3 does not divide world_size=16"),
         (["show", "tp=x"], "size of 'tp' must be an integer in digits 0-9, got 'x'"),
+        (["show", "dp=-1", "tp=2"], "dp=-1 needs --world-size N to infer it from"),
         (["show", "tp"], "dims are name=size words like tp=4, got 'tp'"),
         (["show", "tp=2", "tp=2"], "duplicate dim name 'tp'"),
         (["show", "tp=0"], "tp=0: dim sizes must be positive"),
