@@ -123,6 +123,24 @@ PARAMETER_SETS = {
             "rank": 999,
         },
     ],
+    "weight_transfer.ipynb": [
+        {},
+        {
+            "src": {"dp": 2, "tp": 4},
+            "dst": {"tp": 2, "dp": 4},
+            "dst_offset": 0,
+            "ranks_per_node": 4,
+            "rank": 3,
+        },
+        # 128 ranks on nodes of 6 (partial nodes), an out-of-range rank
+        {
+            "src": {"pp": 4, "dp": 2, "tp": 8},
+            "dst": {"dp": 4, "tp": 4},
+            "dst_offset": 64,
+            "ranks_per_node": 6,
+            "rank": -1,
+        },
+    ],
 }
 CASES = [(name, i) for name, sets in PARAMETER_SETS.items() for i in range(len(sets))]
 IDS = [f"{n.removesuffix('.ipynb')}-{i}-{PARAMETER_SETS[n][i] or 'defaults'}" for n, i in CASES]
