@@ -449,3 +449,9 @@ def forget_dtensor_caches() -> None:
 def detach_builder(root: DeviceMesh | None) -> None:
     if root is not None:
         root._mg_builder = None  # type: ignore[attr-defined]
+
+
+def set_group_timeout(group: dist.ProcessGroup | None, timeout: timedelta) -> None:
+    """Change the timeout of ``group`` (None: the default group) after creation, what
+    megatron-core's ``update_pg_timeout`` does (torch has no public API for it)."""
+    _c10d._set_pg_timeout(timeout, group)
