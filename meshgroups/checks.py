@@ -19,7 +19,7 @@ from typing import cast
 
 import numpy as np
 
-from .errors import LayoutError
+from .errors import DuplicateNameError, LayoutError, UnknownDimError
 
 #: Keyword arguments of ``Layout(...)``/``Layout.from_order`` that are options, not dim names.
 #: Every other parameter of a method taking ``**dims`` is positional-only, so it cannot clash.
@@ -142,7 +142,7 @@ def check_names(names: object, what: str = "dim name", limit: int = MAX_NDIM) ->
     seen: set[str] = set()
     for name in checked:
         if name in seen:
-            raise LayoutError(f"duplicate {what} {name!r} in {checked}; {what}s must be unique")
+            raise DuplicateNameError(f"duplicate {what} {name!r} in {checked}; {what}s must be unique")
         seen.add(name)
     return checked
 
@@ -155,9 +155,9 @@ def check_dims(requested: Sequence[object], names: Sequence[str], where: str = "
         if not isinstance(dim, str):
             raise TypeError(f"dims are named by str, got {short_repr(dim)} ({type(dim).__name__})")
         if dim not in names:
-            raise LayoutError(f"unknown dim {dim!r}; dims{suffix} are {', '.join(names)}")
+            raise UnknownDimError(f"unknown dim {dim!r}; dims{suffix} are {', '.join(names)}")
         if dim in out:
-            raise LayoutError(f"dim {dim!r} given twice in {tuple(requested)}")
+            raise DuplicateNameError(f"dim {dim!r} given twice in {tuple(requested)}")
         out.append(dim)
     return tuple(out)
 

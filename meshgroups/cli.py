@@ -384,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(run=_demo, parser=demo, world_size=None)
     parser.set_defaults(commands={"show": show, "place": place, "plot": plot, "demo": demo})
+    from ._cli_transfer import register as register_transfer  # weight transfer: its own module
+
+    parser.get_default("commands")["transfer"] = register_transfer(sub)
     return parser
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import colorsys
 import html as html_lib
+import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -466,6 +467,11 @@ def plot(
         title += f", node boundaries every {ranks_per_node} ranks"
     if clipped:
         title += f"\n({_window_note(layout, rows)} shown)"
-    ax.set_title(title, fontsize=9)
+    # The title is centred on the axes, right of the row labels: wrap it at the axes' width
+    # (estimated; a character is about 0.6 of its point size wide), so a long repr (views
+    # included) never makes the title, instead of the grid, the widest thing in the figure.
+    label_chars = max((len(_row_label(layout, r)) for r in range(0, n_rows, step)), default=0)
+    chars = max(20, int((fig.get_figwidth() * 72 - 0.6 * 7 * label_chars - 30) / (0.6 * 9)))
+    ax.set_title("\n".join(textwrap.fill(line, chars) for line in title.split("\n")), fontsize=9)
     fig.tight_layout()
     return fig

@@ -14,6 +14,8 @@ from meshgroups import Layout
 from meshgroups.cli import main
 from meshgroups.render import group_ids, html, plot, text
 
+from ._timing import scaled
+
 
 def cli(*args, env=None, timeout=120):
     full_env = {**os.environ, **(env or {})}
@@ -21,7 +23,7 @@ def cli(*args, env=None, timeout=120):
         [sys.executable, "-m", "meshgroups", *args],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=scaled(timeout),
         env=full_env,
     )
 
@@ -187,7 +189,11 @@ def test_cli_demo_joins_torchrun():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [*cmd, "-m", "meshgroups", "demo", "dp=2"], capture_output=True, text=True, timeout=180, env=env
+        [*cmd, "-m", "meshgroups", "demo", "dp=2"],
+        capture_output=True,
+        text=True,
+        timeout=scaled(180),
+        env=env,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "2 processes (torchrun, gloo)" in out.stdout and "checks passed" in out.stdout
@@ -214,7 +220,7 @@ def test_console_script_is_installed():
 
     script = Path(sys.executable).parent / "meshgroups"
     assert script.exists(), "pip install should create the meshgroups command"
-    out = subprocess.run([str(script), "show", "tp=2"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([str(script), "show", "tp=2"], capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 0 and "Layout(tp=2)" in out.stdout
 
 

@@ -17,6 +17,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from meshgroups import Layout, LayoutError, Topology, init_mesh, layout_of
 from meshgroups.render import span_table
 
+from ._timing import scaled
+
 NAMES = ("pp", "dp", "cp", "tp")
 
 
@@ -236,7 +238,7 @@ def test_layout_of_reads_device_meshes_back(fake_world, permuted):
 
 def cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "meshgroups", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "meshgroups", *args], capture_output=True, text=True, timeout=scaled(120)
     )
 
 
