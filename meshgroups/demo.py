@@ -23,7 +23,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from .checks import check_positive
+from .checks import check_positive, short_repr
 from .layout import Layout
 from .render import text as render_text
 
@@ -217,8 +217,8 @@ def check_args(layout: Layout, nproc: int, strategy: str, timeout: float) -> Non
             "the demo runs one process per rank 0..nproc-1"
         )
     if strategy not in ("global", "local"):
-        raise ValueError(f"strategy={strategy!r} is not one of 'global', 'local'")
+        raise ValueError(f"strategy={short_repr(strategy)} is not one of 'global', 'local'")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+        raise TypeError(f"timeout must be a number of seconds, got {short_repr(timeout)}")
     if not 1.0 <= timeout <= MAX_TIMEOUT:
         raise ValueError(f"timeout={timeout!r} must be between 1 and {MAX_TIMEOUT:g} seconds")
