@@ -35,6 +35,7 @@ from torch.distributed import ProcessGroup
 
 from meshgroups import GroupCache, Layout, Strategy, init_mesh
 from meshgroups.checks import check_int
+from meshgroups.collective import collective_entry
 
 __all__ = [
     "CommMode",
@@ -208,6 +209,7 @@ class ProcessGroupInitializer(ABC):
             Tuple of (local_rank, group_world_size, process_group, ranks_in_group, mode).
         """
 
+    @collective_entry("_new_and_update_group_info", method=True)
     def _new_and_update_group_info(
         self, ranks: list[int], use_cpu: bool = False, backend: str = "nccl"
     ) -> None:
@@ -255,6 +257,7 @@ class ProcessGroupInitializer(ABC):
 class _LayoutInitializer(ProcessGroupInitializer):
     """An initializer whose groups are the ``group_dims`` groups of its ``layout``."""
 
+    @collective_entry("init_dist_group", method=True)  # numbered first: an error on one rank reaches all
     def init_dist_group(self, backend: str = "nccl", use_cpu: bool = False) -> InitResult:
         """Create this initializer's groups (a collective call: every rank makes it).
 

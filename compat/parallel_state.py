@@ -28,6 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from meshgroups import GroupCache, MeshGroups, Strategy, init_mesh
+from meshgroups.collective import collective_entry
 
 from .megatron_layout import MegatronPlan, RanksCallback, megatron_plan
 
@@ -85,6 +86,7 @@ class _State:
 _STATE: _State | None = None
 
 
+@collective_entry("initialize_model_parallel")  # numbered first: an error on one rank reaches all
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,

@@ -9,7 +9,7 @@ store namespace, so rebuilt groups never read a previous incarnation's connectio
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 
 import torch
@@ -94,12 +94,15 @@ def bound_device_id() -> object | None:
 # ---------------------------------------------------------------------------------------------
 
 GroupBuilder = Callable[[Sequence[torch.Tensor], Sequence[str]], Sequence[dist.ProcessGroup]]
+#: ``call(operation)``: the collective call (meshgroups.collective) that _flatten/_unflatten run in.
+CallFactory = Callable[[str], AbstractContextManager[object]]
 
 
 class RootedMesh(DeviceMesh):
     """A ``DeviceMesh`` built by meshgroups; see the comment above."""
 
     _mg_builder: GroupBuilder | None = None
+    _mg_call: CallFactory | None = None
 
     def __getitem__(self, mesh_dim_names: str | tuple[str, ...]) -> DeviceMesh:
         names = (mesh_dim_names,) if isinstance(mesh_dim_names, str) else tuple(mesh_dim_names)
@@ -111,7 +114,12 @@ class RootedMesh(DeviceMesh):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state.pop("_mg_builder", None)
+        state.pop("_mg_call", None)
         return state
+
+    def _collective(self, operation: str) -> AbstractContextManager[object]:
+        call = getattr(self._get_root_mesh(), "_mg_call", None)
+        return call(operation) if call is not None else nullcontext()
 
     def _builder(self) -> GroupBuilder:
         builder = getattr(self._get_root_mesh(), "_mg_builder", None)
@@ -123,6 +131,10 @@ class RootedMesh(DeviceMesh):
         return builder
 
     def _flatten(self, mesh_dim_name: str | None = None, backend_override: object = None) -> DeviceMesh:
+        with self._collective("_flatten"):  # numbered before anything is checked
+            return self._flatten_in_call(mesh_dim_name, backend_override)
+
+    def _flatten_in_call(self, mesh_dim_name: str | None, backend_override: object) -> DeviceMesh:
         if backend_override is not None:
             raise ValueError(
                 "a meshgroups mesh builds its groups with the backend given to init_mesh; "
@@ -164,7 +176,8 @@ class RootedMesh(DeviceMesh):
         return [g.group_name for g in groups]
 
     def _unflatten(self, *args: object, **kwargs: object) -> DeviceMesh:
-        return _rooted(super()._unflatten(*args, **kwargs))  # type: ignore[arg-type]
+        with self._collective("_unflatten"):
+            return _rooted(super()._unflatten(*args, **kwargs))  # type: ignore[arg-type]
 
 
 def _rooted(mesh: DeviceMesh) -> DeviceMesh:
@@ -180,11 +193,13 @@ def make_root(
     ranks: torch.Tensor,
     names: tuple[str, ...],
     builder: GroupBuilder,
+    call: CallFactory | None = None,
 ) -> RootedMesh:
     """The root mesh over ``groups`` (one per dim, in mesh order), with meshgroups' builder."""
     mesh = _rooted(DeviceMesh.from_group(list(groups), device_type, mesh=ranks, mesh_dim_names=names))
     assert isinstance(mesh, RootedMesh)
     mesh._mg_builder = builder
+    mesh._mg_call = call
     return mesh
 
 

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._torch_seam import detach_builder, flatten_on_root, flattened_dim, make_root
-from .build import Built, build, build_more, one_at_a_time
+from .build import Built, build, build_more
+from .collective import collective_call
 from .errors import MeshConfigError
 from .groups import GroupCache, GroupHandle
 from .layout import Layout
@@ -141,6 +142,7 @@ class MeshGroups:
             torch.from_numpy(layout.grid_as(np.int32)),
             layout.names,
             self._build_for_torch,
+            collective_call,
         )
         for key, handle in self._handles.items():
             if isinstance(key, tuple) and len(key) > 1 and all(d in layout.names for d in key):
@@ -160,6 +162,8 @@ class MeshGroups:
         new dim's groups (rows in mesh order), reusing equal groups."""
         self._check_open()
         groups = []
+        for name in names:
+            _check_new_name(name, ())
         for rows, name in zip(rows_per_dim, names):
             grid = np.asarray(rows.cpu().numpy(), dtype=np.int64)
             handle = self._build_family(Layout.from_grid(grid, ("group", "member")), ("member",))
@@ -179,20 +183,29 @@ class MeshGroups:
         it, like torch's ``_flatten`` — and register it on the root as ``name`` (default: the
         dims joined by ``_``). Returns the flattened 1-D mesh (``None`` off the layout); an
         already built set is reused."""
-        self._check_open()
-        if not dims:
-            raise MeshConfigError("flatten needs at least one dim, e.g. mg.flatten('dp', 'cp')")
-        owner = self.layout.resolve(*dims)
-        key = tuple(d for d in owner.names if d in dims)
-        if key not in self._handles:
-            self._handles[key] = self._build_family(owner, key)
-        root = self._root_of(owner)
-        if root is None:
-            return None
-        if len(key) == 1:
-            return root[key[0]]
-        label = name if name is not None else "_".join(key)
-        return flatten_on_root(root, key, label, self._handles[key].group)  # type: ignore[arg-type]
+        with collective_call("flatten") as call:
+            self._check_open()
+            if not dims:
+                raise MeshConfigError("flatten needs at least one dim, e.g. mg.flatten('dp', 'cp')")
+            owner = self.layout.resolve(*dims)
+            key = tuple(d for d in owner.names if d in dims)
+            label = name if name is not None else "_".join(key)
+            if len(key) > 1:
+                _check_new_name(label, self._dim_names(), "flatten(name=)" if name is not None else "")
+            call.compare(dims=key, name=label)
+            if key not in self._handles:
+                self._handles[key] = self._build_family(owner, key)
+            root = self._root_of(owner)
+            if root is None:
+                return None
+            if len(key) == 1:
+                return root[key[0]]
+            return flatten_on_root(root, key, label, self._handles[key].group)  # type: ignore[arg-type]
+
+    def _dim_names(self) -> set[str]:
+        """Every name a flattened dim must not take: dims of the layout and its views, subsets."""
+        names = set(self.layout.names).union(*(v.names for v in self.layout.views.values()))
+        return names | set(self._subsets)
 
     def submesh(self, *dims: str, flatten: bool = False) -> DeviceMesh | None:
         """A slice of the root: ``mg.mesh[dims]`` (any dims, n-D, no declaration needed), or
@@ -378,21 +391,37 @@ def init_mesh(
         raise RuntimeError(
             "init_mesh needs an initialised default process group: call dist.init_process_group first"
         )
-    with one_at_a_time():
-        built = build(
-            layout,
-            device_type=device_type,
-            flatten=flatten,
-            subsets=subsets,
-            only=only,
-            backend=backend,
-            timeout=timeout,
-            gloo_twins=gloo_twins,
-            strategy=strategy,
-            cache=cache,
-            check=check,
-        )
+    # build() opens the collective call: numbered first, errors published, a failed call closed
+    built = build(
+        layout,
+        device_type=device_type,
+        flatten=flatten,
+        subsets=subsets,
+        only=only,
+        backend=backend,
+        timeout=timeout,
+        gloo_twins=gloo_twins,
+        strategy=strategy,
+        cache=cache,
+        check=check,
+    )
     return MeshGroups(layout, built)
+
+
+def _check_new_name(name: object, taken: Iterable[str], what: str = "") -> None:
+    """A new (flattened or unflattened) dim's name: an identifier naming no existing dim (torch
+    refuses a flattened name that shadows a dim too)."""
+    import keyword
+
+    what = what or "the flattened dim's name"
+    if not isinstance(name, str):
+        raise TypeError(f"{what} must be a str, got {name!r} ({type(name).__name__})")
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise MeshConfigError(f"{what} {name!r} is not a Python identifier (or is a keyword)")
+    if name in taken:
+        raise MeshConfigError(
+            f"{what} {name!r} names an existing dim (or subset) of this mesh; pick another name"
+        )
 
 
 def layout_of(device_mesh: DeviceMesh) -> Layout:
