@@ -50,14 +50,22 @@ def creation_store_prefix(prefix: str) -> Iterator[None]:
     torch derives a new group's store as ``PrefixStore(name, default store)``; hashed names
     repeat once a group is destroyed and rebuilt, and gloo would then read the old group's
     addresses. Swapping the default store's entry for a prefixed one while creating gives each
-    call a namespace of its own; the groups keep a reference to their own store afterwards."""
+    call a namespace of its own; the groups keep a reference to their own store afterwards.
+
+    Hashed group names (``use_local_synchronization``, ``split_group``) get the prefix mixed in
+    too, so a group rebuilt after ``close()`` never takes the name of a destroyed one: an old
+    DeviceMesh slice holding that name then fails to resolve instead of silently resolving to
+    the new mesh's group. The prefix is the same on every rank of the call."""
     default_pg = _c10d._get_default_group()
     backend, store = _c10d._world.pg_map[default_pg]
+    hash_ranks = _c10d._hash_ranks_to_str
     _c10d._world.pg_map[default_pg] = (backend, dist.PrefixStore(prefix, store))
+    _c10d._hash_ranks_to_str = lambda ranks: hash_ranks([*ranks, prefix])  # type: ignore[list-item]
     try:
         yield
     finally:
         _c10d._world.pg_map[default_pg] = (backend, store)
+        _c10d._hash_ranks_to_str = hash_ranks
 
 
 def default_timeout() -> timedelta:

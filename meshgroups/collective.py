@@ -42,6 +42,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -215,24 +216,33 @@ class Call:
                 )
                 self.meetings.append(self.open)
             self.open.publish_failure(exc)
-            exc.add_note(f"(rank {self.rank}, {self.what} at {self.site}: every rank raises this error)")
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(f"(rank {self.rank}, {self.what} at {self.site}: every rank raises this error)")
         self.progress(f"failed ({type(exc).__name__})")
         self._leave(failed=True)
+
+    def _peek(self, name: str) -> int | None:
+        """A counter's value, ``None`` once deleted; unlike ``add(key, 0)`` it never creates the key
+        (``compare_set`` with a non-empty expected value returns it for a missing key)."""
+        value = self._op("compare_set", self._key(name), "-1", "-1").decode()
+        return None if value == "-1" else int(value)
 
     def _leave(self, failed: bool) -> None:
         if not failed:  # (a failed call's keys may still be read by ranks building its error)
             for meeting in self.meetings:
                 for key in meeting.own_keys():
                     self._op("delete_key", key)
-        left = mine = int(self._op("add", self._key("left"), 1))
+        mine = int(self._op("add", self._key("left"), 1))
         if failed:
             # Closed before the next call starts: wait (bounded) for every rank that entered.
             deadline = time.monotonic() + self.timeout.total_seconds()
             pause = 0.002
-            while left < int(self._op("add", self._key("entered"), 0)) and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
+                entered, left = self._peek("entered"), self._peek("left")
+                if entered is None or left is None or left >= entered:
+                    break  # every rank that entered has left (or the last one swept the keys)
                 time.sleep(pause)
                 pause = min(pause * 2, 0.1)
-                left = int(self._op("add", self._key("left"), 0))
         if mine != self.world_size:
             return
         # The last rank out: nobody reads this call's keys any more.
@@ -261,9 +271,12 @@ def _program() -> str:
 
 
 def _next_number() -> int:
-    # Restarts with a new default group (destroy_process_group + init_process_group).
-    if _state["group"] is not dist.group.WORLD:
-        _state["group"], _state["n"] = dist.group.WORLD, 0
+    # Restarts with a new default group (destroy_process_group + init_process_group). A weak
+    # reference: a strong one kept the destroyed default group alive until interpreter exit,
+    # where its destructor could abort the process (the demo's exit status 1 under torchrun).
+    known = _state["group"]() if _state["group"] is not None else None
+    if known is not dist.group.WORLD:
+        _state["group"], _state["n"] = weakref.ref(dist.group.WORLD), 0
     _state["n"] += 1
     return int(_state["n"])
 

@@ -246,8 +246,8 @@ class Meeting:
             and not (arg == "call_site" and reference.get("program") != digests.get("program"))
         ]
         if differing:
-            entry = ",".join(f"{arg}={digests[arg]}" for arg in differing)
-            self.op("append", self._key("bad"), f"{self.rank}:{entry};")
+            entry = json.dumps([self.rank, {arg: digests[arg] for arg in differing}])
+            self.op("append", self._key("bad"), entry + "\n")
             self.op("set", self._key(f"mine/{self.rank}"), json.dumps(shown))
         self._barrier("verify", "verified", "the comparison", started)
         if self.op("check", [self._key("bad")]):
@@ -255,12 +255,10 @@ class Meeting:
         return {name: int(self.op("get", self._key(f"max/{name}"))) for name in counters}
 
     def _raise_mismatch(self, reference: Mapping[str, str]) -> None:
-        entries = self.op("get", self._key("bad")).decode().strip(";").split(";")
         by_arg: dict[str, dict[int, str]] = {}
-        for entry in entries:
-            r, args = entry.split(":", 1)
-            for pair in args.split(","):
-                arg, digest = pair.split("=", 1)
+        for line in self.op("get", self._key("bad")).decode().splitlines():
+            r, args = json.loads(line)
+            for arg, digest in args.items():
                 by_arg.setdefault(arg, {})[int(r)] = digest
         order = list(reference)
         first = min(by_arg, key=lambda a: order.index(a) if a in order else len(order))

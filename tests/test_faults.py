@@ -297,3 +297,210 @@ def test_init_close_cycles_leak_nothing():
             assert after["fds"] <= before["fds"] + 2, (rank, strategy, before, after)
             # store keys: our rendezvous keys and gloo's connection keys are deleted every call
             assert after["keys"] <= before["keys"] + 8, (rank, strategy, before, after)
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 18: every collective call stays in step. One test per numbered case of the issue; each
+# worker returns, per check, what this rank saw, and the test asserts it on every rank.
+# ------------------------------------------------------------------------------------------------
+
+
+def _outcome(call):
+    """(class name, message) of what ``call`` raised, or ("ok", result)."""
+    try:
+        return "ok", call()
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
+def _same_error_everywhere(results, key, cls, bad_rank=None, words=()):
+    """Every rank raised ``cls`` for ``key``; the others' messages name ``bad_rank`` and ``words``."""
+    for rank, out in enumerate(results):
+        name, message = out[key]
+        assert name == cls, (key, rank, name, message)
+        if bad_rank is not None and rank == bad_rank:
+            continue  # the failing rank raises its own error, which names the rule
+        if bad_rank is not None:
+            assert f"rank {bad_rank}" in message, (key, rank, message)
+        for word in words:
+            assert word in message, (key, rank, word, message)
+
+
+def worker_in_step(rank, world):
+    """Cases 1-5, 7, 8 on one job: each check fails on every rank, then the identical call works."""
+    import torch
+    import torch.distributed as dist
+    from meshgroups.compat import group_initializer as gi
+    from meshgroups.compat import parallel_state as ps
+
+    from meshgroups import GroupCache, init_mesh
+    from meshgroups._torch_seam import default_store
+
+    out = {}
+    mg = init_mesh(LAYOUT, timeout=20)
+
+    # -- case 1: an error before anything else, on one rank, reaches every rank at once
+    out["c1_megatron"] = _outcome(
+        lambda: ps.initialize_model_parallel(tensor_model_parallel_size=3 if rank == 1 else 2)
+    )
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)  # the identical retry pairs up
+    assert ps.get_tensor_model_parallel_group() is not None
+    out["c1_megatron_retry"] = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
+    ps.destroy_model_parallel()
+    claimed = 0 if rank == 1 else rank  # rank 1 names the wrong rank
+    out["c1_legacy"] = _outcome(lambda: gi.TPGroupInitializer(claimed, world, 2).init_dist_group("gloo"))
+    out["c1_legacy_retry"] = gi.TPGroupInitializer(rank, world, 2).init_dist_group("gloo")[3]
+    gi.reset_group_cache()
+    out["c1_flatten"] = _outcome(lambda: mg.flatten("dp", "xx" if rank == 1 else "tp"))
+    verify_groups(mg, LAYOUT, rank)
+    out["c1_flatten_retry"] = mg.flatten("dp", "tp").mesh.tolist()
+    # a skipped call: rank 1 skips the first of two identical calls (different lines)
+    if rank != 1:
+        out["c1_skip"] = _outcome(lambda: init_mesh(LAYOUT, timeout=20).close())
+    if rank == 1:
+        out["c1_skip"] = _outcome(lambda: init_mesh(LAYOUT, timeout=20).close())
+    # another operation at the same call number
+    out["c1_operation"] = _outcome(
+        lambda: init_mesh(LAYOUT, timeout=20).close() if rank != 2 else mg.flatten("dp", "tp")
+    )
+    with init_mesh(LAYOUT, timeout=20) as again:  # in step again
+        verify_groups(again, LAYOUT, rank)
+
+    # -- case 2: the immediate identical retry after a build failure, same short timeout
+    real_new_group = dist.new_group
+    for strategy in ("global", "local"):
+        calls = {"n": 0}
+
+        def failing_new_group(*args, calls=calls, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("injected failure in group creation")
+            return real_new_group(*args, **kwargs)
+
+        if rank == 1:
+            dist.new_group = failing_new_group
+        try:
+            out[f"c2_{strategy}"] = _outcome(
+                lambda s=strategy: init_mesh(LAYOUT, flatten=FLATTEN, timeout=4, strategy=s)
+            )
+        finally:
+            dist.new_group = real_new_group
+        with init_mesh(LAYOUT, flatten=FLATTEN, timeout=4, strategy=strategy) as retry:
+            verify_groups(retry, LAYOUT, rank)
+        # and after a mismatch, and after a one-rank error, on this strategy
+        out[f"c2_mismatch_{strategy}"] = _outcome(
+            lambda s=strategy: init_mesh(LAYOUT, timeout=4, strategy=s, gloo_twins=rank == 3)
+        )
+        with init_mesh(LAYOUT, timeout=4, strategy=strategy) as retry:
+            verify_groups(retry, LAYOUT, rank)
+
+    # -- case 3: check= and cache= differing; a set where an order matters
+    out["c3_check"] = _outcome(lambda: init_mesh(LAYOUT, timeout=20, check=rank != 1))
+    filled = GroupCache()
+    keep = init_mesh(LAYOUT, timeout=20, cache=filled)
+    out["c3_cache"] = _outcome(lambda: init_mesh(LAYOUT, timeout=20, cache=filled if rank == 1 else None))
+    keep.close()
+    out["c3_set"] = _outcome(lambda: init_mesh(LAYOUT, flatten=[{"dp", "tp"}], timeout=20))
+    with init_mesh(LAYOUT, flatten=[["dp", "tp"]], timeout=20) as retry:
+        verify_groups(retry, LAYOUT, rank)
+
+    # -- case 4: flatten's name is an identifier naming no dim (torch's _flatten too)
+    for label, name in {
+        "dim": "tp",
+        "int": 7,
+        "nan": float("nan"),
+        "object": object(),
+        "digit": "1x",
+    }.items():
+        out[f"c4_{label}"] = _outcome(lambda name=name: mg.flatten("dp", "tp", name=name))
+    out["c4_torch"] = _outcome(lambda: mg.mesh["dp", "tp"]._flatten("tp"))
+    out["c4_after"] = (mg.mesh["tp"].mesh.tolist(), mg.ranks("tp"), mg.mesh["dp_tp"].mesh.tolist())
+
+    # -- case 5: failed calls leave no store keys behind
+    store = default_store()
+
+    def failures(n):
+        for i in range(n):
+            kind = i % 3
+            if kind == 0:  # a one-rank error
+                _outcome(lambda i=i: init_mesh(LAYOUT, flatten=[("dp", "xx" if rank == i % world else "tp")]))
+            elif kind == 1:  # a mismatch
+                _outcome(lambda i=i: init_mesh(LAYOUT, gloo_twins=rank == i % world, timeout=20))
+            else:  # an error on every rank
+                _outcome(lambda: init_mesh(LAYOUT, strategy="eager"))
+        dist.barrier()
+        keys = len(store.list_keys())
+        dist.barrier()  # (before any rank starts the next call)
+        return keys
+
+    out["c5_keys"] = (failures(20), failures(180))
+    with init_mesh(LAYOUT, timeout=20) as after:
+        verify_groups(after, LAYOUT, rank)
+    dist.barrier()
+    out["c5_after_success"] = len(store.list_keys())
+    dist.barrier()
+
+    # -- case 7: a device type this torch cannot run
+    if not torch.cuda.is_available():
+        out["c7_cuda"] = _outcome(lambda: init_mesh(LAYOUT, "cuda", timeout=20))
+
+    # -- case 8: a closed mesh's slices never resolve to a newer mesh's groups
+    for strategy in ("global", "local"):
+        first = init_mesh(LAYOUT, strategy=strategy, timeout=20)
+        old_tp, old_flat = first.mesh["tp"], first.flatten("dp", "tp")
+        first.close()
+        second = init_mesh(LAYOUT, flatten=FLATTEN, strategy=strategy, timeout=20)
+        new_groups = {second.group("tp"), second.group("dp", "tp")}
+        for label, old in (("slice", old_tp), ("flat", old_flat)):
+            got = _outcome(old.get_group)
+            if got[0] == "ok" and got[1] is dist.group.WORLD:
+                got = ("WORLD", "")  # the world's group is nobody's: close() never destroys it
+            assert got[0] != "ok" or got[1] not in new_groups, (strategy, label)
+            out[f"c8_{strategy}_{label}"] = got[0]
+        verify_groups(second, LAYOUT, rank)
+        second.close()
+    mg.close()
+    return out
+
+
+def test_issue18_cases_1_to_5_7_8():
+    results = run(worker_in_step, 4, timeout=280)
+    # 1. one rank's early error, skipped calls, another operation: every rank, named
+    _same_error_everywhere(results, "c1_megatron", results[1]["c1_megatron"][0], bad_rank=1)
+    assert results[1]["c1_megatron"][0] in ("ValueError", "MegatronConfigError", "LayoutError")
+    _same_error_everywhere(results, "c1_legacy", "ValueError", bad_rank=1, words=["init_dist_group"])
+    _same_error_everywhere(results, "c1_flatten", "LayoutError", bad_rank=1, words=["'xx'"])
+    _same_error_everywhere(results, "c1_skip", "MismatchError", bad_rank=1, words=["call_site"])
+    _same_error_everywhere(results, "c1_operation", "MismatchError", words=["init_mesh", "flatten"])
+    for rank, out in enumerate(results):
+        assert out["c1_megatron_retry"] == [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert out["c1_legacy_retry"] == [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert out["c1_flatten_retry"] == [0, 1, 2, 3]
+        # 2. the failure is named on every rank; the immediate retry worked (verified above)
+        for strategy in ("global", "local"):
+            name, message = out[f"c2_{strategy}"]
+            assert name == "MeshBuildError" and "failed on rank 1" in message, (rank, message)
+            assert out[f"c2_mismatch_{strategy}"][0] == "MismatchError"
+    # 3. check= refused off the fake backend; cache= compared; sets refused
+    _same_error_everywhere(results, "c3_check", "MeshConfigError", bad_rank=1, words=["check=False"])
+    _same_error_everywhere(results, "c3_cache", "MismatchError", words=["'cache'", "rank 1"])
+    _same_error_everywhere(results, "c3_set", "TypeError", words=["no defined order"])
+    # 4. names
+    _same_error_everywhere(results, "c4_dim", "MeshConfigError", words=["'tp'"])
+    for label in ("int", "nan", "object"):
+        _same_error_everywhere(results, f"c4_{label}", "TypeError")
+    _same_error_everywhere(results, "c4_digit", "MeshConfigError", words=["identifier"])
+    _same_error_everywhere(results, "c4_torch", "ValueError", words=["'tp'"])
+    for rank, out in enumerate(results):
+        tp_mesh, tp_ranks, flat = out["c4_after"]
+        assert tp_mesh == tp_ranks == [rank // 2 * 2, rank // 2 * 2 + 1] and flat == [0, 1, 2, 3]
+        # 5. 200 failed calls hold no more keys than 20; a success after them holds as many
+        after_20, after_200 = out["c5_keys"]
+        assert after_200 == after_20, (rank, after_20, after_200)
+        assert out["c5_after_success"] <= after_20, (rank, out["c5_after_success"], after_20)
+        # 8. old handles fail (never the new mesh's group)
+        assert out["c8_global_slice"] == out["c8_local_slice"] == "RuntimeError", out
+        assert out["c8_local_flat"] in ("RuntimeError", "WORLD") and out["c8_global_flat"] == "WORLD", out
+    # 7. cuda on a CPU-only torch
+    if "c7_cuda" in results[0]:
+        _same_error_everywhere(results, "c7_cuda", "MeshConfigError", words=["'cuda'"])
