@@ -504,3 +504,152 @@ def test_issue18_cases_1_to_5_7_8():
     # 7. cuda on a CPU-only torch
     if "c7_cuda" in results[0]:
         _same_error_everywhere(results, "c7_cuda", "MeshConfigError", words=["'cuda'"])
+
+
+def worker_dies_creating_groups(rank, world, victim):
+    """Case 6: ``victim`` is SIGKILLed inside group creation (its second ``new_group``)."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from meshgroups import init_mesh
+    from meshgroups._torch_seam import default_store
+
+    with init_mesh(LAYOUT, timeout=10) as mg:
+        verify_groups(mg, LAYOUT, rank)
+    real_new_group, calls = dist.new_group, {"n": 0}
+
+    def dying_new_group(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_new_group(*args, **kwargs)
+
+    if rank == victim:
+        dist.new_group = dying_new_group
+    outcome = _outcome(lambda: init_mesh(LAYOUT, flatten=FLATTEN, timeout=3))
+    if victim != 0:
+        # rank 0 hosts the store: it stays until the other survivors made their last store call
+        store = default_store()
+        store.add("survivors_done", 1)
+        deadline = time.monotonic() + 30
+        while int(store.add("survivors_done", 0)) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if rank != 0:
+            store.add("survivors_left", 1)
+        while rank == 0 and int(store.add("survivors_left", 0)) < world - 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return outcome
+
+
+def test_issue18_case6_the_dead_rank_is_named_everywhere():
+    results = run(worker_dies_creating_groups, 4, 2, timeout=120, may_exit={2})
+    survivors = [out for rank, out in enumerate(results) if rank != 2]
+    assert {name for name, _ in survivors} == {"MeshBuildError"}, survivors
+    for _name, message in survivors:
+        assert "rank 2 never reported" in message and "last published" in message, message
+        assert "failed on rank" not in message, message  # a survivor is never blamed
+
+
+def test_issue18_case6_losing_the_store_host_while_creating_groups():
+    results = run(worker_dies_creating_groups, 4, 0, timeout=120, may_exit={0})
+    assert {name for name, _ in results[1:]} == {"StoreConnectionError"}, results[1:]
+
+
+def worker_property(rank, world, trials, seed):
+    """A random wrong argument of a random entry point on a random rank: what each rank raised,
+    then the identical call on every rank (which must work)."""
+    import random
+
+    from meshgroups.compat import group_initializer as gi
+    from meshgroups.compat import parallel_state as ps
+
+    from meshgroups import Layout, init_mesh
+
+    mg = init_mesh(LAYOUT, timeout=30)
+    entry_points = {
+        "init_mesh": (
+            lambda **kw: init_mesh(**{"layout": LAYOUT, "flatten": FLATTEN, "timeout": 30, **kw}).close(),
+            [
+                {"layout": {"dp": 4}},
+                {"layout": Layout(dp=4, tp=1)},
+                {"flatten": [("dp", "xx")]},
+                {"flatten": [{"dp", "tp"}]},
+                {"timeout": -1},
+                {"strategy": "eager"},
+                {"strategy": "local"},
+                {"device_type": "tpu"},
+                {"gloo_twins": "no"},
+                {"check": False},
+                {"cache": "x"},
+                {"backend": "glo"},
+                {"subsets": [("x", LAYOUT)]},
+            ],
+        ),
+        "flatten": (
+            lambda dims=("dp", "tp"), **kw: mg.flatten(*dims, **kw),
+            [{"dims": ("dp", "xx")}, {"name": "tp"}, {"name": 7}, {"dims": ()}, {"name": "other"}],
+        ),
+        "_flatten": (
+            lambda name="dp_tp", **kw: mg.mesh["dp", "tp"]._flatten(name, **kw),
+            [{"name": "tp"}, {"backend_override": "gloo"}],
+        ),
+        "initialize_model_parallel": (
+            lambda **kw: (
+                ps.initialize_model_parallel(**{"tensor_model_parallel_size": 2, **kw}),
+                ps.destroy_model_parallel(),
+            ),
+            [
+                {"tensor_model_parallel_size": 3},
+                {"tensor_model_parallel_size": 1},
+                {"pipeline_model_parallel_size": 0},
+                {"order": "tp-xx"},
+                {"use_sharp": True},
+                {"bogus": 1},
+            ],
+        ),
+        "init_dist_group": (
+            lambda cls=gi.TPGroupInitializer, me=rank, backend="gloo": (
+                cls(me, world, 2).init_dist_group(backend),
+                gi.reset_group_cache(),
+            ),
+            [{"me": (rank + 1) % world}, {"cls": gi.DPGroupInitializer}, {"backend": "glo"}],
+        ),
+    }
+    rnd = random.Random(seed)  # the same draws on every rank
+    seen = []
+    order: list[str] = []
+    for _ in range(trials):
+        if not order:  # every entry point once per round, in a random order
+            order = sorted(entry_points)
+            rnd.shuffle(order)
+        name = order.pop()
+        call, variants = entry_points[name]
+        variant, bad_rank = rnd.choice(variants), rnd.randrange(world)
+        got = _outcome(
+            lambda call=call, variant=variant, bad_rank=bad_rank: call(
+                **(variant if rank == bad_rank else {})
+            )
+        )
+        retry = _outcome(call)
+        seen.append((name, repr(variant), bad_rank, got[0], retry[0], got[1] if got[0] != "ok" else ""))
+    verify_groups(mg, LAYOUT, rank)
+    mg.close()
+    return seen
+
+
+def test_issue18_property_one_wrong_argument_on_one_rank():
+    trials = 25
+    results = run(worker_property, 4, trials, 18, timeout=240)
+    for i in range(trials):
+        name, variant, bad_rank = results[0][i][:3]
+        classes = {rank: out[i][3] for rank, out in enumerate(results)}
+        # the same class on every rank, an error (never a silent success), never a wait that ran out
+        assert len(set(classes.values())) == 1, (name, variant, bad_rank, classes, results[0][i])
+        assert classes[0] not in ("ok", "RendezvousTimeout", "MeshBuildError"), (name, variant, classes)
+        for rank, out in enumerate(results):
+            assert out[i][4] == "ok", (name, variant, bad_rank, rank, out[i])  # the identical retry
+            if rank != bad_rank and classes[0] != "MismatchError":
+                assert f"rank {bad_rank}" in out[i][5], (name, variant, rank, out[i][5])
+    assert len({r[0] for r in results[0]}) == 5  # every entry point was drawn
