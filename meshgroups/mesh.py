@@ -373,15 +373,17 @@ def init_mesh(
             untested in CI).
         cache: share groups across ``init_mesh`` calls (one strategy per cache); a group stays
             alive while any ``MeshGroups`` built through the cache uses it.
-        check: run the cross-rank rendezvous (default: on, except on the single-process
-            ``"fake"`` backend). Off, nothing verifies that ranks agree.
+        check: ``None``/``True``: the cross-rank rendezvous runs (always, on a real backend:
+            it is what keeps calls in step); ``False`` is accepted only on torch's
+            single-process ``"fake"`` backend, where there is no store to meet through.
 
     Raises:
         RuntimeError: the default process group is not initialised.
-        ConcurrentInitError: another thread of this process is inside ``init_mesh``.
+        ConcurrentInitError: another thread of this process is inside a collective call.
         TypeError / MeshConfigError / LayoutError: bad arguments on this rank — raised before
-            any collective, and (with ``check``) raised on every other rank too, same class.
-        MismatchError: ranks passed different arguments (names the argument and the ranks).
+            any group is created, and raised on every other rank too, same class, naming it.
+        MismatchError: ranks passed different arguments, or made different calls at this call
+            number (``argument`` is then ``"operation"`` or ``"call_site"``), named with the ranks.
         RendezvousTimeout: a rank never arrived, or arrived after the others gave up.
         StoreConnectionError: the connection to the store was lost (e.g. rank 0 died).
         MeshBuildError: a rank failed while creating groups; every rank destroyed what the call
