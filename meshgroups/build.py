@@ -8,6 +8,7 @@ error reaches every rank, and a failed call is closed before the next one starts
 
 from __future__ import annotations
 
+import keyword
 import os
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -204,4 +205,18 @@ def check_in_world(layout: Layout, world_size: int, key: Any) -> None:
         raise MeshConfigError(
             f"group {key!r} uses rank {top}, outside the default group's world (ranks 0..{world_size - 1}); "
             "a layout may cover part of the world but not more"
+        )
+
+
+def check_new_name(name: object, taken: Iterable[str], what: str = "") -> None:
+    """A new (flattened or unflattened) dim's name: an identifier naming no existing dim (torch
+    refuses a flattened name that shadows a dim too)."""
+    what = what or "the flattened dim's name"
+    if not isinstance(name, str):
+        raise TypeError(f"{what} must be a str, got {name!r} ({type(name).__name__})")
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise MeshConfigError(f"{what} {name!r} is not a Python identifier (or is a keyword)")
+    if name in taken:
+        raise MeshConfigError(
+            f"{what} {name!r} names an existing dim (or subset) of this mesh; pick another name"
         )

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._torch_seam import detach_builder, flatten_on_root, flattened_dim, make_root
-from .build import Built, build, build_more
+from .build import Built, build, build_more, check_new_name
 from .collective import collective_call
 from .errors import MeshConfigError
 from .groups import GroupCache, GroupHandle
@@ -163,7 +163,7 @@ class MeshGroups:
         self._check_open()
         groups = []
         for name in names:
-            _check_new_name(name, ())
+            check_new_name(name, ())
         for rows, name in zip(rows_per_dim, names):
             grid = np.asarray(rows.cpu().numpy(), dtype=np.int64)
             handle = self._build_family(Layout.from_grid(grid, ("group", "member")), ("member",))
@@ -191,7 +191,7 @@ class MeshGroups:
             key = tuple(d for d in owner.names if d in dims)
             label = name if name is not None else "_".join(key)
             if len(key) > 1:
-                _check_new_name(label, self._dim_names(), "flatten(name=)" if name is not None else "")
+                check_new_name(label, self._dim_names(), "flatten(name=)" if name is not None else "")
             call.compare(dims=key, name=label)
             if key not in self._handles:
                 self._handles[key] = self._build_family(owner, key)
@@ -408,22 +408,6 @@ def init_mesh(
         check=check,
     )
     return MeshGroups(layout, built)
-
-
-def _check_new_name(name: object, taken: Iterable[str], what: str = "") -> None:
-    """A new (flattened or unflattened) dim's name: an identifier naming no existing dim (torch
-    refuses a flattened name that shadows a dim too)."""
-    import keyword
-
-    what = what or "the flattened dim's name"
-    if not isinstance(name, str):
-        raise TypeError(f"{what} must be a str, got {name!r} ({type(name).__name__})")
-    if not name.isidentifier() or keyword.iskeyword(name):
-        raise MeshConfigError(f"{what} {name!r} is not a Python identifier (or is a keyword)")
-    if name in taken:
-        raise MeshConfigError(
-            f"{what} {name!r} names an existing dim (or subset) of this mesh; pick another name"
-        )
 
 
 def layout_of(device_mesh: DeviceMesh) -> Layout:
