@@ -26,8 +26,8 @@ rank on the success path.
 from __future__ import annotations
 
 import builtins
-import importlib
 import json
+import sys
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -72,14 +72,14 @@ def failure_record(rank: int, exc: BaseException) -> str:
 
 
 def _error_class(path: str) -> type[Exception]:
-    """The class a failure record names, where this process can import it (builtins, torch,
-    meshgroups, compat); ``RuntimeError`` otherwise."""
+    """The class a failure record names, from a module this process has already imported
+    (builtins, torch, meshgroups, compat: never an import on another rank's word);
+    ``RuntimeError`` otherwise."""
     module, _, qualname = path.partition(":")
-    try:
-        owner: Any = builtins if module == "builtins" else importlib.import_module(module)
-        cls = getattr(owner, qualname)
-    except (ImportError, AttributeError, ValueError):
-        return RuntimeError
+    owner: Any = builtins if module == "builtins" else sys.modules.get(module)
+    cls = owner
+    for part in qualname.split("."):
+        cls = getattr(cls, part, None)
     return cls if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError
 
 
