@@ -135,7 +135,6 @@ class Call:
         self.meetings.append(meeting)
         self.counters = tuple(sorted(set(self.counters) | set(counters)))
         self.open = meeting
-        self.progress(f"at meeting {len(self.meetings)}")
         maxima = meeting.agree(digests, shown, counters)
         self.progress(f"creating groups (meeting {len(self.meetings)})")
         return maxima
@@ -150,7 +149,6 @@ class Call:
         grace = min(max(2.0, self.timeout.total_seconds() / 2), 60.0)
         meeting, self.open = self.open, None
         meeting.finish(error, grace)
-        self.progress(f"built (meeting {len(self.meetings)})")
 
     def creation_prefix(self) -> str:
         """A store namespace of the groups created at the current meeting."""
@@ -192,6 +190,7 @@ class Call:
     def leave_ok(self) -> None:
         if not self.enabled:
             return
+        self.progress("done")
         self._leave(failed=False)
 
     def settle(self) -> None:
