@@ -465,47 +465,69 @@ def worker_in_step(rank, world):
     return out
 
 
-def test_issue18_cases_1_to_5_7_8():
-    results = run(worker_in_step, 4, timeout=280)
-    # 1. one rank's early error, skipped calls, another operation: every rank, named
+@pytest.fixture(scope="module")
+def in_step():
+    """One spawned job for cases 1-5, 7 and 8 (starting processes is the slow part)."""
+    return run(worker_in_step, 4, timeout=500)
+
+
+@pytest.mark.timeout(600)  # (it starts the module's job)
+def test_issue18_case1_one_ranks_early_error_or_skipped_call_reaches_every_rank(in_step):
+    results = in_step
     _same_error_everywhere(results, "c1_megatron", results[1]["c1_megatron"][0], bad_rank=1)
     assert results[1]["c1_megatron"][0] in ("ValueError", "MegatronConfigError", "LayoutError")
     _same_error_everywhere(results, "c1_legacy", "ValueError", bad_rank=1, words=["init_dist_group"])
     _same_error_everywhere(results, "c1_flatten", "LayoutError", bad_rank=1, words=["'xx'"])
     _same_error_everywhere(results, "c1_skip", "MismatchError", bad_rank=1, words=["call_site"])
     _same_error_everywhere(results, "c1_operation", "MismatchError", words=["init_mesh", "flatten"])
-    for rank, out in enumerate(results):
+    for rank, out in enumerate(results):  # and the identical retries paired up
         assert out["c1_megatron_retry"] == [rank // 2 * 2, rank // 2 * 2 + 1]
         assert out["c1_legacy_retry"] == [rank // 2 * 2, rank // 2 * 2 + 1]
         assert out["c1_flatten_retry"] == [0, 1, 2, 3]
-        # 2. the failure is named on every rank; the immediate retry worked (verified above)
+
+
+def test_issue18_case2_the_immediate_retry_after_a_failure_works(in_step):
+    for rank, out in enumerate(in_step):  # (the retries' groups were verified in the job)
         for strategy in ("global", "local"):
             name, message = out[f"c2_{strategy}"]
             assert name == "MeshBuildError" and "failed on rank 1" in message, (rank, message)
             assert out[f"c2_mismatch_{strategy}"][0] == "MismatchError"
-    # 3. check= refused off the fake backend; cache= compared; sets refused
-    _same_error_everywhere(results, "c3_check", "MeshConfigError", bad_rank=1, words=["check=False"])
-    _same_error_everywhere(results, "c3_cache", "MismatchError", words=["'cache'", "rank 1"])
-    _same_error_everywhere(results, "c3_set", "TypeError", words=["no defined order"])
-    # 4. names
-    _same_error_everywhere(results, "c4_dim", "MeshConfigError", words=["'tp'"])
+
+
+def test_issue18_case3_check_and_cache_compared_sets_refused(in_step):
+    _same_error_everywhere(in_step, "c3_check", "MeshConfigError", bad_rank=1, words=["check=False"])
+    _same_error_everywhere(in_step, "c3_cache", "MismatchError", words=["'cache'", "rank 1"])
+    _same_error_everywhere(in_step, "c3_set", "TypeError", words=["no defined order"])
+
+
+def test_issue18_case4_flatten_names_are_identifiers_naming_no_dim(in_step):
+    _same_error_everywhere(in_step, "c4_dim", "MeshConfigError", words=["'tp'"])
     for label in ("int", "nan", "object"):
-        _same_error_everywhere(results, f"c4_{label}", "TypeError")
-    _same_error_everywhere(results, "c4_digit", "MeshConfigError", words=["identifier"])
-    _same_error_everywhere(results, "c4_torch", "ValueError", words=["'tp'"])
-    for rank, out in enumerate(results):
+        _same_error_everywhere(in_step, f"c4_{label}", "TypeError")
+    _same_error_everywhere(in_step, "c4_digit", "MeshConfigError", words=["identifier"])
+    _same_error_everywhere(in_step, "c4_torch", "ValueError", words=["'tp'"])
+    for rank, out in enumerate(in_step):
         tp_mesh, tp_ranks, flat = out["c4_after"]
         assert tp_mesh == tp_ranks == [rank // 2 * 2, rank // 2 * 2 + 1] and flat == [0, 1, 2, 3]
-        # 5. 200 failed calls hold no more keys than 20; a success after them holds as many
+
+
+def test_issue18_case5_failed_calls_leave_no_store_keys(in_step):
+    for rank, out in enumerate(in_step):
         after_20, after_200 = out["c5_keys"]
         assert after_200 == after_20, (rank, after_20, after_200)
         assert out["c5_after_success"] <= after_20, (rank, out["c5_after_success"], after_20)
-        # 8. old handles fail (never the new mesh's group)
+
+
+def test_issue18_case7_a_device_type_torch_cannot_run(in_step):
+    if "c7_cuda" not in in_step[0]:
+        pytest.skip("this torch can run cuda")
+    _same_error_everywhere(in_step, "c7_cuda", "MeshConfigError", words=["'cuda'"])
+
+
+def test_issue18_case8_a_closed_meshs_slices_never_resolve_to_new_groups(in_step):
+    for out in in_step:
         assert out["c8_global_slice"] == out["c8_local_slice"] == "RuntimeError", out
         assert out["c8_local_flat"] in ("RuntimeError", "WORLD") and out["c8_global_flat"] == "WORLD", out
-    # 7. cuda on a CPU-only torch
-    if "c7_cuda" in results[0]:
-        _same_error_everywhere(results, "c7_cuda", "MeshConfigError", words=["'cuda'"])
 
 
 def worker_dies_creating_groups(rank, world, victim):
