@@ -218,7 +218,7 @@ class Call:
             if hasattr(exc, "add_note"):  # Python 3.11+
                 exc.add_note(f"(rank {self.rank}, {self.what} at {self.site}: every rank raises this error)")
         self.progress(f"failed ({type(exc).__name__})")
-        self._leave(failed=True)
+        self._leave(failed=True, gone=int(getattr(exc, "_mg_gone", 0)))
 
     def _peek(self, name: str) -> int | None:
         """A counter's value, ``None`` once deleted; unlike ``add(key, 0)`` it never creates the key
@@ -226,7 +226,9 @@ class Call:
         value = self._op("compare_set", self._key(name), "-1", "-1").decode()
         return None if value == "-1" else int(value)
 
-    def _leave(self, failed: bool) -> None:
+    def _leave(self, failed: bool, gone: int = 0) -> None:
+        """Leave the call; a failed one only once every rank that entered it has left, except
+        ``gone`` ranks that never reported (dead or hung)."""
         if not failed:  # (a failed call's keys may still be read by ranks building its error)
             for meeting in self.meetings:
                 for key in meeting.own_keys():
@@ -238,7 +240,7 @@ class Call:
             pause = 0.002
             while time.monotonic() < deadline:
                 entered, left = self._peek("entered"), self._peek("left")
-                if entered is None or left is None or left >= entered:
+                if entered is None or left is None or left >= entered - gone:
                     break  # every rank that entered has left (or the last one swept the keys)
                 time.sleep(pause)
                 pause = min(pause * 2, 0.1)

@@ -327,13 +327,13 @@ class Meeting:
             _, absent_json, n_absent = state.split("\n")
             absent = json.loads(absent_json)
             who = _ranks(absent) if absent is not None else f"{n_absent} of {self.world_size} ranks"
-            raise shared(
-                MeshBuildError(
-                    f"{who} never reported the end of group creation of {self.what} (dead or hung"
-                    f"{self.last_words(absent or [])}; this rank waited {time.monotonic() - started:.1f}s). "
-                    + self._after_failure()
-                )
+            error = MeshBuildError(
+                f"{who} never reported the end of group creation of {self.what} (dead or hung"
+                f"{self.last_words(absent or [])}; this rank waited {time.monotonic() - started:.1f}s). "
+                + self._after_failure()
             )
+            error._mg_gone = int(n_absent)  # type: ignore[attr-defined]  # not waited for at the close
+            raise shared(error)
         self._raise_recorded("second")
 
     def _raise_recorded(self, kind: str) -> None:
