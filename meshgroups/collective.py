@@ -62,8 +62,10 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {"group": None, "n": 0, "active": None, "thread": None}
 
 
-def _call_site() -> str:
-    """``file:line`` of the caller: the first frame outside meshgroups, its compat, torch, contextlib."""
+def _call_site() -> tuple[str, str]:
+    """Where the caller is: the first frame outside meshgroups, its compat, torch, contextlib.
+    Returns (``function:line``, compared: file names may differ between ranks, e.g. per-rank
+    temporary files; ``file:line``, shown)."""
     compat = sys.modules.get("meshgroups.compat")
     skip = (_OURS, _TORCH) + (
         (os.path.dirname(os.path.abspath(compat.__file__)) + os.sep,) if compat and compat.__file__ else ()
@@ -72,18 +74,18 @@ def _call_site() -> str:
     while frame is not None:
         name = os.path.abspath(frame.f_code.co_filename)
         if not name.startswith(skip) and name not in _PLUMBING:
-            return f"{os.path.basename(name)}:{frame.f_lineno}"
+            return f"{frame.f_code.co_name}:{frame.f_lineno}", f"{os.path.basename(name)}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
-    return "?"
+    return "?", "?"
 
 
 class Call:
     """One collective call on this rank: its number, operation and meetings."""
 
-    def __init__(self, operation: str, number: int, site: str, enabled: bool) -> None:
+    def __init__(self, operation: str, number: int, site: tuple[str, str], enabled: bool) -> None:
         self.operation = operation
         self.number = number
-        self.site = site
+        self.site_key, self.site = site
         self.enabled = enabled
         self.what = f"{operation} call #{number}"
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -119,7 +121,7 @@ class Call:
         digests, shown = dict(digests), dict(shown)
         if not self.meetings:
             first = {"operation": self.operation, **self._compared}
-            digests = {**first, **digests, "call_site": self.site, "program": _program()}
+            digests = {**first, **digests, "call_site": self.site_key, "program": _program()}
             shown = {**first, **shown, "call_site": f"{self.operation} at {self.site}", "program": _program()}
             if os.environ.get("MESHGROUPS_COMPARE_CALL_SITES", "1") == "0":
                 digests["call_site"] = shown["call_site"] = "not compared"
