@@ -6,9 +6,12 @@ einops``); without it the Megatron rows are skipped.
 
 Table 1, fake backend (one process acts as rank W//3+7 of a world of W; each measurement in a
 fresh process; median of ``--repeat``): ``initialize_model_parallel(tp=8, pp=8, cp=2, ep=8,
-etp=1)`` of megatron-core, of ``meshgroups.compat.parallel_state`` with ``strategy="global"`` and with
-``strategy="local"``. Each run reports this rank's rank list of every group both sides build;
-the compat rows are checked equal to Megatron's before any time is printed. Fake groups never
+etp=1)`` of megatron-core; of megatron-core on meshgroups (``meshgroups.compat.megatron.install
+(strategy="local")`` before ``import megatron.core``, then megatron-core's own
+``parallel_state.initialize_model_parallel`` call, unchanged); and of
+``meshgroups.compat.parallel_state`` directly with ``strategy="global"`` and ``"local"``. Each
+run reports this rank's rank list of every group both sides build; every row is checked equal to
+megatron-core's before any time is printed. Fake groups never
 communicate: this is the Python-side bookkeeping that dominates start-up at scale, not NCCL.
 
 Table 2, the per-rank steps meshgroups owns and torch's DeviceMesh constructor, from 16k to 1M
@@ -28,7 +31,7 @@ import sys
 import time
 
 CONFIG = {"tp": 8, "pp": 8, "cp": 2, "ep": 8, "etp": 1}
-METHODS = ("megatron-core", "compat-global", "compat-local")
+METHODS = ("megatron-core", "megatron-core on meshgroups", "compat-global", "compat-local")
 # Megatron getter -> group name, for the cross-check of this rank's groups
 GETTERS = {
     "tp": "get_tensor_model_parallel_group",
@@ -59,6 +62,13 @@ def one_init(method: str, world: int) -> dict:
 
     if method == "megatron-core":
         from megatron.core import parallel_state as ps
+    elif method == "megatron-core on meshgroups":
+        import meshgroups.compat.megatron
+
+        meshgroups.compat.megatron.install(strategy="local")
+        from megatron.core import parallel_state as ps  # type: ignore[no-redef]
+
+        assert ps.__name__ == "meshgroups.compat.parallel_state"
     else:
         import meshgroups.compat.parallel_state as ps  # type: ignore[no-redef]
     _fake_world(world)
@@ -70,7 +80,7 @@ def one_init(method: str, world: int) -> dict:
         "expert_tensor_parallel_size": CONFIG["etp"],
         "create_gloo_process_groups": False,
     }
-    if method != "megatron-core":
+    if method.startswith("compat-"):
         kwargs["strategy"] = method.split("-")[1]
     t0 = time.perf_counter()
     ps.initialize_model_parallel(**kwargs)
@@ -140,21 +150,24 @@ def _fresh(args: list[str]) -> dict:
 
 
 def megatron_available() -> bool:
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether megatron-core is installed (not imported: each measurement imports it in a
+    fresh child, where meshgroups may install itself first)."""
+    import importlib.util
+
+    return (
+        importlib.util.find_spec("megatron") is not None
+        and importlib.util.find_spec("megatron.core") is not None
+    )
 
 
-def init_table(repeat: int, max_world: int) -> None:
-    methods = METHODS if megatron_available() else METHODS[1:]
+def init_table(repeat: int, max_world: int, worlds: tuple[int, ...] = (16384, 131072)) -> None:
+    methods = METHODS if megatron_available() else METHODS[2:]
     if len(methods) < len(METHODS):
         print("(megatron-core is not installed: its rows are skipped)")
     dims = ", ".join(f"{k}={v}" for k, v in CONFIG.items())
     print(f"| W | method ({dims}) | initialize_model_parallel (ms) | vs megatron-core |")
     print("|---|---|---|---|")
-    for world in (16384, 131072):
+    for world in worlds:
         if world > max_world:
             break
         results = {}
@@ -193,6 +206,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--max-world", type=int, default=131072)
     parser.add_argument("--steps-only", action="store_true", help="print the second table only")
+    parser.add_argument("--init-only", action="store_true", help="print the first table only")
+    parser.add_argument("--worlds", default="16384,131072", help="comma-separated world sizes of table 1")
     parser.add_argument("--one-init", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--one-step", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -204,8 +219,9 @@ def main() -> None:
         print(json.dumps(one_step(args.one_step[0], int(args.one_step[1]))))
         return
     if not args.steps_only:
-        init_table(args.repeat, args.max_world)
-    steps_table(args.repeat)
+        init_table(args.repeat, args.max_world, tuple(int(w) for w in args.worlds.split(",")))
+    if not args.init_only:
+        steps_table(args.repeat)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ of the world, named with Megatron's tokens:
 - ``dense_opt``: ``dp×cp`` split into ``dist_opt`` instances of ``intra_dp_cp`` consecutive ranks;
 - ``expert_opt``: ``expt_dp`` split into ``inter_dist_opt × intra_expt_dp``;
 - ``hcp``: ``cp`` split into levels ``hcp_0`` (fastest) .. ``hcp_{k-1}``;
+- ``hybrid_<g>`` (``hybrid_context_parallel``): ``dp×cp`` split into runs of ``g`` consecutive
+  members, one view per power of two ``2 <= g <= dp×cp / 2`` (Megatron's hybrid DP×CP groups);
 - subsets ``embd`` / ``pos_embd``: first and last / first pipeline stage (or the callbacks').
 """
 
@@ -17,8 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from meshgroups import Layout
+from meshgroups import Layout, LayoutError
 from meshgroups.checks import check_int, formula, product
+
+from ._errors import MegatronAssertionError, MegatronRuntimeError
 
 RanksCallback = Callable[[list[int]], list[int]]
 
@@ -92,6 +96,24 @@ def _callback_subset(
         raise ValueError(f"{name} returned overlapping or invalid ranks: {exc}") from None
 
 
+def hybrid_sizes(dp_cp: int) -> list[int]:
+    """Megatron's hybrid DP×CP group sizes for a ``dp×cp`` of ``dp_cp``: the powers of two
+    ``2 <= g <= dp_cp / 2``."""
+    return [1 << i for i in range(1, dp_cp.bit_length() - 1)]
+
+
+def _add_hybrid_views(
+    views: dict[str, Layout], fields: dict[str, tuple[str, ...] | str], dense: Layout, dp_cp: int
+) -> None:
+    if dp_cp % 2:
+        raise MegatronAssertionError(f"hybrid context parallel needs an even dp×cp, got dp×cp = {dp_cp}")
+    flat = dense.flatten("dp", "cp", name="dp_cp")
+    for g in hybrid_sizes(dp_cp):
+        name = f"hybrid_dp_cp_{g}"
+        views[f"hybrid_{g}"] = flat.split("dp_cp", **{f"hybrid_run_{g}": dp_cp // g, name: g})
+        fields[name] = (name,)
+
+
 def megatron_plan(
     world_size: int,
     tensor_model_parallel_size: int = 1,
@@ -105,13 +127,16 @@ def megatron_plan(
     order: str = "tp-cp-ep-dp-pp",
     get_embedding_ranks: RanksCallback | None = None,
     get_position_embedding_ranks: RanksCallback | None = None,
+    hybrid_context_parallel: bool = False,
 ) -> MegatronPlan:
     """State Megatron's groups for ``world_size`` ranks as a layout; see the module docstring.
 
-    Raises ``ValueError`` naming the sizes for every rule Megatron asserts (divisibility of the
-    world by ``tp×pp×cp`` and ``expert_tp×ep×pp``, of ``dp×cp`` and ``expert_dp`` by the
-    optimizer instances, hierarchical cp sizes multiplying to cp, equal dense/expert dp when pp is
-    not last in ``order``).
+    Raises a ``ValueError`` naming the sizes for every rule megatron-core enforces, of
+    megatron-core's class too: ``MegatronRuntimeError`` where it raises ``RuntimeError``
+    (the world not divisible by ``tp×pp×cp`` or ``expert_tp×ep×pp``, an order missing a token
+    whose size is not 1), ``MegatronAssertionError`` where it asserts (``dp×cp`` and
+    ``expert_dp`` divisible by the optimizer instances, hierarchical cp sizes multiplying to cp,
+    equal dense/expert dp when pp is not last in ``order``, an even ``dp×cp`` for hybrid cp).
     """
     world = _positive("world_size", world_size)
     tp = _positive("tensor_model_parallel_size", tensor_model_parallel_size)
@@ -125,31 +150,38 @@ def megatron_plan(
     )
     n_opt = _positive("num_distributed_optimizer_instances", num_distributed_optimizer_instances)
     if world % (tp * pp * cp):
-        raise ValueError(
+        raise MegatronRuntimeError(
             f"world_size={world} is not divisible by {formula(('tp', 'pp', 'cp'), (tp, pp, cp))}"
         )
     dp = world // (tp * pp * cp)
     if world % (etp * ep * pp):
-        raise ValueError(
+        raise MegatronRuntimeError(
             f"world_size={world} is not divisible by {formula(('expert_tp', 'ep', 'pp'), (etp, ep, pp))}"
         )
     edp = world // (etp * ep * pp)
     if (dp * cp) % n_opt:
-        raise ValueError(f"dp×cp = {dp * cp} is not divisible by num_distributed_optimizer_instances={n_opt}")
+        raise MegatronAssertionError(
+            f"dp×cp = {dp * cp} is not divisible by num_distributed_optimizer_instances={n_opt}"
+        )
     if edp % n_opt:
-        raise ValueError(f"expert_dp={edp} is not divisible by num_distributed_optimizer_instances={n_opt}")
+        raise MegatronAssertionError(
+            f"expert_dp={edp} is not divisible by num_distributed_optimizer_instances={n_opt}"
+        )
     if not isinstance(order, str):
         raise TypeError(f"order must be a str like 'tp-cp-ep-dp-pp', got {order!r}")
     tokens = order.lower().split("-")
     if pp > 1 and tokens[-1] != "pp" and edp != dp:
-        raise ValueError(
+        raise MegatronAssertionError(
             f"order={order!r} does not end in pp, so the dense and expert dp sizes must match; got dp={dp}, expert_dp={edp}"
         )
-    dense = Layout.from_order("-".join(t for t in tokens if t != "ep"), tp=tp, cp=cp, dp=dp, pp=pp)
     rename = {"tp": "expt_tp", "cp": "expt_cp", "dp": "expt_dp"}
-    expert = Layout.from_order(
-        "-".join(rename.get(t, t) for t in tokens), expt_tp=etp, expt_cp=1, ep=ep, expt_dp=edp, pp=pp
-    )
+    try:
+        dense = Layout.from_order("-".join(t for t in tokens if t != "ep"), tp=tp, cp=cp, dp=dp, pp=pp)
+        expert = Layout.from_order(
+            "-".join(rename.get(t, t) for t in tokens), expt_tp=etp, expt_cp=1, ep=ep, expt_dp=edp, pp=pp
+        )
+    except LayoutError as exc:  # megatron-core's RankGenerator raises RuntimeError here
+        raise MegatronRuntimeError(str(exc)) from None
     views = {
         "expert": expert,
         "dense_opt": dense.flatten("dp", "cp", name="dp_cp").split(
@@ -165,13 +197,15 @@ def megatron_plan(
             for s in hierarchical_context_parallel_sizes
         ]
         if product(sizes) != cp:
-            raise ValueError(
+            raise MegatronAssertionError(
                 f"hierarchical_context_parallel_sizes={sizes} multiply to {product(sizes)}, not context_parallel_size={cp}"
             )
         names = [f"hcp_{i}" for i in range(len(sizes))]
         views["hcp"] = dense.split("cp", **{names[i]: sizes[i] for i in reversed(range(len(sizes)))})
         hcp_levels = [(n,) for n in names]
         fields.update({n: (n,) for n in names})
+    if hybrid_context_parallel:
+        _add_hybrid_views(views, fields, dense, dp * cp)
     # Only callbacks need every pipeline group (O(world)); the defaults are O(ndim) subsets.
     subsets = {
         "embd": _callback_subset("get_embedding_ranks", get_embedding_ranks, dense.groups("pp").tolist())

@@ -1,27 +1,36 @@
-"""A Megatron-style parallel state served by meshgroups.
+"""megatron-core's ``parallel_state`` served by meshgroups: a drop-in with the same surface.
 
     import torch.distributed as dist
-    from meshgroups.compat import parallel_state as ps
+    from meshgroups.compat import parallel_state as ps   # was: from megatron.core import parallel_state as ps
 
     dist.init_process_group("nccl")
-    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-    ps.get_tensor_model_parallel_group()          # same ranks as Megatron's
+    ps.initialize_model_parallel(2, 2)                    # tp=2, pp=2: megatron-core's positional order
+    ps.get_tensor_model_parallel_group()                  # same ranks as megatron-core's
+    ps._DATA_PARALLEL_GROUP                               # module state megatron's own code reads
     ps.destroy_model_parallel()
 
-Megatron's keyword names and meanings; the groups are the dims of ``megatron_plan(...)``'s
-layout, built by ``meshgroups.init_mesh`` (each distinct rank set once, in mesh order, after a
-cross-rank check). The state is one explicit module-level object, reset by
-``destroy_model_parallel()``.
+Every public function of megatron-core 0.16.1's ``parallel_state`` exists here with its
+signature (``megatron_api.API`` is the table; the regular getters, sizes, ranks and setters are
+generated from it), its exception classes (``AssertionError`` where megatron-core asserts,
+``RuntimeError`` where it raises one, each also a ``ValueError`` — see ``_errors.py``) and its
+answers before initialisation. The groups are the dims of ``megatron_plan(...)``'s layout, built
+by ``meshgroups.init_mesh`` (each distinct rank set once, in mesh order, after a cross-rank
+check); megatron-core's module globals (``_MODEL_PARALLEL_GROUP``, ...) are read off that state
+by the module's ``__getattr__``. ``meshgroups.compat.megatron.install()`` makes megatron-core
+itself use this module.
 
-Differences from Megatron: misuse raises ``RuntimeError``/``ValueError`` instead of
-``AssertionError``; equal rank sets share one group (e.g. ``dp_cp`` is ``dp`` when cp=1);
-``create_gloo_process_groups`` (default True, as in Megatron) builds a gloo twin of every group
-(Megatron twins only the data-parallel family; with a gloo default group the twin is the group).
+Differences from megatron-core: equal rank sets share one group (``dp_cp`` is ``dp`` when cp=1,
+a world-spanning group is the default group); ``create_gloo_process_groups`` twins every group,
+not only the data-parallel family; assigning a group global (``ps._X = g``) does not change what
+the getters return; ``destroy_model_parallel`` also resets the data-parallel rank override and
+the embedding rank lists megatron-core leaves set.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -30,152 +39,240 @@ import torch.distributed as dist
 from meshgroups import GroupCache, MeshGroups, Strategy, init_mesh
 from meshgroups.collective import collective_entry
 
-from .megatron_layout import MegatronPlan, RanksCallback, megatron_plan
+from ._errors import (
+    AlreadyInitializedError,
+    MegatronAssertionError,
+    MegatronRuntimeError,
+    NotInitializedError,
+)
+from .megatron_api import API, FIELD_WHAT, GLOBALS, OVERRIDES
+from .megatron_layout import MegatronPlan, megatron_plan
 
-__all__ = [
-    "destroy_model_parallel",
-    "get_context_parallel_group",
-    "get_data_parallel_group",
-    "get_data_parallel_group_gloo",
-    "get_embedding_group",
-    "get_expert_data_parallel_group",
-    "get_expert_data_parallel_group_gloo",
-    "get_expert_model_parallel_group",
-    "get_expert_tensor_and_model_parallel_group",
-    "get_expert_tensor_model_pipeline_parallel_group",
-    "get_expert_tensor_parallel_group",
-    "get_hierarchical_context_parallel_groups",
-    "get_inter_distributed_optimizer_instance_group",
-    "get_intra_distributed_optimizer_instance_group",
-    "get_mesh_groups",
-    "get_model_parallel_group",
-    "get_pipeline_model_parallel_group",
-    "get_position_embedding_group",
-    "get_tensor_and_context_parallel_group",
-    "get_tensor_and_data_parallel_group",
-    "get_tensor_model_parallel_group",
-    "initialize_model_parallel",
-    "is_initialized",
-    "model_parallel_is_initialized",
-]
+_MODULE = sys.modules[__name__]
+for _name in OVERRIDES:  # megatron-core's plain-value globals, real module attributes here too
+    setattr(_MODULE, _name, None)
+_GLOBAL_MEMORY_BUFFER: Any = None
+_GLOBAL_SYMMETRIC_MEMORY_BUFFER: Any = None
 
-# Megatron keywords this layer does not implement, with the value that means "off". Passing the
-# "off" value is accepted (callers often spell out every keyword); anything else is refused.
+# Megatron keywords this layer does not implement, with the value that means "off".
 _UNSUPPORTED: dict[str, Any] = {
-    "pipeline_model_parallel_comm_backend": None,
-    "use_sharp": False,
-    "hybrid_context_parallel": False,
-    "nccl_communicator_config_path": None,
-    "high_priority_stream_groups": None,
-    "sharp_enabled_group": None,
-    "create_all_gather_group": False,
+    "pipeline_model_parallel_comm_backend": (None, "nccl"),
+    "use_sharp": (False,),
+    "nccl_communicator_config_path": (None,),
+    "high_priority_stream_groups": (None, []),
 }
+_DEFAULT_STRATEGY: list[Strategy] = ["global"]
 
 
+@dataclass
 class _State:
-    def __init__(self, plan: MegatronPlan, mesh_groups: MeshGroups, cache: GroupCache) -> None:
-        self.plan = plan
-        self.mesh_groups = mesh_groups
-        self.cache = cache
+    plan: MegatronPlan
+    mesh_groups: MeshGroups
+    all_gather: MeshGroups | None = None
+    _cache: dict[tuple[str, bool], Any] = field(default_factory=dict)
 
     def group(self, name: str, gloo: bool = False) -> dist.ProcessGroup | None:
+        key = (name, gloo)
+        if key not in self._cache:
+            self._cache[key] = self._lookup(name, gloo)
+        return self._cache[key]
+
+    def _lookup(self, name: str, gloo: bool) -> dist.ProcessGroup | None:
+        if name == "dp_cp_ag":
+            return None if self.all_gather is None else self.all_gather.group("dp", "cp")
+        if name == "inter_dist_opt" and self.plan.sizes["n_opt"] == 1:
+            return None  # megatron-core builds no inter-instance group for one instance
+        if name not in self.plan.fields:
+            return None
+        if gloo and not self.mesh_groups.gloo_twins:
+            return None
         dims = self.plan.fields[name]
         return self.mesh_groups.group(*((dims,) if isinstance(dims, str) else dims), gloo=gloo)
 
+    def ranks(self, name: str) -> list[int] | None:
+        key = (name, "ranks")
+        if key not in self._cache:
+            dims = self.plan.fields[name]
+            self._cache[key] = self.mesh_groups.ranks(*((dims,) if isinstance(dims, str) else dims))  # type: ignore[index]
+        return self._cache[key]  # type: ignore[index]
+
 
 _STATE: _State | None = None
+
+
+def set_default_strategy(strategy: Strategy) -> None:
+    """The group-creation strategy ``initialize_model_parallel`` uses when not given one
+    (``meshgroups.compat.megatron.install(strategy=...)`` sets it)."""
+    if strategy not in ("global", "local", "split"):
+        raise ValueError(f"strategy={strategy!r} must be 'global', 'local' or 'split'")
+    _DEFAULT_STRATEGY[0] = strategy
+
+
+@dataclass(frozen=True)
+class _Config:
+    """Everything ``initialize_model_parallel`` decided before creating any group."""
+
+    plan: MegatronPlan
+    virtual_pipeline_model_parallel_size: int | None
+    create_gloo_process_groups: bool
+    create_all_gather_group: bool
+    timeout: timedelta
+    strategy: Strategy
+
+
+def megatron_config(
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    virtual_pipeline_model_parallel_size: int | None,
+    options: dict[str, Any],
+) -> _Config:
+    """Normalise and validate ``initialize_model_parallel``'s arguments on this rank (no
+    collective), in megatron-core's order, with megatron-core's exception classes."""
+    for key, allowed in _UNSUPPORTED.items():
+        if options[key] not in allowed:
+            raise NotImplementedError(
+                f"{key}={options[key]!r} is not supported by meshgroups.compat.parallel_state (only {allowed[0]!r})"
+            )
+    if options["sharp_enabled_group"] is not None:
+        raise MegatronAssertionError("sharp_enabled_group is only valid when use_sharp is True")
+    if not dist.is_available() or not dist.is_initialized():
+        raise NotInitializedError(
+            "initialize_model_parallel needs an initialised default process group (torch.distributed.init_process_group)"
+        )
+    if virtual_pipeline_model_parallel_size is not None and pipeline_model_parallel_size <= 1:
+        raise MegatronRuntimeError(
+            f"pipeline-model-parallel size should be greater than 1 with interleaved schedule "
+            f"(virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size}, "
+            f"pipeline_model_parallel_size={pipeline_model_parallel_size})"
+        )
+    plan = megatron_plan(
+        dist.get_world_size(),
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        context_parallel_size=options["context_parallel_size"],
+        hierarchical_context_parallel_sizes=options["hierarchical_context_parallel_sizes"],
+        expert_model_parallel_size=options["expert_model_parallel_size"],
+        expert_tensor_parallel_size=options["expert_tensor_parallel_size"],
+        num_distributed_optimizer_instances=options["num_distributed_optimizer_instances"],
+        order=options["order"],
+        get_embedding_ranks=options["get_embedding_ranks"],
+        get_position_embedding_ranks=options["get_position_embedding_ranks"],
+        hybrid_context_parallel=options["hybrid_context_parallel"],
+    )
+    if _STATE is not None:
+        raise AlreadyInitializedError(
+            "model parallel groups are already initialized; call destroy_model_parallel() first"
+        )
+    return _Config(
+        plan,
+        virtual_pipeline_model_parallel_size,
+        bool(options["create_gloo_process_groups"]),
+        bool(options["create_all_gather_group"]),
+        timedelta(minutes=options["distributed_timeout_minutes"]),
+        options["strategy"] or _DEFAULT_STRATEGY[0],
+    )
 
 
 @collective_entry("initialize_model_parallel")  # numbered first: an error on one rank reaches all
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
-    *,
-    context_parallel_size: int = 1,
-    hierarchical_context_parallel_sizes: Sequence[int] | None = None,
-    expert_model_parallel_size: int = 1,
-    expert_tensor_parallel_size: int | None = None,
-    num_distributed_optimizer_instances: int = 1,
-    order: str = "tp-cp-ep-dp-pp",
-    get_embedding_ranks: RanksCallback | None = None,
-    get_position_embedding_ranks: RanksCallback | None = None,
     virtual_pipeline_model_parallel_size: int | None = None,
-    create_gloo_process_groups: bool = True,
+    pipeline_model_parallel_comm_backend: str | None = None,
+    use_sharp=False,
+    context_parallel_size: int = 1,
+    hierarchical_context_parallel_sizes: list[int] | None = None,
+    hybrid_context_parallel=False,
+    expert_model_parallel_size: int = 1,
+    num_distributed_optimizer_instances: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    nccl_communicator_config_path: str | None = None,
     distributed_timeout_minutes: int = 30,
-    strategy: Strategy = "global",
-    **megatron_only: Any,
+    order: str = "tp-cp-ep-dp-pp",
+    get_embedding_ranks: Callable[..., list[int]] | None = None,
+    get_position_embedding_ranks: Callable[..., list[int]] | None = None,
+    create_gloo_process_groups=True,
+    high_priority_stream_groups: list[str] | None = None,
+    sharp_enabled_group: str | None = None,
+    create_all_gather_group: bool | None = False,
+    *,
+    strategy: Strategy | None = None,
 ) -> None:
-    """Build Megatron's model- and data-parallel groups on the default process group.
+    """Build megatron-core's model- and data-parallel groups on the default process group.
 
-    The data-parallel size is ``world_size // (tp × pp × cp)``; the expert data-parallel size
-    ``world_size // (expert_tp × ep × pp)``. Call on every rank. Other Megatron keywords raise
-    ``NotImplementedError`` naming the keyword unless given their "off" value.
-
-    ``strategy`` (meshgroups' own keyword, not Megatron's) picks how groups are created:
-    ``"global"`` (default; every rank makes every creation call, what Megatron does) or
-    ``"local"`` (each rank creates only its own groups: per-rank start-up cost flat in the
-    world size, ~1000x faster than Megatron at 131k ranks; see ``benchmarks/bench_megatron.py``).
-    Both run the cross-rank check; ``destroy_model_parallel`` closes either.
+    megatron-core's parameters, in its positional order. The data-parallel size is
+    ``world_size // (tp × pp × cp)``, the expert data-parallel size ``world_size // (expert_tp ×
+    ep × pp)``. ``strategy`` (meshgroups' own, keyword-only): ``"global"`` (every rank makes
+    every creation call, as megatron-core does), ``"local"`` (each rank creates only its own
+    groups: per-rank start-up flat in the world size) or ``"split"``; default:
+    ``set_default_strategy`` (``"global"``).
 
     Raises:
-        RuntimeError: no default process group, or already initialised.
-        ValueError: sizes that don't divide the world (the message shows the formula), or ranks
-            that disagree on the configuration (raised on every rank).
+        AssertionError (also ``ValueError``): what megatron-core asserts (no default group,
+            already initialised, optimizer instances not dividing dp×cp, ...).
+        RuntimeError (also ``ValueError``): sizes that don't divide the world; vpp without pp.
+        NotImplementedError: SHARP, UCC, NCCL communicator configs, high-priority streams.
     """
     global _STATE
-    for key, value in megatron_only.items():
-        if key not in _UNSUPPORTED:
-            raise TypeError(f"initialize_model_parallel() got an unexpected keyword argument {key!r}")
-        if value != _UNSUPPORTED[key]:
-            raise NotImplementedError(
-                f"{key}={value!r} is not supported by meshgroups.compat.parallel_state (only {_UNSUPPORTED[key]!r})"
-            )
-    if not dist.is_initialized():
-        raise RuntimeError("initialize_model_parallel needs an initialised default process group")
-    if virtual_pipeline_model_parallel_size is not None and pipeline_model_parallel_size <= 1:
-        raise RuntimeError("pipeline-model-parallel size should be greater than 1 with interleaved schedule")
-    if _STATE is not None:
-        raise RuntimeError(
-            "model parallel groups are already initialized; call destroy_model_parallel() first"
-        )
-    plan = megatron_plan(
-        dist.get_world_size(),
+    options = dict(locals())
+    config = megatron_config(
         tensor_model_parallel_size,
         pipeline_model_parallel_size,
-        context_parallel_size=context_parallel_size,
-        hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
-        expert_model_parallel_size=expert_model_parallel_size,
-        expert_tensor_parallel_size=expert_tensor_parallel_size,
-        num_distributed_optimizer_instances=num_distributed_optimizer_instances,
-        order=order,
-        get_embedding_ranks=get_embedding_ranks,
-        get_position_embedding_ranks=get_position_embedding_ranks,
+        virtual_pipeline_model_parallel_size,
+        options,
     )
-    cache = GroupCache()
+    _STATE = _build(config)
+
+
+def _build(config: _Config) -> _State:
+    """Create the plan's groups (every rank, collectively) and the state that serves them."""
+    plan = config.plan
     mesh_groups = init_mesh(
         plan.layout,
         only=plan.group_sets(),
         subsets=plan.subsets,
-        gloo_twins=create_gloo_process_groups,
-        timeout=timedelta(minutes=distributed_timeout_minutes),
-        cache=cache,
-        strategy=strategy,
+        gloo_twins=config.create_gloo_process_groups,
+        timeout=config.timeout,
+        cache=GroupCache(),
+        strategy=config.strategy,
     )
-    _STATE = _State(plan, mesh_groups, cache)
-    if virtual_pipeline_model_parallel_size is not None:
-        set_virtual_pipeline_model_parallel_rank(0)
-        set_virtual_pipeline_model_parallel_world_size(virtual_pipeline_model_parallel_size)
+    all_gather = None
+    if config.create_all_gather_group:
+        try:  # a second cache: the same ranks as dp×cp, but a communicator of its own
+            all_gather = init_mesh(
+                plan.layout,
+                only=[("dp", "cp")],
+                timeout=config.timeout,
+                cache=GroupCache(),
+                strategy=config.strategy,
+            )
+        except BaseException:
+            mesh_groups.close()
+            raise
+    state = _State(plan, mesh_groups, all_gather)
+    if config.virtual_pipeline_model_parallel_size is not None:
+        _MODULE._VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = 0  # type: ignore[attr-defined]
+        _MODULE._VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = config.virtual_pipeline_model_parallel_size  # type: ignore[attr-defined]
 
-
-def _require(what: str) -> _State:
-    if _STATE is None:
-        raise RuntimeError(f"{what} is not initialized: call initialize_model_parallel first")
-    return _STATE
+    global _GLOBAL_MEMORY_BUFFER
+    _GLOBAL_MEMORY_BUFFER = None
+    _set_global_memory_buffer()
+    return state
 
 
 def is_initialized() -> bool:
-    """Megatron's check for code that runs with or without model parallelism."""
+    """Useful for code that runs with or without model parallelism."""
     return _STATE is not None
+
+
+def is_unitialized() -> bool:
+    """Deprecated in megatron-core (sic): ``not is_initialized()``."""
+    import warnings
+
+    warnings.warn(
+        "is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, stacklevel=2
+    )
+    return not is_initialized()
 
 
 def model_parallel_is_initialized() -> bool:
@@ -184,182 +281,171 @@ def model_parallel_is_initialized() -> bool:
 
 
 def destroy_model_parallel() -> None:
-    """Destroy every group ``initialize_model_parallel`` created and reset the state."""
-    global _STATE
-    if _STATE is not None and dist.is_initialized():
-        _STATE.mesh_groups.close()
-    _STATE = None
-    reset_overrides()
+    """Destroy every group ``initialize_model_parallel`` created and reset the module state."""
+    global _STATE, _GLOBAL_MEMORY_BUFFER, _GLOBAL_SYMMETRIC_MEMORY_BUFFER
+    state, _STATE = _STATE, None
+    for name in OVERRIDES:
+        setattr(_MODULE, name, None)
+    _GLOBAL_MEMORY_BUFFER = _GLOBAL_SYMMETRIC_MEMORY_BUFFER = None
+    if state is not None and dist.is_initialized():
+        if state.all_gather is not None:
+            state.all_gather.close()
+        state.mesh_groups.close()
 
 
 def get_mesh_groups() -> MeshGroups:
     """The ``meshgroups.MeshGroups`` behind the state (``.mesh`` is the dense DeviceMesh)."""
+    return _state("model parallel groups").mesh_groups
+
+
+def held_groups() -> list[dist.ProcessGroup]:
+    """Every distinct group the state holds on this rank (for ``update_pg_timeout``)."""
     if _STATE is None:
-        raise RuntimeError("model parallel groups are not initialized: call initialize_model_parallel first")
-    return _STATE.mesh_groups
+        return []
+    names = [*FIELD_WHAT, *_STATE.plan.fields]
+    found = [_STATE.group(n, gloo) for n in names for gloo in (False, True)]
+    return list({id(g): g for g in found if g is not None}.values())
 
 
-def _get(name: str, what: str, check_initialized: bool, gloo: bool = False) -> dist.ProcessGroup | None:
+# ------------------------------------------------------------------ lookups used by every getter
+def _state(what: str) -> _State:
+    if _STATE is None:
+        raise NotInitializedError(f"{what} is not initialized: call initialize_model_parallel first")
+    return _STATE
+
+
+def lookup(name: str, check_initialized: bool = True, gloo: bool = False, what: str = "") -> Any:
+    """This rank's group of family ``name`` (None where Megatron has None); with
+    ``check_initialized`` a missing group raises ``NotInitializedError`` (an AssertionError)."""
+    what = what or FIELD_WHAT.get(name, name) + (" (gloo)" if gloo else "")
     if _STATE is None:
         if check_initialized:
-            raise RuntimeError(f"{what} is not initialized: call initialize_model_parallel first")
+            _state(what)
         return None
-    if gloo and not _STATE.mesh_groups.gloo_twins:
-        raise RuntimeError(f"{what} (gloo) is not initialized: pass create_gloo_process_groups=True")
-    group = _STATE.group(name, gloo=gloo)
+    group = _STATE.group(name, gloo)
     if group is None and check_initialized:
-        raise RuntimeError(
+        if gloo and not _STATE.mesh_groups.gloo_twins:
+            raise NotInitializedError(f"{what} is not initialized: pass create_gloo_process_groups=True")
+        raise NotInitializedError(
             f"{what} is not initialized on rank {dist.get_rank()} (this rank is in no such group)"
         )
     return group
 
 
-def get_tensor_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
-    """Get the tensor-model-parallel group the caller rank belongs to."""
-    return _get("tp", "tensor model parallel group", check_initialized)
+def ranks_of(name: str) -> list[int]:
+    """This rank's global ranks in family ``name`` (``NotInitializedError`` if none)."""
+    what = FIELD_WHAT.get(name, name)
+    ranks = _state(what).ranks(name)
+    if ranks is None:
+        raise NotInitializedError(
+            f"{what} is not initialized on rank {dist.get_rank()} (this rank is in no such group)"
+        )
+    return ranks
 
 
-def get_pipeline_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
-    """Get the pipeline-model-parallel group the caller rank belongs to."""
-    return _get("pp", "pipeline model parallel group", check_initialized)
+def local_rank_of(name: str) -> int:
+    return ranks_of(name).index(dist.get_rank())
 
 
-def get_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
-    """Get the model-parallel (tensor × pipeline) group the caller rank belongs to."""
-    return _get("mp", "model parallel group", check_initialized)
+# ------------------------------------------------------------------ table-driven functions
+def _override(name: str | None) -> Any:
+    return None if name is None else _MODULE.__dict__[name]
 
 
-def get_context_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
-    """Get the context-parallel group the caller rank belongs to."""
-    return _get("cp", "context parallel group", check_initialized)
+def _make(api_name: str) -> Callable[..., Any]:
+    api = API[api_name]
+    name, over = api.field or "", api.override
+    if api.kind == "group":
+
+        def getter(check_initialized: bool = True) -> Any:
+            return lookup(name, check_initialized)
+
+        fn: Callable[..., Any] = getter
+    elif api.kind in ("size", "size0"):
+
+        def fn() -> int:
+            value = _override(over)
+            if value is not None:
+                return value
+            if api.kind == "size0" and not dist.is_initialized():
+                return 0
+            return len(ranks_of(name))
+
+    elif api.kind in ("rank", "rank0"):
+
+        def fn() -> int:
+            value = _override(over)
+            if value is not None:
+                return value
+            if api.kind == "rank0" and not dist.is_initialized():
+                return 0
+            return local_rank_of(name)
+
+    elif api.kind == "src":
+
+        def fn() -> int:
+            return ranks_of(name)[0]
+
+    elif over is not None and over.endswith("WORLD_SIZE"):
+
+        def fn(world_size: int | None) -> None:
+            setattr(_MODULE, over, world_size)
+
+    else:
+
+        def fn(rank: int | None) -> None:
+            setattr(_MODULE, over, rank)  # type: ignore[arg-type]
+
+    fn.__name__ = fn.__qualname__ = api_name
+    fn.__module__ = __name__
+    fn.__doc__ = f"megatron-core's ``{api_name}`` ({api.kind} of the {FIELD_WHAT.get(name, name)})."
+    return fn
 
 
-def get_tensor_and_context_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
-    """Get the tensor × context parallel group the caller rank belongs to."""
-    return _get("tp_cp", "tensor and context parallel group", check_initialized)
+for _api_name, _api in API.items():
+    if _api.kind != "custom":
+        setattr(_MODULE, _api_name, _make(_api_name))
 
 
-def get_hierarchical_context_parallel_groups(
-    check_initialized: bool = True,
-) -> list[dist.ProcessGroup] | None:
-    """Get the hierarchical context-parallel groups (level 0 first), or None if not configured."""
+# ------------------------------------------------------------------ module state, Megatron's way
+def __getattr__(name: str) -> Any:
+    """megatron-core's module globals (``_MODEL_PARALLEL_GROUP``, ``_PIPELINE_GLOBAL_RANKS``,
+    ...), read off the state: ``None`` before initialisation and after destroy."""
+    if name == "_global_process_group_list":
+        from .megatron_helpers import created_groups
+
+        return None if _STATE is None else [*created_groups, *held_groups()]
+    if name not in GLOBALS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    family, what = GLOBALS[name]
+    if family == "hybrid":
+        return {} if _STATE is None else _hybrid_groups()
+    if _STATE is None:
+        return None
+    if family == "hcp":
+        return _hcp_groups()
+    if what == "ranks":
+        return _STATE.ranks(family)
+    return _STATE.group(family, gloo=what == "gloo")
+
+
+def _hcp_groups() -> list[dist.ProcessGroup] | None:
     if _STATE is None or not _STATE.plan.hcp_levels:
-        if check_initialized:
-            raise RuntimeError("hierarchical context parallel groups are not initialized")
         return None
     return [_STATE.group(level[0]) for level in _STATE.plan.hcp_levels]  # type: ignore[misc]
 
 
-def get_expert_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
-    """Get the expert-model-parallel group the caller rank belongs to."""
-    return _get("ep", "expert model parallel group", check_initialized)
+def _hybrid_groups() -> dict[int, dist.ProcessGroup]:
+    assert _STATE is not None
+    names = [n for n in _STATE.plan.fields if n.startswith("hybrid_dp_cp_")]
+    found = {int(n.rsplit("_", 1)[1]): _STATE.group(n) for n in names}
+    return {g: pg for g, pg in found.items() if pg is not None}
 
 
-def get_expert_tensor_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
-    """Get the expert-tensor-parallel group the caller rank belongs to."""
-    return _get("expt_tp", "expert tensor parallel group", check_initialized)
-
-
-def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
-    """Get the expert tensor × expert model parallel group."""
-    return _get("tp_ep", "expert tensor and model parallel group", check_initialized)
-
-
-def get_expert_tensor_model_pipeline_parallel_group(
-    check_initialized: bool = True,
-) -> dist.ProcessGroup | None:
-    """Get the expert tensor × expert model × pipeline parallel group."""
-    return _get("tp_ep_pp", "expert tensor, model and pipeline parallel group", check_initialized)
-
-
-def get_embedding_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
-    """Get the embedding group (first and last pipeline stage) the caller rank belongs to."""
-    return _get("embd", "embedding group", check_initialized)
-
-
-def get_position_embedding_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
-    """Get the position-embedding group (first pipeline stage) the caller rank belongs to."""
-    return _get("pos_embd", "position embedding group", check_initialized)
-
-
-def get_expert_data_parallel_group(
-    check_initialized: bool = True, partial_expert_data_parallel: bool = False
-) -> dist.ProcessGroup | None:
-    """Get the expert data-parallel group, or its intra-instance part."""
-    if partial_expert_data_parallel:
-        return _get("intra_expt_dp", "intra partial expert data parallel group", check_initialized)
-    return _get("expt_dp", "expert data parallel group", check_initialized)
-
-
-def get_expert_data_parallel_group_gloo(
-    partial_expert_data_parallel: bool = False,
-) -> dist.ProcessGroup | None:
-    """The gloo twin of ``get_expert_data_parallel_group``."""
-    name = "intra_expt_dp" if partial_expert_data_parallel else "expt_dp"
-    return _get(name, "expert data parallel group", True, gloo=True)
-
-
-def get_data_parallel_group(
-    with_context_parallel: bool = False, partial_data_parallel: bool = False
-) -> dist.ProcessGroup | None:
-    """Get the data-parallel group (with cp: ``dp×cp``; partial: the optimizer instance's part)."""
-    return _get(_dp_name(with_context_parallel, partial_data_parallel), "data parallel group", True)
-
-
-def get_data_parallel_group_gloo(
-    with_context_parallel: bool = False, partial_data_parallel: bool = False
-) -> dist.ProcessGroup | None:
-    """The gloo twin of ``get_data_parallel_group``."""
-    return _get(
-        _dp_name(with_context_parallel, partial_data_parallel), "data parallel group", True, gloo=True
-    )
-
-
-def _dp_name(with_context_parallel: bool, partial_data_parallel: bool) -> str:
-    if partial_data_parallel and not with_context_parallel:
-        raise ValueError("partial_data_parallel=True needs with_context_parallel=True (as in Megatron)")
-    if partial_data_parallel:
-        return "intra_dp_cp"
-    return "dp_cp" if with_context_parallel else "dp"
-
-
-def get_tensor_and_data_parallel_group(
-    check_initialized: bool = True, with_context_parallel: bool = False
-) -> dist.ProcessGroup | None:
-    """Get the tensor × data parallel group (× context parallel with ``with_context_parallel``)."""
-    name = "tp_dp_cp" if with_context_parallel else "tp_dp"
-    return _get(name, "tensor and data parallel group", check_initialized)
-
-
-def get_intra_distributed_optimizer_instance_group(
-    check_initialized: bool = True,
-) -> dist.ProcessGroup | None:
-    """Get the group of every rank of this rank's distributed-optimizer instance (the world
-    with one instance)."""
-    return _get("intra_dist_opt", "intra distributed optimizer instance group", check_initialized)
-
-
-def get_inter_distributed_optimizer_instance_group(
-    check_initialized: bool = True,
-) -> dist.ProcessGroup | None:
-    """Get the group spanning the distributed-optimizer instances (the inter-instance part of the
-    expert data-parallel group, as in Megatron). Not initialized with a single instance."""
-    if _STATE is not None and _STATE.plan.sizes["n_opt"] == 1:
-        if check_initialized:
-            raise RuntimeError(
-                "inter distributed optimizer instance group is not initialized (num_distributed_optimizer_instances=1)"
-            )
-        return None
-    return _get("inter_dist_opt", "inter distributed optimizer instance group", check_initialized)
-
-
-# Megatron's rank/size/stage helpers live beside this module and are part of its namespace.
+# The custom (argument-dependent) functions, the helpers and the memory buffers.
+from .megatron_buffers import *  # noqa: E402, F403
+from .megatron_buffers import _set_global_memory_buffer, _set_global_symmetric_memory_buffer  # noqa: E402, F401
+from .megatron_helpers import *  # noqa: E402, F403
 from .parallel_state_ranks import *  # noqa: E402, F403
-from .parallel_state_ranks import __all__ as _rank_helpers  # noqa: E402
-from .parallel_state_ranks import (  # noqa: E402
-    reset_overrides,
-    set_virtual_pipeline_model_parallel_rank,
-    set_virtual_pipeline_model_parallel_world_size,
-)
 
-__all__ += _rank_helpers
+__all__ = [*sorted(API), "RankGenerator", "get_mesh_groups", "set_default_strategy"]  # noqa: F405

@@ -1,205 +1,311 @@
-"""Megatron's rank, size and pipeline-stage helpers, every value read off the layout.
+"""The ``custom`` rows of ``megatron_api.API``: megatron-core functions whose arguments choose
+among several group families, or that combine a value with megatron-core's fallbacks.
 
-Re-exported by ``meshgroups.compat.parallel_state`` (model code calls them as
-``parallel_state.get_tensor_model_parallel_rank()`` and so on). World sizes and ranks come from
-the layout's arithmetic on the groups ``initialize_model_parallel`` built (``MeshGroups.size``
-and ``local_rank``) — no second source of truth — except where a Megatron setter overrode them
-(``set_tensor_model_parallel_world_size`` ...), exactly as in Megatron.
+Re-exported by ``meshgroups.compat.parallel_state``. Each reads its groups through
+``parallel_state.lookup`` / ``ranks_of`` (one source of truth: the layout) and follows
+megatron-core 0.16.1's answers, fallbacks and exception classes::
+
+    >>> ps.get_data_parallel_group(with_context_parallel=True, independent_all_gather=True)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+from typing import Any
+
 import torch.distributed as dist
 
 from . import parallel_state as _ps
+from ._errors import MegatronAssertionError
 
 __all__ = [
+    "get_all_ranks",
+    "get_amax_reduction_group",
     "get_context_parallel_global_ranks",
-    "get_context_parallel_rank",
-    "get_context_parallel_world_size",
+    "get_data_modulo_expert_parallel_group",
+    "get_data_parallel_group",
+    "get_data_parallel_group_gloo",
     "get_data_parallel_rank",
     "get_data_parallel_src_rank",
     "get_data_parallel_world_size",
+    "get_expert_data_parallel_group",
+    "get_expert_data_parallel_group_gloo",
     "get_expert_data_parallel_rank",
     "get_expert_data_parallel_world_size",
-    "get_expert_model_parallel_rank",
-    "get_expert_model_parallel_src_rank",
-    "get_expert_model_parallel_world_size",
-    "get_expert_tensor_and_model_parallel_rank",
-    "get_expert_tensor_and_model_parallel_world_size",
     "get_expert_tensor_parallel_rank",
     "get_expert_tensor_parallel_world_size",
-    "get_model_parallel_src_rank",
+    "get_hierarchical_context_parallel_groups",
+    "get_hybrid_data_context_parallel_groups",
     "get_pipeline_model_parallel_first_rank",
     "get_pipeline_model_parallel_last_rank",
     "get_pipeline_model_parallel_next_rank",
     "get_pipeline_model_parallel_prev_rank",
-    "get_pipeline_model_parallel_rank",
-    "get_pipeline_model_parallel_world_size",
-    "get_tensor_and_context_parallel_rank",
-    "get_tensor_and_context_parallel_world_size",
-    "get_tensor_model_parallel_rank",
-    "get_tensor_model_parallel_src_rank",
-    "get_tensor_model_parallel_world_size",
+    "get_tensor_and_data_parallel_group",
     "get_virtual_pipeline_model_parallel_rank",
     "get_virtual_pipeline_model_parallel_world_size",
+    "has_separate_all_gather_group",
     "is_pipeline_first_stage",
     "is_pipeline_last_stage",
     "is_rank_in_embedding_group",
     "is_rank_in_position_embedding_group",
-    "set_data_parallel_rank",
-    "set_expert_model_parallel_rank",
-    "set_expert_model_parallel_world_size",
-    "set_expert_tensor_parallel_rank",
-    "set_expert_tensor_parallel_world_size",
-    "set_pipeline_model_parallel_rank",
-    "set_pipeline_model_parallel_world_size",
-    "set_tensor_model_parallel_rank",
-    "set_tensor_model_parallel_world_size",
     "set_virtual_pipeline_model_parallel_rank",
-    "set_virtual_pipeline_model_parallel_world_size",
 ]
 
-# Megatron's setters write these overrides; they live as long as the state (and before it).
-_OVERRIDES: dict[str, int | None] = {}
+
+def _override(name: str) -> Any:
+    return getattr(_ps, name)
 
 
-def _ranks(field: str, what: str) -> list[int]:
-    state = _ps._require(what)
-    dims = state.plan.fields[field]
-    ranks = state.mesh_groups.ranks(*((dims,) if isinstance(dims, str) else dims))
-    if ranks is None:
-        raise RuntimeError(f"{what}: rank {dist.get_rank()} is in no such group")
-    return ranks
+def _call(name: str) -> int:
+    """A table-generated function of ``parallel_state`` (made at its import, so not visible to
+    type checkers)."""
+    fn: Callable[[], int] = getattr(_ps, name)
+    return fn()
 
 
-def _size(field: str, what: str) -> int:
-    override = _OVERRIDES.get(f"{field}_size")
-    return override if override is not None else len(_ranks(field, what))
+# ------------------------------------------------------------------ data parallel
+def _dp_family(
+    with_context_parallel: bool, partial_data_parallel: bool, independent_all_gather: bool = False
+) -> str:
+    if not with_context_parallel:
+        return "dp"
+    if partial_data_parallel:
+        return "intra_dp_cp"
+    return "dp_cp_ag" if independent_all_gather else "dp_cp"
 
 
-def _rank(field: str, what: str) -> int:
-    override = _OVERRIDES.get(f"{field}_rank")
-    return override if override is not None else _ranks(field, what).index(dist.get_rank())
+def _no_partial_without_cp(with_context_parallel: bool, partial_data_parallel: bool) -> None:
+    if partial_data_parallel and not with_context_parallel:
+        raise MegatronAssertionError(
+            "Partial DP for Optimizer needs to include CP: partial_data_parallel=True needs with_context_parallel=True"
+        )
 
 
-def reset_overrides() -> None:
-    """Called by ``destroy_model_parallel`` (Megatron resets its globals there too)."""
-    _OVERRIDES.clear()
+def get_data_parallel_group(
+    with_context_parallel: bool = False,
+    partial_data_parallel: bool = False,
+    independent_all_gather: bool = False,
+) -> Any:
+    """The data-parallel group (``dp×cp`` with cp; the optimizer instance's part with
+    ``partial_data_parallel``; the separate all-gather communicator with
+    ``independent_all_gather``, built by ``create_all_gather_group=True``)."""
+    family = _dp_family(with_context_parallel, partial_data_parallel, independent_all_gather)
+    group = _ps.lookup(family)
+    _no_partial_without_cp(with_context_parallel, partial_data_parallel)
+    return group
 
 
-# ------------------------------------------------------------------ tensor / pipeline
-def get_tensor_model_parallel_world_size() -> int:
-    """Size of the tensor-model-parallel group."""
-    return _size("tp", "tensor model parallel group")
+def get_data_parallel_group_gloo(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> Any:
+    """The gloo twin of ``get_data_parallel_group``."""
+    group = _ps.lookup(_dp_family(with_context_parallel, partial_data_parallel), gloo=True)
+    _no_partial_without_cp(with_context_parallel, partial_data_parallel)
+    return group
 
 
-def get_tensor_model_parallel_rank() -> int:
-    """This rank's index in its tensor-model-parallel group."""
-    return _rank("tp", "tensor model parallel group")
+def has_separate_all_gather_group() -> bool:
+    """True if ``create_all_gather_group=True`` built a separate dp×cp all-gather communicator."""
+    return _ps.lookup("dp_cp_ag", check_initialized=False) is not None
 
 
-def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
-    _OVERRIDES["tp_size"] = world_size
+def get_data_parallel_world_size(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> int:
+    """Size of the data-parallel group (0 without ``torch.distributed``)."""
+    if _override("_MPU_DATA_PARALLEL_WORLD_SIZE") is not None:
+        return _override("_MPU_DATA_PARALLEL_WORLD_SIZE")
+    if not dist.is_initialized():
+        return 0
+    _ps.lookup(_dp_family(with_context_parallel, partial_data_parallel))
+    _no_partial_without_cp(with_context_parallel, partial_data_parallel)
+    return len(_ps.ranks_of(_dp_family(with_context_parallel, partial_data_parallel)))
 
 
-def set_tensor_model_parallel_rank(rank: int | None) -> None:
-    _OVERRIDES["tp_rank"] = rank
+def get_data_parallel_rank(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+    """This rank's index in its data-parallel group (0 without ``torch.distributed``)."""
+    if _override("_MPU_DATA_PARALLEL_RANK") is not None:
+        return _override("_MPU_DATA_PARALLEL_RANK")
+    if not dist.is_initialized():
+        return 0
+    _ps.lookup(_dp_family(with_context_parallel, partial_data_parallel))
+    _no_partial_without_cp(with_context_parallel, partial_data_parallel)
+    return _ps.local_rank_of(_dp_family(with_context_parallel, partial_data_parallel))
 
 
-def get_tensor_model_parallel_src_rank() -> int:
-    """The global rank of local rank 0 in this rank's tensor-model-parallel group."""
-    return _ranks("tp", "tensor model parallel group")[0]
+def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
+    """The first global rank of this rank's data-parallel group."""
+    return _ps.ranks_of("dp_cp" if with_context_parallel else "dp")[0]
 
 
-def get_model_parallel_src_rank() -> int:
-    """The global rank of local rank 0 in this rank's model-parallel (tp × pp) group."""
-    return _ranks("mp", "model parallel group")[0]
+def get_tensor_and_data_parallel_group(
+    check_initialized: bool = True, with_context_parallel: bool = False
+) -> Any:
+    """The tensor × data (× context with ``with_context_parallel``) parallel group."""
+    return _ps.lookup("tp_dp_cp" if with_context_parallel else "tp_dp", check_initialized)
 
 
-def get_pipeline_model_parallel_world_size() -> int:
-    return _size("pp", "pipeline model parallel group")
+def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False) -> Any:
+    """FP8 amax reduction group: tp×dp(×cp), or tp(×cp) with ``tp_only_amax_red``."""
+    if tp_only_amax_red:
+        family = "tp_cp" if with_context_parallel else "tp"
+    else:
+        family = "tp_dp_cp" if with_context_parallel else "tp_dp"
+    return _ps.lookup(family, what="FP8 amax reduction group")
 
 
-def get_pipeline_model_parallel_rank() -> int:
-    """This rank's pipeline stage."""
-    return _rank("pp", "pipeline model parallel group")
+# ------------------------------------------------------------------ context parallel
+def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[int] | None:
+    """The global ranks of this rank's context-parallel group."""
+    if _ps._STATE is None and not check_initialized:
+        return None
+    return _ps.ranks_of("cp")
 
 
-def set_pipeline_model_parallel_world_size(world_size: int | None) -> None:
-    _OVERRIDES["pp_size"] = world_size
+def get_hierarchical_context_parallel_groups(check_initialized: bool = True) -> Any:
+    """This rank's hierarchical context-parallel groups, level 0 (innermost) first."""
+    groups = _ps._hcp_groups()
+    if groups is None and check_initialized:
+        raise _ps.NotInitializedError(
+            "hierarchical context parallel groups are not initialized "
+            "(initialize_model_parallel(hierarchical_context_parallel_sizes=...) was not given)"
+        )
+    return groups
 
 
-def set_pipeline_model_parallel_rank(rank: int | None) -> None:
-    _OVERRIDES["pp_rank"] = rank
+def get_hybrid_data_context_parallel_groups(
+    check_initialized: bool = True, group_size: int | None = None
+) -> Any:
+    """The hybrid DP×CP group of ``group_size`` ranks (the dp×cp group at full size)."""
+    if get_data_parallel_world_size(with_context_parallel=True) == group_size:
+        return _ps.lookup("dp_cp", check_initialized)
+    groups = _ps._hybrid_groups() if _ps._STATE is not None else {}
+    if group_size not in groups:
+        raise KeyError(group_size)  # megatron-core: a plain dict lookup
+    return groups[group_size]
+
+
+# ------------------------------------------------------------------ expert
+def get_expert_tensor_parallel_world_size() -> int | None:
+    """Size of the expert tensor-parallel group (tp's override when there is no such group)."""
+    if _override("_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE") is not None:
+        return _override("_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE")
+    if _ps.lookup("expt_tp", check_initialized=False) is None:
+        return _override("_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE")
+    return len(_ps.ranks_of("expt_tp"))
+
+
+def get_expert_tensor_parallel_rank() -> int | None:
+    """This rank's index in its expert tensor-parallel group (tp's override without a group)."""
+    if _override("_MPU_EXPERT_TENSOR_PARALLEL_RANK") is not None:
+        return _override("_MPU_EXPERT_TENSOR_PARALLEL_RANK")
+    if _ps.lookup("expt_tp", check_initialized=False) is None:
+        return _override("_MPU_TENSOR_MODEL_PARALLEL_RANK")
+    return _ps.local_rank_of("expt_tp")
+
+
+def _edp(partial: bool) -> str:
+    return "intra_expt_dp" if partial else "expt_dp"
+
+
+def get_expert_data_parallel_group(
+    check_initialized: bool = True, partial_expert_data_parallel: bool = False
+) -> Any:
+    """The expert data-parallel group, or its intra-instance part."""
+    return _ps.lookup(_edp(partial_expert_data_parallel), check_initialized)
+
+
+def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = False) -> Any:
+    """Deprecated in megatron-core: ``get_expert_data_parallel_group``."""
+    warnings.warn(
+        "get_data_modulo_expert_parallel_group is deprecated, please use get_expert_data_parallel_group instead.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return get_expert_data_parallel_group(partial_expert_data_parallel=partial_expert_data_parallel)
+
+
+def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False) -> Any:
+    """The gloo twin of ``get_expert_data_parallel_group``."""
+    return _ps.lookup(_edp(partial_expert_data_parallel), gloo=True)
+
+
+def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
+    """Size of the expert data-parallel group (0 without ``torch.distributed``)."""
+    if not dist.is_initialized():
+        return 0
+    _ps.lookup(_edp(partial_expert_data_parallel))
+    return len(_ps.ranks_of(_edp(partial_expert_data_parallel)))
+
+
+def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
+    """This rank's index in its expert data-parallel group (0 without ``torch.distributed``)."""
+    if not dist.is_initialized():
+        return 0
+    _ps.lookup(_edp(partial_expert_data_parallel))
+    return _ps.local_rank_of(_edp(partial_expert_data_parallel))
+
+
+# ------------------------------------------------------------------ pipeline stages
+def _pp_ranks() -> list[int]:
+    return _ps.ranks_of("pp")
 
 
 def get_pipeline_model_parallel_first_rank() -> int:
-    return _ranks("pp", "pipeline model parallel group")[0]
+    """The global rank of the first stage of this rank's pipeline."""
+    return _pp_ranks()[0]
 
 
 def get_pipeline_model_parallel_last_rank() -> int:
-    return _ranks("pp", "pipeline model parallel group")[get_pipeline_model_parallel_world_size() - 1]
+    """The global rank of the last stage of this rank's pipeline."""
+    ranks = _pp_ranks()
+    return ranks[_call("get_pipeline_model_parallel_world_size") - 1]
 
 
 def get_pipeline_model_parallel_next_rank() -> int:
     """The global rank of the next pipeline stage (wrapping around)."""
-    ranks = _ranks("pp", "pipeline model parallel group")
-    return ranks[(get_pipeline_model_parallel_rank() + 1) % get_pipeline_model_parallel_world_size()]
+    ranks = _pp_ranks()
+    size = _call("get_pipeline_model_parallel_world_size")
+    return ranks[(_call("get_pipeline_model_parallel_rank") + 1) % size]
 
 
 def get_pipeline_model_parallel_prev_rank() -> int:
     """The global rank of the previous pipeline stage (wrapping around)."""
-    ranks = _ranks("pp", "pipeline model parallel group")
-    return ranks[(get_pipeline_model_parallel_rank() - 1) % get_pipeline_model_parallel_world_size()]
+    ranks = _pp_ranks()
+    size = _call("get_pipeline_model_parallel_world_size")
+    return ranks[(_call("get_pipeline_model_parallel_rank") - 1) % size]
 
 
-# ------------------------------------------------------------------ virtual pipeline
-def get_virtual_pipeline_model_parallel_rank() -> int | None:
-    return _OVERRIDES.get("vp_rank")
-
-
-def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
-    _OVERRIDES["vp_rank"] = rank
-
-
-def get_virtual_pipeline_model_parallel_world_size() -> int | None:
-    return _OVERRIDES.get("vp_size")
-
-
-def set_virtual_pipeline_model_parallel_world_size(world_size: int | None) -> None:
-    _OVERRIDES["vp_size"] = world_size
-
-
-def _vp_stage_ok(vp_stage: int | None, wanted: int) -> bool:
+def _virtual_stage_is(vp_stage: Any, wanted: int) -> bool:
     if vp_stage is None:
-        raise ValueError("vp_stage must be passed if virtual pipeline is enabled (ignore_virtual=False)")
-    return vp_stage == wanted
+        raise MegatronAssertionError(
+            "vp_stage must be passed if virtual pipeline is enabled (ignore_virtual=False)"
+        )
+    return bool(vp_stage == wanted)
 
 
 def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
-    """True on the first pipeline stage (and, with ``ignore_virtual=False`` under virtual
-    pipelining, only for virtual stage 0)."""
+    """True on the first pipeline stage (with ``ignore_virtual=False`` under virtual
+    pipelining: only for virtual stage 0)."""
     vp_size = get_virtual_pipeline_model_parallel_world_size()
-    if not ignore_virtual and vp_size is not None and not _vp_stage_ok(vp_stage, 0):
+    if not ignore_virtual and vp_size is not None and not _virtual_stage_is(vp_stage, 0):
         return False
-    return get_pipeline_model_parallel_rank() == 0
+    return _call("get_pipeline_model_parallel_rank") == 0
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
-    """True on the last pipeline stage (and, with ``ignore_virtual=False`` under virtual
-    pipelining, only for the last virtual stage)."""
+    """True on the last pipeline stage (with ``ignore_virtual=False`` under virtual
+    pipelining: only for the last virtual stage)."""
     vp_size = get_virtual_pipeline_model_parallel_world_size()
-    if not ignore_virtual and vp_size is not None and not _vp_stage_ok(vp_stage, vp_size - 1):
+    if not ignore_virtual and vp_size is not None and not _virtual_stage_is(vp_stage, vp_size - 1):
         return False
-    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+    return _call("get_pipeline_model_parallel_rank") == _call("get_pipeline_model_parallel_world_size") - 1
 
 
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
-    """True if this rank holds (a copy of) the word embeddings; see Megatron's rule for
-    virtual pipelining (first rank: first virtual stage; last rank: last virtual stage)."""
-    state = _ps._require("embedding group")
-    ranks = state.mesh_groups.ranks("embd")
+    """True if this rank holds (a copy of) the word embeddings; False before initialisation."""
+    ranks = None if _ps._STATE is None else _ps._STATE.ranks("embd")
     rank = dist.get_rank()
     if ranks is None or rank not in ranks:
         return False
@@ -213,114 +319,39 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
 
 
 def is_rank_in_position_embedding_group() -> bool:
-    state = _ps._require("position embedding group")
-    ranks = state.mesh_groups.ranks("pos_embd")
+    """True if this rank holds the position embeddings; False before initialisation."""
+    ranks = None if _ps._STATE is None else _ps._STATE.ranks("pos_embd")
     return ranks is not None and dist.get_rank() in ranks
 
 
-# ------------------------------------------------------------------ data / context
-def _dp_field(with_context_parallel: bool, partial_data_parallel: bool) -> str:
-    return _ps._dp_name(with_context_parallel, partial_data_parallel)
+def get_virtual_pipeline_model_parallel_rank() -> int | None:
+    """The virtual pipeline rank (None unless set or virtual pipelining is on)."""
+    return _override("_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK")
 
 
-def get_data_parallel_world_size(
-    with_context_parallel: bool = False, partial_data_parallel: bool = False
-) -> int:
-    override = _OVERRIDES.get("dp_size")
-    if override is not None:
-        return override
-    return len(_ranks(_dp_field(with_context_parallel, partial_data_parallel), "data parallel group"))
+def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
+    """Deprecated in megatron-core (pass ``vp_stage`` instead); sets the virtual pipeline rank."""
+    warnings.warn(
+        "set_virtual_pipeline_model_parallel_rank in global scope is deprecated. "
+        "Pass vp_stage explicitly to is_pipeline_first_stage, is_pipeline_last_stage, etc.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    _ps._VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = rank
 
 
-def get_data_parallel_rank(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
-    override = _OVERRIDES.get("dp_rank")
-    if override is not None:
-        return override
-    ranks = _ranks(_dp_field(with_context_parallel, partial_data_parallel), "data parallel group")
-    return ranks.index(dist.get_rank())
+def get_virtual_pipeline_model_parallel_world_size() -> int | None:
+    """The virtual pipeline size (None without virtual pipelining)."""
+    return _override("_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE")
 
 
-def set_data_parallel_rank(rank: int | None) -> None:
-    _OVERRIDES["dp_rank"] = rank
-
-
-def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
-    return _ranks(_dp_field(with_context_parallel, False), "data parallel group")[0]
-
-
-def get_context_parallel_world_size() -> int:
-    return _size("cp", "context parallel group")
-
-
-def get_context_parallel_rank() -> int:
-    return _rank("cp", "context parallel group")
-
-
-def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[int] | None:
-    """The global ranks of this rank's context-parallel group."""
-    if _ps._STATE is None and not check_initialized:
-        return None
-    return _ranks("cp", "context parallel group")
-
-
-def get_tensor_and_context_parallel_world_size() -> int:
-    return _size("tp_cp", "tensor and context parallel group")
-
-
-def get_tensor_and_context_parallel_rank() -> int:
-    return _rank("tp_cp", "tensor and context parallel group")
-
-
-# ------------------------------------------------------------------ expert
-def get_expert_model_parallel_world_size() -> int:
-    return _size("ep", "expert model parallel group")
-
-
-def get_expert_model_parallel_rank() -> int:
-    return _rank("ep", "expert model parallel group")
-
-
-def set_expert_model_parallel_world_size(world_size: int | None) -> None:
-    _OVERRIDES["ep_size"] = world_size
-
-
-def set_expert_model_parallel_rank(rank: int | None) -> None:
-    _OVERRIDES["ep_rank"] = rank
-
-
-def get_expert_model_parallel_src_rank() -> int:
-    return _ranks("ep", "expert model parallel group")[0]
-
-
-def get_expert_tensor_parallel_world_size() -> int:
-    return _size("expt_tp", "expert tensor parallel group")
-
-
-def get_expert_tensor_parallel_rank() -> int:
-    return _rank("expt_tp", "expert tensor parallel group")
-
-
-def set_expert_tensor_parallel_world_size(world_size: int | None) -> None:
-    _OVERRIDES["expt_tp_size"] = world_size
-
-
-def set_expert_tensor_parallel_rank(rank: int | None) -> None:
-    _OVERRIDES["expt_tp_rank"] = rank
-
-
-def get_expert_tensor_and_model_parallel_world_size() -> int:
-    return _size("tp_ep", "expert tensor and model parallel group")
-
-
-def get_expert_tensor_and_model_parallel_rank() -> int:
-    return _rank("tp_ep", "expert tensor and model parallel group")
-
-
-def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
-    field = "intra_expt_dp" if partial_expert_data_parallel else "expt_dp"
-    return len(_ranks(field, "expert data parallel group"))
-
-
-def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
-    field = "intra_expt_dp" if partial_expert_data_parallel else "expt_dp"
-    return _ranks(field, "expert data parallel group").index(dist.get_rank())
+def get_all_ranks() -> str:
+    """``"tp_dp_cp_pp_ep"`` ranks of this rank, joined with ``_``."""
+    ranks = [
+        _call("get_tensor_model_parallel_rank"),
+        get_data_parallel_rank(),
+        _call("get_context_parallel_rank"),
+        _call("get_pipeline_model_parallel_rank"),
+        _call("get_expert_model_parallel_rank"),
+    ]
+    return "_".join(str(r or 0) for r in ranks)

@@ -29,7 +29,24 @@ from meshgroups import MeshGroups
 from . import parallel_state
 from .megatron_layout import FIELD_DIMS
 
-__all__ = ["GradCommProcessGroups", "ModelCommProcessGroups", "ProcessGroupCollection"]
+__all__ = [
+    "GradCommProcessGroups",
+    "ModelCommProcessGroups",
+    "ProcessGroupCollection",
+    "ProcessGroupHelperMeta",
+]
+
+
+class ProcessGroupHelperMeta(type):
+    """megatron-core's metaclass that forbids assigning ``virtual_pipeline_model_parallel_size``
+    on a class directly (a setter method must be used)."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        if name == "virtual_pipeline_model_parallel_size":
+            raise AttributeError(
+                f"Cannot set '{name}' directly. Use set_virtual_pipeline_model_parallel_size() method instead."
+            )
+        super().__setattr__(name, value)
 
 
 class _ProcessGroupFields:
@@ -104,9 +121,23 @@ class _ProcessGroupFields:
 
 
 def _ranks(group: Any) -> list[int] | None:
+    """The group's global ranks, or None for anything torch has not registered (a destroyed
+    group, a mock, a group of another process)."""
     if isinstance(group, dist.ProcessGroup):
-        return dist.get_process_group_ranks(group)
+        try:
+            return dist.get_process_group_ranks(group)
+        except (KeyError, RuntimeError, ValueError):
+            return None
     return None
+
+
+def _size(group: Any) -> str:
+    if isinstance(group, list):
+        return str([_size(g) for g in group])
+    try:
+        return str(group.size())
+    except Exception:  # a destroyed or foreign group: show what it is rather than fail
+        return "?"
 
 
 @dataclass(init=False, repr=False, eq=False)
@@ -221,6 +252,38 @@ class ProcessGroupCollection(_ProcessGroupFields):
     intra_expt_dp: torch.distributed.ProcessGroup = field(init=False)
     inter_dist_opt: torch.distributed.ProcessGroup = field(init=False)
     intra_dist_opt: torch.distributed.ProcessGroup = field(init=False)
+
+    def __repr__(self) -> str:
+        """megatron-core's form: ``ProcessGroupCollection(tp(2), pp(None))`` — each set field
+        with its group's size — or ``ProcessGroupCollection(empty)``."""
+        active = [
+            f"{f.name}({'None' if self.__dict__[f.name] is None else _size(self.__dict__[f.name])})"
+            for f in fields(self)
+            if f.name in self.__dict__
+        ]
+        return f"ProcessGroupCollection({', '.join(active)})" if active else "ProcessGroupCollection(empty)"
+
+    @staticmethod
+    def setup_process_groups_for_optimizer(
+        pg_collection: ProcessGroupCollection | None,
+        model_chunks: list[Any],
+        use_gloo_process_groups: bool = True,
+    ) -> dict[str, Any]:
+        """The groups megatron-core's optimizer set-up needs, from ``pg_collection`` or (None)
+        from ``parallel_state``; see ``pg_setup.for_optimizer``."""
+        from .pg_setup import for_optimizer
+
+        return for_optimizer(pg_collection, model_chunks, use_gloo_process_groups)
+
+    @staticmethod
+    def setup_process_groups_for_ddp(
+        pg_collection: ProcessGroupCollection | None, config: Any, ddp_config: Any
+    ) -> dict[str, Any]:
+        """The groups megatron-core's DDP needs, from ``pg_collection`` or (None) from
+        ``parallel_state``; see ``pg_setup.for_ddp``."""
+        from .pg_setup import for_ddp
+
+        return for_ddp(pg_collection, config, ddp_config)
 
     _getters: ClassVar[dict[str, Callable[[], Any]]] = {
         **ModelCommProcessGroups._getters,

@@ -25,12 +25,13 @@ from ._torch_seam import (
     default_timeout,
     group_count,
     held_group_count,
+    is_backend_options,
 )
 from .collective import Call, collective_call
-from .errors import MeshConfigError
+from .errors import DeviceTypeError, MeshConfigError, WorldSizeError
 from .groups import GroupCache, GroupHandle
 from .layout import Layout
-from .plan import Plan, SubsetSpec, as_timedelta, make_plan
+from .plan import BackendConfig, Plan, SubsetSpec, as_timedelta, make_plan
 from .strategies import Builder, CreationStrategy, build_families, make_strategy
 
 _COUNTERS = ("group_count", "held")
@@ -60,6 +61,8 @@ def build(
     strategy: object,
     cache: GroupCache | None,
     check: bool | None,
+    backend_override: Mapping[Any, Any] | None = None,
+    labels: Mapping[Hashable, str] | None = None,
     operation: str = "init_mesh",
 ) -> Built:
     """One collective call of ``operation`` (or a part of the call already running on this
@@ -78,6 +81,7 @@ def build(
             )
         timeout_td = as_timedelta(timeout, default_timeout())
         check_options(device_type, backend, gloo_twins, cache, fake)
+        overrides = normalize_overrides(backend_override)
         creator = make_strategy(strategy)
         plan = make_plan(
             layout,
@@ -89,6 +93,8 @@ def build(
             strategy=creator.name,
             gloo_twins=gloo_twins,
             timeout=timeout_td,
+            backend_override=overrides,
+            labels=labels,
         )
         for spec in plan.specs:
             check_in_world(spec.layout, world_size, spec.key)
@@ -97,10 +103,18 @@ def build(
 
 
 def build_more(
-    layout: Layout, only: Sequence[tuple[str, ...]], plan: Plan, check: bool, cache: GroupCache
+    layout: Layout,
+    only: Sequence[tuple[str, ...]],
+    plan: Plan,
+    check: bool,
+    cache: GroupCache,
+    labels: Mapping[Hashable, str] | None = None,
+    backend_override: Mapping[str, BackendConfig] | None = None,
 ) -> Built:
     """A later collective build of families over ``layout`` with the options of an earlier
-    ``plan`` (a mesh's ``init_mesh``) and its cache: part of the call running on this thread."""
+    ``plan`` (a mesh's ``init_mesh``) and its cache, as part of the call running on this thread;
+    ``labels`` name the families (their group description, torch's ``mesh_<name>``),
+    ``backend_override`` is keyed by those names."""
     return build(
         layout,
         device_type=plan.device_type,
@@ -113,7 +127,43 @@ def build_more(
         strategy=plan.strategy,
         cache=cache,
         check=None,
+        backend_override=backend_override,
+        labels=labels,
     )
+
+
+def normalize_overrides(value: object) -> dict[int | str, BackendConfig]:
+    """torch's ``backend_override`` forms as ``{dim: (backend, options)}``: a value is a backend
+    name, backend options, or ``(name, options)`` (either part ``None``)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"backend_override must map dim names or indices to a backend, e.g. {{'tp': 'gloo'}}; got {value!r}"
+        )
+    out: dict[int | str, BackendConfig] = {}
+    for key, given in value.items():
+        config: BackendConfig
+        if isinstance(given, str):
+            config = (given, None)
+        elif is_backend_options(given):
+            config = (None, given)
+        elif (
+            isinstance(given, tuple)
+            and len(given) == 2
+            and (given[0] is None or isinstance(given[0], str))
+            and (given[1] is None or is_backend_options(given[1]))
+        ):
+            config = (given[0], given[1])
+        else:
+            raise TypeError(
+                f"backend_override[{key!r}] must be a backend name, backend options or (name, options), "
+                f"got {given!r}"
+            )
+        if config[0] is not None:
+            check_backend_name(config[0], f"backend_override[{key!r}]")
+        out[key] = config
+    return out
 
 
 def cache_state(cache: GroupCache) -> str:
@@ -169,40 +219,44 @@ def check_options(
     if not isinstance(device_type, str):
         raise TypeError(f"device_type must be a str such as 'cpu' or 'cuda', got {device_type!r}")
     if ":" in device_type:
-        raise MeshConfigError(f"device_type={device_type!r}: give the device type only, e.g. 'cpu' or 'cuda'")
+        raise DeviceTypeError(f"device_type={device_type!r}: give the device type only, e.g. 'cpu' or 'cuda'")
     try:
         torch.device(device_type)
     except RuntimeError:
-        raise MeshConfigError(
+        raise DeviceTypeError(
             f"device_type={device_type!r} is not a torch device type (e.g. 'cpu', 'cuda', 'xpu')"
         ) from None
     if device_type not in ("cpu", "meta") and not fake:
         available = getattr(getattr(torch, device_type, None), "is_available", None)
         if not callable(available) or not available():
-            raise MeshConfigError(
+            raise DeviceTypeError(
                 f"device_type={device_type!r}: this torch ({torch.__version__}) cannot run on "
                 f"{device_type!r} here (torch.{device_type}.is_available() is not True); use 'cpu'"
             )
     if backend is not None:
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str such as 'gloo' or 'cpu:gloo,cuda:nccl', got {backend!r}")
-        known = [b for b in dist.Backend.backend_list if b != "undefined"]
-        for part in backend.split(","):
-            name = part.rsplit(":", 1)[-1].strip().lower()
-            if name not in known:
-                raise MeshConfigError(
-                    f"backend {backend!r}: {name!r} is not a registered backend ({', '.join(known)})"
-                )
+        check_backend_name(backend, "backend")
     if not isinstance(gloo_twins, bool):
         raise TypeError(f"gloo_twins must be True or False, got {gloo_twins!r}")
     if cache is not None and not isinstance(cache, GroupCache):
         raise TypeError(f"cache must be a meshgroups.GroupCache or None, got {type(cache).__name__}")
 
 
+def check_backend_name(backend: str, what: str) -> None:
+    known = [b for b in dist.Backend.backend_list if b != "undefined"]
+    for part in backend.split(","):
+        name = part.rsplit(":", 1)[-1].strip().lower()
+        if name not in known:
+            raise MeshConfigError(
+                f"{what}={backend!r}: {name!r} is not a registered backend ({', '.join(known)})"
+            )
+
+
 def check_in_world(layout: Layout, world_size: int, key: Any) -> None:
     top = layout.max_rank
     if top >= world_size:
-        raise MeshConfigError(
+        raise WorldSizeError(
             f"group {key!r} uses rank {top}, outside the default group's world (ranks 0..{world_size - 1}); "
             "a layout may cover part of the world but not more"
         )
