@@ -37,6 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from meshgroups import GroupCache, MeshGroups, Strategy, init_mesh
+from meshgroups.collective import collective_entry
 
 from ._errors import (
     AlreadyInitializedError,
@@ -172,6 +173,7 @@ def megatron_config(
     )
 
 
+@collective_entry("initialize_model_parallel")  # numbered first: an error on one rank reaches all
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
