@@ -106,8 +106,17 @@ def worker(rank: int, world: int, with_megatron: bool) -> dict:
         from megatron.core.process_groups_config import ProcessGroupCollection as Theirs
 
         theirs = scenario(mcore, Theirs, light=True)  # megatron-core: fewer configurations (slow)
-        diffs = _differences({k: v for k, v in ours.items() if k in theirs}, theirs)
-        assert not diffs, diffs[:10]
+        diffs = [
+            d
+            for d in _differences({k: v for k, v in ours.items() if k in theirs}, theirs)
+            # megatron-core's repr calls .size() on the hcp list and raises; compat prints sizes
+            if not (
+                d[0].startswith("/7:")
+                and d[0].endswith("/collection")
+                and d[2] == ("raised", "AttributeError")
+            )
+        ]
+        assert not diffs, (sorted({path.split("/")[-1] for path, _, _ in diffs}), diffs[:5])
         result["compared"] = sum(len(v) if isinstance(v, dict) else 1 for v in theirs.values())
     return result
 
