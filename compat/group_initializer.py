@@ -28,13 +28,15 @@ Deliberate differences from the legacy module (each was a silent bug there):
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from meshgroups import GroupCache, Layout, Strategy, init_mesh
-from meshgroups.checks import check_int
+from meshgroups.checks import MAX_WORLD_SIZE, check_int, short_repr
 
 __all__ = [
     "CommMode",
@@ -68,7 +70,7 @@ def set_group_strategy(strategy: Strategy) -> None:
     ``init_dist_group`` or after ``reset_group_cache()``: one cache holds one strategy's groups."""
     global _STRATEGY
     if strategy not in ("global", "local", "split"):
-        raise ValueError(f"strategy={strategy!r} is not one of 'global', 'local', 'split'")
+        raise ValueError(f"strategy={short_repr(strategy)} is not one of 'global', 'local', 'split'")
     if len(_CACHE) and _CACHE.strategy not in (None, strategy):
         raise ValueError(
             f"groups were already created with strategy={_CACHE.strategy!r}; call reset_group_cache() first"
@@ -131,18 +133,32 @@ def _check_divides(name: str, size: object, world_size: int) -> int:
 
 
 def _check_ranks(ranks: object, world_size: int) -> list[int]:
-    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
-        raise TypeError(f"ranks must be a list of ints, got {ranks!r}")
-    checked = [check_int(r, "each rank in ranks") for r in ranks]
+    """Distinct ranks in ``[0, world_size)``; O(n log n) (one sort), and at most ``world_size + 1``
+    items are read, so an endless iterable is refused rather than consumed."""
+    if isinstance(ranks, (str, bytes, Mapping)) or not isinstance(ranks, Iterable):
+        raise TypeError(f"ranks must be a list of ints, got {short_repr(ranks)}")
+    checked = [check_int(r, "each rank in ranks") for r in itertools.islice(ranks, world_size + 1)]
     if not checked:
         raise ValueError("ranks is empty; a group needs at least one rank")
+    if len(checked) > world_size:
+        raise ValueError(f"ranks lists more than world_size={world_size} ranks, so some rank repeats")
     for r in checked:
         if not 0 <= r < world_size:
-            raise ValueError(f"rank {r} in ranks={checked} is outside [0, world_size={world_size})")
-    repeated = sorted({r for r in checked if checked.count(r) > 1})
-    if repeated:
-        raise ValueError(f"ranks={checked} lists rank {repeated[0]} more than once; ranks must be distinct")
+            raise ValueError(f"rank {r} in ranks={_short(checked)} is outside [0, world_size={world_size})")
+    ordered = sorted(checked)
+    repeated = next((a for a, b in zip(ordered, ordered[1:]) if a == b), None)
+    if repeated is not None:
+        raise ValueError(
+            f"ranks={_short(checked)} lists rank {repeated} more than once; ranks must be distinct"
+        )
     return checked
+
+
+def _short(ranks: list[int], limit: int = 16) -> str:
+    """A rank list for a message: whole when short, its first members and length otherwise."""
+    if len(ranks) <= limit:
+        return str(ranks)
+    return f"[{', '.join(map(str, ranks[:limit]))}, …] ({len(ranks)} ranks)"
 
 
 class ProcessGroupInitializer(ABC):
@@ -166,12 +182,14 @@ class ProcessGroupInitializer(ABC):
             world_size: Total number of processes.
 
         Raises:
-            ValueError: ``world_size < 1`` or ``rank`` outside ``[0, world_size)``.
+            ValueError: ``world_size`` outside ``1..2**24`` or ``rank`` outside ``[0, world_size)``.
         """
         world_size = check_int(world_size, "world_size")
         rank = check_int(rank, "rank")
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be positive")
+        if world_size > MAX_WORLD_SIZE:
+            raise ValueError(f"world_size={world_size} exceeds the {MAX_WORLD_SIZE} ranks a layout may hold")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
         self.rank: int = rank

@@ -14,7 +14,17 @@ from typing import Any
 
 import numpy as np
 
-from .checks import MAX_RANK, MAX_WORLD_SIZE, check_int, check_size, check_world, formula, is_int, product
+from .checks import (
+    MAX_RANK,
+    MAX_WORLD_SIZE,
+    check_int,
+    check_size,
+    check_world,
+    formula,
+    is_int,
+    product,
+    short_repr,
+)
 from .errors import LayoutError
 
 
@@ -130,7 +140,7 @@ def check_affine(
 ) -> tuple[tuple[int, ...], int]:
     """Validate ``from_strides`` input: canonical strides and the offset."""
     if isinstance(strides, (str, bytes)) or not isinstance(strides, Sequence):
-        raise TypeError(f"strides must be a sequence of ints, got {strides!r}")
+        raise TypeError(f"strides must be a sequence of ints, got {short_repr(strides)}")
     if len(strides) != len(shape):
         raise LayoutError(f"{len(strides)} strides given for {len(shape)} dims")
     checked = [check_int(s, "stride") for s in strides]
@@ -190,14 +200,16 @@ def rank_grid(grid: Any, names: tuple[str, ...]) -> np.ndarray:
 def _as_rank_array(grid: Any) -> np.ndarray:
     try:
         arr = np.asarray(grid)
-    except (ValueError, TypeError) as exc:  # ragged nested lists
-        raise LayoutError(f"grid is not a rectangular array of ranks: {exc}") from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # ragged or too deep
+        raise LayoutError(f"grid is not a rectangular array of ranks: {str(exc)[:200]}") from None
     if arr.dtype == object:
         items = arr.ravel().tolist()
-        if items and all(is_int(v) for v in items):
-            bad = next(v for v in items if not 0 <= v <= MAX_RANK)
+        if not (items and all(is_int(v) for v in items)):
+            raise TypeError(f"grid must hold integer ranks, got {type(grid).__name__} of objects")
+        bad = next((v for v in items if not 0 <= v <= MAX_RANK), None)
+        if bad is not None:
             raise LayoutError(f"grid holds rank {bad}; ranks must be between 0 and {MAX_RANK}")
-        raise TypeError(f"grid must hold integer ranks, got {type(grid).__name__} of objects")
+        arr = np.array(items, dtype=np.int64).reshape(arr.shape)  # Python ints that all fit
     if arr.size > MAX_WORLD_SIZE:
         raise LayoutError(f"grid holds {arr.size} ranks, more than the {MAX_WORLD_SIZE} a layout may hold")
     if not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0) or arr.dtype == np.bool_:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .checks import MAX_NDIM, short_repr
 from .errors import LayoutError
 
 if TYPE_CHECKING:
@@ -34,17 +35,23 @@ def to_dict(layout: Layout) -> dict[str, Any]:
     return data
 
 
-def from_dict(cls: type[Layout], data: Mapping[str, Any]) -> Layout:
+def from_dict(cls: type[Layout], data: Mapping[str, Any], view_of: str | None = None) -> Layout:
+    """The layout of a :func:`to_dict` dict. Views are one level deep (a view has no views of its
+    own), which is checked before reading them, so a deeply nested dict is refused at once."""
     if not isinstance(data, Mapping):
         raise TypeError(f"from_dict needs a mapping, got {type(data).__name__}")
     if data.get("format") != FORMAT:
-        raise LayoutError(f"format must be {FORMAT!r}, got {data.get('format')!r}")
+        raise LayoutError(f"format must be {FORMAT!r}, got {short_repr(data.get('format'))}")
     extra = set(data) - _KEYS
     if extra:
         raise LayoutError(f"unknown keys {sorted(extra, key=str)} in a {FORMAT} dict; known: {sorted(_KEYS)}")
     dims = data.get("dims")
-    if not isinstance(dims, list) or not all(isinstance(d, (list, tuple)) and len(d) == 2 for d in dims):
-        raise LayoutError(f"'dims' must be a list of [name, size] pairs, got {dims!r}")
+    if not isinstance(dims, list):
+        raise LayoutError(f"'dims' must be a list of [name, size] pairs, got {short_repr(dims)}")
+    if len(dims) > MAX_NDIM:
+        raise LayoutError(f"'dims' lists {len(dims)} dims; a layout has at most {MAX_NDIM} (numpy's limit)")
+    if not all(isinstance(d, (list, tuple)) and len(d) == 2 for d in dims):
+        raise LayoutError(f"'dims' must be a list of [name, size] pairs, got {short_repr(dims)}")
     names = [name for name, _ in dims]
     sizes = [size for _, size in dims]
     if "grid" in data:
@@ -60,11 +67,13 @@ def from_dict(cls: type[Layout], data: Mapping[str, Any]) -> Layout:
     views = data.get("views", {})
     if not isinstance(views, Mapping):
         raise LayoutError(f"'views' must map view names to layout dicts, got {type(views).__name__}")
+    if views and view_of is not None:
+        raise LayoutError(f"view {view_of!r} has views of its own; declare all views on the main layout")
     if views:
         for name in views:
             if not isinstance(name, str):
                 raise TypeError(f"view names must be str, got {name!r}")
-        layout = layout.with_views(**{name: from_dict(cls, view) for name, view in views.items()})
+        layout = layout.with_views(**{name: from_dict(cls, view, name) for name, view in views.items()})
     return layout
 
 

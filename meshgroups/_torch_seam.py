@@ -8,15 +8,21 @@ store namespace, so rebuilt groups never read a previous incarnation's connectio
 
 from __future__ import annotations
 
+import itertools
+import os
+import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch.distributed import distributed_c10d as _c10d
 from torch.distributed._mesh_layout import _MeshLayout
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, _normalize_backend_override
 
 
 def default_store() -> dist.Store:
@@ -82,131 +88,327 @@ def bound_device_id() -> object | None:
     return _c10d._get_default_group().bound_device_id
 
 
+def is_backend_options(value: object) -> bool:
+    """Whether ``value`` is a c10d backend options object (``ProcessGroupGloo._Options``, ...)."""
+    return isinstance(value, _C10dBackend.Options)
+
+
 # ---------------------------------------------------------------------------------------------
-# One root mesh. meshgroups hands out a single root DeviceMesh per layout; its slices, flattened
-# dims and unflattened meshes must stay derived from it (TP + FSDP2 concatenate slices of one
-# root) and must never get a group torch built itself: torch's _flatten/_unflatten create groups
-# with sorted ranks, which on a placement whose ranks don't increase makes position != group
-# rank and silently permutes DTensor data. ``RootedMesh`` is a DeviceMesh (isinstance, pickling,
-# DTensor, FSDP2 and DCP see one) whose slices stay RootedMesh and whose _flatten/_unflatten ask
-# meshgroups for the groups: ``builder(rows_per_dim, names)`` -> this rank's group per new dim,
-# collective like torch's own calls, created in mesh order or reused.
+# One root mesh, on every rank. meshgroups hands out a single root DeviceMesh per layout; its
+# slices, flattened dims and unflattened meshes stay derived from it (TP + FSDP2 concatenate
+# slices of one root) and never get a group torch built itself: torch's _flatten/_unflatten
+# create groups with sorted ranks, which on a placement whose ranks don't increase makes
+# position != group rank and silently permutes DTensor data. ``RootedMesh`` is a DeviceMesh
+# (isinstance, pickling, DTensor, FSDP2 and DCP see one) whose slices stay RootedMesh and whose
+# _flatten/_unflatten ask meshgroups for the groups: ``builder(rows_per_dim, names, backends)``
+# -> this rank's group per new dim (None off it), collective like torch's own calls. A rank
+# outside the mesh holds one too (coordinate None, no groups), as torch gives every rank a mesh,
+# and takes part in every collective call. Derived meshes are made here in O(ndim) from the
+# root's rank map (torch's constructor is O(world) per mesh), mirroring torch 2.13's
+# _create_sub_mesh / _create_flatten_mesh / _create_unflatten_mesh.
 # ---------------------------------------------------------------------------------------------
 
-GroupBuilder = Callable[[Sequence[torch.Tensor], Sequence[str]], Sequence[dist.ProcessGroup]]
+BackendConfig = tuple["str | None", "object | None"]
+GroupBuilder = Callable[
+    [Sequence[torch.Tensor], Sequence[str], Sequence[BackendConfig]], Sequence["dist.ProcessGroup | None"]
+]
+# Live builders by serial, so a copy or an unpickled mesh *in the process that built it* finds
+# its MeshGroups; weak, so a mesh nobody holds does not keep its MeshGroups alive.
+_BUILDERS: dict[int, weakref.WeakMethod] = {}
+_SERIALS = itertools.count(1)
+
+
+def register_builder(builder: GroupBuilder) -> tuple[int, int]:
+    """A token for ``builder`` (a bound method): ``(pid, serial)``, pickled with the meshes."""
+    serial = next(_SERIALS)
+    _BUILDERS[serial] = weakref.WeakMethod(builder)
+    return (os.getpid(), serial)
+
+
+def unregister_builder(token: tuple[int, int]) -> None:
+    _BUILDERS.pop(token[1], None)
+
+
+def _lookup(token: tuple[int, int] | None) -> GroupBuilder | None:
+    if token is None or token[0] != os.getpid():
+        return None
+    ref = _BUILDERS.get(token[1])
+    return None if ref is None else ref()
 
 
 class RootedMesh(DeviceMesh):
     """A ``DeviceMesh`` built by meshgroups; see the comment above."""
 
     _mg_builder: GroupBuilder | None = None
+    _mg_token: tuple[int, int] | None = None
+
+    @property
+    def _flatten_rank_map(self) -> tuple[int, ...]:
+        # torch builds this O(world) tuple (for hashing and equality) in its constructor, for
+        # every mesh; here it is made on first use, once per rank map, and shared by the root's
+        # meshes. Pickles and copies make their own.
+        root = self._root_mesh or self
+        memo = root.__dict__.get("_mg_rank_tuple")
+        if memo is None or memo[0] is not self._rank_map:
+            memo = (self._rank_map, tuple(self._rank_map.tolist()))
+            if self._rank_map is root._rank_map:
+                root.__dict__["_mg_rank_tuple"] = memo
+        return memo[1]
+
+    @_flatten_rank_map.setter
+    def _flatten_rank_map(self, value: tuple[int, ...]) -> None:
+        pass  # always derived from _rank_map (torch's constructor sets it from there too)
 
     def __getitem__(self, mesh_dim_names: str | tuple[str, ...]) -> DeviceMesh:
+        if not self._mesh_dim_names:
+            raise RuntimeError("Cannot slice a DeviceMesh without mesh_dim_names!")
         names = (mesh_dim_names,) if isinstance(mesh_dim_names, str) else tuple(mesh_dim_names)
+        if names == self._mesh_dim_names:
+            return self
         root = self._get_root_mesh()
         if self is root and len(names) == 1 and names[0] in root._flatten_mapping:
             return root._flatten_mapping[names[0]]  # a registered flattened dim, without torch's warning
-        return _rooted(super().__getitem__(mesh_dim_names))
+        layout = self._get_slice_mesh_layout(names)  # torch's checks, torch's exception classes
+        groups: list[str] = []
+        coordinate: list[int] = []
+        member = self._coordinate_on_dim is not None
+        for name in names:
+            source: DeviceMesh = self
+            index = self._mesh_dim_names.index(name) if name in self._mesh_dim_names else 0
+            if name not in self._mesh_dim_names:
+                source = root._flatten_mapping[name]
+            if member and source._coordinate_on_dim is not None:
+                groups.append(source._dim_group_names[index])
+                coordinate.append(source._coordinate_on_dim[index])
+        return _derived(self, layout, names, groups, tuple(coordinate) if member else None)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state.pop("_mg_builder", None)
+        state.pop("_mg_rank_tuple", None)
         return state
 
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if self._root_mesh is None:  # a copy in the building process keeps its builder
+            self._mg_builder = _lookup(self._mg_token)
+
     def _builder(self) -> GroupBuilder:
-        builder = getattr(self._get_root_mesh(), "_mg_builder", None)
-        if builder is None:
+        root = self._get_root_mesh()
+        builder = getattr(root, "_mg_builder", None)
+        if builder is not None:
+            return builder
+        token = getattr(root, "_mg_token", None)
+        if token is not None and token[0] != os.getpid():
             raise RuntimeError(
-                "this mesh's MeshGroups was closed (or the mesh was unpickled in another process): "
-                "new groups for it cannot be built"
+                f"this mesh was built by meshgroups in process {token[0]} and unpickled in process "
+                f"{os.getpid()}: new groups for it (_flatten, _unflatten) can only be built in the process "
+                "that built it, while its MeshGroups is open. Here, slice it or use its existing dims, or "
+                "build the mesh in this process with init_mesh"
             )
-        return builder
+        raise RuntimeError(
+            "this mesh's MeshGroups was closed (or garbage-collected): new groups for it cannot be built; "
+            "keep the MeshGroups open (or a reference to its mesh) while you _flatten/_unflatten"
+        )
 
     def _flatten(self, mesh_dim_name: str | None = None, backend_override: object = None) -> DeviceMesh:
-        if backend_override is not None:
-            raise ValueError(
-                "a meshgroups mesh builds its groups with the backend given to init_mesh; "
-                "backend_override is not supported in _flatten"
-            )
         names = tuple(self._mesh_dim_names or ())
         if not names:
             raise RuntimeError("Cannot flatten a DeviceMesh without mesh_dim_names!")
         name = mesh_dim_name or "_".join(names)
         if self.ndim == 1 and name in names:
             return self
+        override: BackendConfig = (None, None)
+        if backend_override is not None:
+            (override,) = _normalize_backend_override({0: backend_override}, 1)  # type: ignore[dict-item]
         root = self._get_root_mesh()
+        if name in (root._mesh_dim_names or ()):
+            raise ValueError(
+                f"{name!r} is already a dim of the root mesh {root._mesh_dim_names}; "
+                "pick another name for the flattened dim"
+            )
         layout = _MeshLayout([self._layout.collapse()])
         existing = root._flatten_mapping.get(name)
         if existing is not None:
             if existing._layout == layout:
                 return existing
             raise ValueError(
-                f"flattened dim {name!r} already exists on this mesh over other dims; pick another name"
+                f"Flatten mesh with mesh_dim_name {name} has been created before over other dims; "
+                "pick another name for the flattened dim"
             )
-        if name in (root._mesh_dim_names or ()):
-            raise ValueError(f"{name!r} is already a dim of the root mesh; pick another name for _flatten")
-        (group,) = self._builder()([layout.remap_to_tensor(root._rank_map)], (name,))
-        return register_flattened(root, layout, name, group)
+        (group_name,) = self._init_process_groups(layout, root._rank_map, (name,), (override,)) or (None,)
+        group = None if group_name is None else root._pg_registry[group_name]
+        return register_flattened(root, layout, name, group, _position(layout, root._rank_map, self._rank))
+
+    def _unflatten(  # type: ignore[override]
+        self,
+        dim: int | str,
+        mesh_sizes: tuple[int, ...],
+        mesh_dim_names: tuple[str, ...],
+        backend_override: dict[str, object] | None = None,
+    ) -> DeviceMesh:
+        names = tuple(self._mesh_dim_names or ())
+        if isinstance(dim, int) and dim >= self.ndim:
+            raise ValueError(f"dim {dim} specified in `_unflatten` is out of range {self.ndim}")
+        if isinstance(dim, str) and dim not in names:
+            raise ValueError(f"dim {dim} specified in `_unflatten` is not in {self._mesh_dim_names}")
+        if len(mesh_sizes) != len(mesh_dim_names):
+            raise RuntimeError("mesh_dim_names must have same length as mesh_sizes in _unflatten!")
+        index = names.index(dim) if isinstance(dim, str) else dim
+        overrides = tuple(
+            _normalize_backend_override(dict(backend_override or {}), len(mesh_sizes), tuple(mesh_dim_names))  # type: ignore[arg-type]
+        )
+        inner = _MeshLayout.from_sizes_strides(tuple(mesh_sizes))
+        if inner.numel() != self._layout[index].numel():
+            raise ValueError(
+                f"The product of mesh_sizes={tuple(mesh_sizes)} is {inner.numel()}, but dim {dim!r} has size "
+                f"{self._layout[index].numel()}; they must be equal to unflatten"
+            )
+        partial = self._layout[index].composition(inner)
+        root = self._get_root_mesh()
+        new = self._init_process_groups(partial, root._rank_map, tuple(mesh_dim_names), overrides)
+        coordinate = None
+        if self._coordinate_on_dim is not None:
+            inside = [int(c) for c in np.unravel_index(self._coordinate_on_dim[index], tuple(mesh_sizes))]
+            coordinate = (*self._coordinate_on_dim[:index], *inside, *self._coordinate_on_dim[index + 1 :])
+        groups = [*self._dim_group_names[:index], *new, *self._dim_group_names[index + 1 :]]
+        out_names = (*names[:index], *mesh_dim_names, *names[index + 1 :])
+        return _derived(self, self._layout.splice(index, index + 1, partial), out_names, groups, coordinate)
 
     def _init_process_groups(  # type: ignore[override]
         self,
         layout: _MeshLayout,
         rank_map: torch.Tensor,
         mesh_dim_names: tuple[str, ...] | None,
-        backend_override: tuple[object, ...],
+        backend_override: tuple[BackendConfig, ...],
     ) -> list[str]:
-        # torch's _unflatten calls this on the mesh being unflattened: build in mesh order.
-        if any(b != (None, None) for b in backend_override):
-            raise ValueError("backend_override is not supported on a meshgroups mesh")
+        # The groups of new dims, built in mesh order through meshgroups (never torch's sorted ones).
         names = tuple(mesh_dim_names or (f"dim_{i}" for i in range(len(layout))))
         rows = [_MeshLayout([layout[i]]).remap_to_tensor(rank_map) for i in range(len(layout))]
-        groups = self._builder()(rows, names)
-        return [g.group_name for g in groups]
+        groups = self._builder()(rows, names, backend_override)
+        root = self._get_root_mesh()
+        for group in groups:
+            if group is not None:
+                root._pg_registry[group.group_name] = group
+        return [g.group_name for g in groups if g is not None]  # torch: all or none
 
-    def _unflatten(self, *args: object, **kwargs: object) -> DeviceMesh:
-        return _rooted(super()._unflatten(*args, **kwargs))  # type: ignore[arg-type]
+
+def _position(layout: _MeshLayout, rank_map: torch.Tensor, rank: int) -> tuple[int, ...] | None:
+    hit = (layout.remap_to_tensor(rank_map) == rank).nonzero()
+    return (int(hit[0, 1]),) if hit.numel() else None
 
 
-def _rooted(mesh: DeviceMesh) -> DeviceMesh:
-    # torch makes slices with its own class; keep them ours (same state, more behaviour).
-    if type(mesh) is DeviceMesh:
-        mesh.__class__ = RootedMesh
+def _derived(
+    parent: DeviceMesh,
+    layout: _MeshLayout,
+    names: tuple[str, ...],
+    group_names: Sequence[str],
+    coordinate: tuple[int, ...] | None,
+) -> RootedMesh:
+    """A mesh over ``parent``'s root rank map, made in O(ndim)."""
+    root = parent._get_root_mesh()
+    return _new_mesh(root._device_type, layout, root._rank_map, names, root, group_names, coordinate)
+
+
+def _new_mesh(
+    device_type: str,
+    layout: _MeshLayout,
+    rank_map: torch.Tensor,
+    names: tuple[str, ...],
+    root: DeviceMesh | None,
+    group_names: Sequence[str],
+    coordinate: tuple[int, ...] | None,
+) -> RootedMesh:
+    """The state torch 2.13's constructor gives a mesh (``_init_backend=False``), without its
+    O(world) searches: the coordinate is given (layout arithmetic), the rank-map tuple is made
+    on first use (``RootedMesh._flatten_rank_map``)."""
+    mesh = RootedMesh.__new__(RootedMesh)
+    threaded = dist.is_initialized() and dist.get_backend() == "threaded"
+    mesh.__dict__.update(
+        _device_type=device_type,
+        _layout=layout,
+        _rank_map=rank_map,
+        _mesh_dim_names=names,
+        _root_mesh=root,
+        _thread_id=threading.get_ident() if threaded else None,
+        _flatten_mapping={},
+        _pg_registry={},
+        _dim_group_names=list(group_names),
+        _rank=dist.get_rank(),
+        _coordinate_on_dim=coordinate,
+        _hash=None,
+    )
     return mesh
 
 
 def make_root(
-    groups: Sequence[dist.ProcessGroup],
+    groups: Sequence[dist.ProcessGroup] | None,
     device_type: str,
     ranks: torch.Tensor,
     names: tuple[str, ...],
+    coordinate: tuple[int, ...] | None,
     builder: GroupBuilder,
+    token: tuple[int, int],
 ) -> RootedMesh:
-    """The root mesh over ``groups`` (one per dim, in mesh order), with meshgroups' builder."""
-    mesh = _rooted(DeviceMesh.from_group(list(groups), device_type, mesh=ranks, mesh_dim_names=names))
-    assert isinstance(mesh, RootedMesh)
-    mesh._mg_builder = builder
+    """The root mesh over ``ranks`` (C-contiguous) with ``groups`` (one per dim, in mesh order)
+    at ``coordinate``; both ``None`` on a rank outside it. New groups come from ``builder``."""
+    layout = _MeshLayout.from_sizes_strides(tuple(ranks.shape))
+    group_names = [g.group_name for g in groups] if groups is not None else []
+    mesh = _new_mesh(device_type, layout, ranks.reshape(-1), names, None, group_names, coordinate)
+    for group in groups or ():
+        mesh._pg_registry[group.group_name] = group
+    mesh._mg_builder, mesh._mg_token = builder, token
+    return mesh
+
+
+def make_group_mesh(
+    group: dist.ProcessGroup | None,
+    device_type: str,
+    rows: torch.Tensor,
+    name: str,
+    coordinate: int | None,
+    builder: GroupBuilder,
+    token: tuple[int, int],
+) -> RootedMesh:
+    """A 1-D root over one family of groups (``rows``: one group per row): this rank's group
+    where it has one, else a mesh with coordinate ``None`` — what ``DeviceMesh("cpu", [0, 2])``
+    is on ranks 1 and 3 when there is one row. Its rank map holds every row, so ``_flatten`` and
+    ``_unflatten`` ask for the same groups on every rank."""
+    layout = _MeshLayout.from_sizes_strides((rows.shape[1],), (1,))
+    mesh = _new_mesh(
+        device_type,
+        layout,
+        rows.reshape(-1).contiguous(),
+        (name,),
+        None,
+        [group.group_name] if group is not None else [],
+        None if coordinate is None else (coordinate,),
+    )
+    if group is not None:
+        mesh._pg_registry[group.group_name] = group
+    mesh._mg_builder, mesh._mg_token = builder, token
     return mesh
 
 
 def flattened_layout(root: DeviceMesh, names: tuple[str, ...]) -> _MeshLayout:
-    return _MeshLayout([root[names]._layout.collapse()])
+    """The layout of ``root[names]._flatten()``, computed without slicing (O(ndim))."""
+    dims = root._mesh_dim_names or ()
+    return _MeshLayout([_MeshLayout([root._layout[dims.index(n)] for n in names]).collapse()])
 
 
 def register_flattened(
-    root: DeviceMesh, layout: _MeshLayout, name: str, group: dist.ProcessGroup
+    root: DeviceMesh,
+    layout: _MeshLayout,
+    name: str,
+    group: dist.ProcessGroup | None,
+    coordinate: tuple[int, ...] | None,
 ) -> DeviceMesh:
-    """A 1-D mesh over ``group`` registered on ``root`` as the flattened dim ``name``: torch's
-    ``root[name]`` and ``root[dims]._flatten(name)`` then return it, and DTensor routes through it."""
-    flat = RootedMesh(
-        root.device_type,
-        _layout=layout,
-        _rank_map=root._rank_map,
-        mesh_dim_names=(name,),
-        _root_mesh=root,
-        _init_backend=False,
-    )
-    flat._dim_group_names = [group.group_name]
-    root._pg_registry[group.group_name] = group
+    """A 1-D mesh over ``group`` (``None`` off it) registered on ``root`` as the flattened dim
+    ``name``: torch's ``root[name]`` and ``root[dims]._flatten(name)`` then return it, and
+    DTensor routes through it. O(ndim)."""
+    flat = _derived(root, layout, (name,), [group.group_name] if group is not None else [], coordinate)
+    if group is not None:
+        root._pg_registry[group.group_name] = group
     root._flatten_mapping[name] = flat
     return flat
 
@@ -217,7 +419,11 @@ def flattened_dim(root: DeviceMesh, name: str) -> DeviceMesh | None:
 
 
 def flatten_on_root(
-    root: DeviceMesh, dims: tuple[str, ...], name: str, group: dist.ProcessGroup
+    root: DeviceMesh,
+    dims: tuple[str, ...],
+    name: str,
+    group: dist.ProcessGroup | None,
+    coordinate: tuple[int, ...] | None,
 ) -> DeviceMesh:
     """``root[dims]`` flattened as ``name`` over ``group`` (registered once; an equal
     registration is returned, a different one under the same name refused)."""
@@ -227,7 +433,17 @@ def flatten_on_root(
         if existing._layout != layout:
             raise ValueError(f"flattened dim {name!r} already exists over other dims; pick another name")
         return existing
-    return register_flattened(root, layout, name, group)
+    return register_flattened(root, layout, name, group, coordinate)
+
+
+def forget_dtensor_caches() -> None:
+    """Drop DTensor's sharding-propagation caches (torch's debug helpers). They are keyed by mesh
+    *equality*, which ignores process groups, so after a close an equal mesh built later would
+    be handed cached specs naming the destroyed groups ("Could not resolve the process group")."""
+    from torch.distributed.tensor import debug
+
+    debug._clear_python_sharding_prop_cache()
+    debug._clear_fast_path_sharding_prop_cache()
 
 
 def detach_builder(root: DeviceMesh | None) -> None:

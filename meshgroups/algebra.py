@@ -6,13 +6,14 @@ Built on ``Layout``'s public constructors only (``from_strides`` for affine resu
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ._grid import merged_stride
-from .checks import check_dims, check_int, check_names, check_size, formula, is_int, product
+from .checks import check_dims, check_int, check_names, check_size, formula, is_int, product, short_repr
 from .errors import LayoutError
 
 if TYPE_CHECKING:
@@ -82,17 +83,27 @@ def select(layout: Layout, dim: str, indices: int | Iterable[int]) -> Layout:
     axis = layout.names.index(dim)
     size = layout.shape[axis]
     if not is_int(indices) and (isinstance(indices, (str, bytes)) or not isinstance(indices, Iterable)):
-        raise TypeError(f"select({dim!r}, ...) takes an int or a list of ints, got {indices!r}")
-    raw = [indices] if is_int(indices) else list(indices)  # type: ignore[arg-type]
+        raise TypeError(f"select({dim!r}, ...) takes an int or a list of ints, got {short_repr(indices)}")
+    # Each index may be given as i and as i - size (2 * size indices say everything; a few more
+    # repeats are tolerated); reading at most one more refuses an endless iterable.
+    limit = 2 * size + 1024
+    raw = [indices] if is_int(indices) else list(itertools.islice(indices, limit + 1))  # type: ignore[arg-type]
     if not raw:
         raise LayoutError(f"select({dim!r}, []) keeps no ranks; give at least one index")
+    if len(raw) > limit:
+        raise LayoutError(
+            f"select({dim!r}, ...) was given more than {limit} indices for a dim of size {size}; "
+            "give each index once"
+        )
     picked: list[int] = []
+    seen: set[int] = set()  # a set, not `in picked`: linear in the number of indices
     for i in raw:
         i = check_int(i, f"index of dim {dim!r}")
         if not -size <= i < size:
             raise LayoutError(f"index {i} is out of range for dim {dim!r} of size {size}")
         i %= size
-        if i not in picked:
+        if i not in seen:
+            seen.add(i)
             picked.append(i)
     strides = layout.strides
     steps = {b - a for a, b in zip(picked, picked[1:])}

@@ -27,11 +27,12 @@ from ._torch_seam import (
     default_timeout,
     group_count,
     held_group_count,
+    is_backend_options,
 )
-from .errors import ConcurrentInitError, MeshConfigError
+from .errors import ConcurrentInitError, DeviceTypeError, MeshConfigError, WorldSizeError
 from .groups import GroupCache, GroupHandle
 from .layout import Layout
-from .plan import Plan, SubsetSpec, as_timedelta, make_plan
+from .plan import BackendConfig, Plan, SubsetSpec, as_timedelta, make_plan
 from .rendezvous import Rendezvous, next_generation
 from .strategies import Builder, CreationStrategy, build_families, make_strategy
 
@@ -78,6 +79,8 @@ def build(
     strategy: object,
     cache: GroupCache | None,
     check: bool | None,
+    backend_override: Mapping[Any, Any] | None = None,
+    labels: Mapping[Hashable, str] | None = None,
 ) -> Built:
     """Validate (every error before any collective, and told to the other ranks), then run the
     collective build. Call with ``one_at_a_time()`` held."""
@@ -92,6 +95,7 @@ def build(
     try:
         timeout_td = as_timedelta(timeout, default)
         check_options(device_type, backend, gloo_twins, cache)
+        overrides = normalize_overrides(backend_override)
         creator = make_strategy(strategy)
         plan = make_plan(
             layout,
@@ -103,6 +107,8 @@ def build(
             strategy=creator.name,
             gloo_twins=gloo_twins,
             timeout=timeout_td,
+            backend_override=overrides,
+            labels=labels,
         )
         for spec in plan.specs:
             check_in_world(spec.layout, world_size, spec.key)
@@ -115,10 +121,17 @@ def build(
 
 
 def build_more(
-    layout: Layout, only: Sequence[tuple[str, ...]], plan: Plan, check: bool, cache: GroupCache
+    layout: Layout,
+    only: Sequence[tuple[str, ...]],
+    plan: Plan,
+    check: bool,
+    cache: GroupCache,
+    labels: Mapping[Hashable, str] | None = None,
+    backend_override: Mapping[str, BackendConfig] | None = None,
 ) -> Built:
     """A later collective build of families over ``layout`` with the options of an earlier
-    ``plan`` (a mesh's ``init_mesh``) and its cache."""
+    ``plan`` (a mesh's ``init_mesh``) and its cache; ``labels`` name the families (their group
+    description, torch's ``mesh_<name>``), ``backend_override`` is keyed by those names."""
     with one_at_a_time():
         return build(
             layout,
@@ -132,7 +145,43 @@ def build_more(
             strategy=plan.strategy,
             cache=cache,
             check=check,
+            backend_override=backend_override,
+            labels=labels,
         )
+
+
+def normalize_overrides(value: object) -> dict[int | str, BackendConfig]:
+    """torch's ``backend_override`` forms as ``{dim: (backend, options)}``: a value is a backend
+    name, backend options, or ``(name, options)`` (either part ``None``)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"backend_override must map dim names or indices to a backend, e.g. {{'tp': 'gloo'}}; got {value!r}"
+        )
+    out: dict[int | str, BackendConfig] = {}
+    for key, given in value.items():
+        config: BackendConfig
+        if isinstance(given, str):
+            config = (given, None)
+        elif is_backend_options(given):
+            config = (None, given)
+        elif (
+            isinstance(given, tuple)
+            and len(given) == 2
+            and (given[0] is None or isinstance(given[0], str))
+            and (given[1] is None or is_backend_options(given[1]))
+        ):
+            config = (given[0], given[1])
+        else:
+            raise TypeError(
+                f"backend_override[{key!r}] must be a backend name, backend options or (name, options), "
+                f"got {given!r}"
+            )
+        if config[0] is not None:
+            check_backend_name(config[0], f"backend_override[{key!r}]")
+        out[key] = config
+    return out
 
 
 def run(
@@ -187,33 +236,37 @@ def check_options(device_type: object, backend: object, gloo_twins: object, cach
     if not isinstance(device_type, str):
         raise TypeError(f"device_type must be a str such as 'cpu' or 'cuda', got {device_type!r}")
     if ":" in device_type:
-        raise MeshConfigError(f"device_type={device_type!r}: give the device type only, e.g. 'cpu' or 'cuda'")
+        raise DeviceTypeError(f"device_type={device_type!r}: give the device type only, e.g. 'cpu' or 'cuda'")
     try:
         torch.device(device_type)
     except RuntimeError:
-        raise MeshConfigError(
+        raise DeviceTypeError(
             f"device_type={device_type!r} is not a torch device type (e.g. 'cpu', 'cuda', 'xpu')"
         ) from None
     if backend is not None:
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str such as 'gloo' or 'cpu:gloo,cuda:nccl', got {backend!r}")
-        known = [b for b in dist.Backend.backend_list if b != "undefined"]
-        for part in backend.split(","):
-            name = part.rsplit(":", 1)[-1].strip().lower()
-            if name not in known:
-                raise MeshConfigError(
-                    f"backend {backend!r}: {name!r} is not a registered backend ({', '.join(known)})"
-                )
+        check_backend_name(backend, "backend")
     if not isinstance(gloo_twins, bool):
         raise TypeError(f"gloo_twins must be True or False, got {gloo_twins!r}")
     if cache is not None and not isinstance(cache, GroupCache):
         raise TypeError(f"cache must be a meshgroups.GroupCache or None, got {type(cache).__name__}")
 
 
+def check_backend_name(backend: str, what: str) -> None:
+    known = [b for b in dist.Backend.backend_list if b != "undefined"]
+    for part in backend.split(","):
+        name = part.rsplit(":", 1)[-1].strip().lower()
+        if name not in known:
+            raise MeshConfigError(
+                f"{what}={backend!r}: {name!r} is not a registered backend ({', '.join(known)})"
+            )
+
+
 def check_in_world(layout: Layout, world_size: int, key: Any) -> None:
     top = layout.max_rank
     if top >= world_size:
-        raise MeshConfigError(
+        raise WorldSizeError(
             f"group {key!r} uses rank {top}, outside the default group's world (ranks 0..{world_size - 1}); "
             "a layout may cover part of the world but not more"
         )

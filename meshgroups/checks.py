@@ -11,13 +11,15 @@ int64 and every grid can be materialised.
 
 from __future__ import annotations
 
+import itertools
 import keyword
-from collections.abc import Iterable, Sequence
+import reprlib
+from collections.abc import Iterable, Sequence, Sized
 from typing import cast
 
 import numpy as np
 
-from .errors import LayoutError
+from .errors import DuplicateNameError, LayoutError, UnknownDimError
 
 #: Keyword arguments of ``Layout(...)``/``Layout.from_order`` that are options, not dim names.
 #: Every other parameter of a method taking ``**dims`` is positional-only, so it cannot clash.
@@ -27,6 +29,29 @@ MAX_RANK = 2**31 - 1
 #: Most ranks one layout may hold: 16,777,216, far beyond any job today, small enough that the
 #: grid of the largest layout (128 MiB) can always be built.
 MAX_WORLD_SIZE = 2**24
+#: Most dims one layout may have: numpy's limit on array dimensions (64 in numpy 2, 32 before),
+#: checked up front so a long list of size-1 dims is refused before any work, not deep in numpy.
+MAX_NDIM = 64 if int(np.__version__.split(".")[0]) >= 2 else 32
+#: Longest digit string :func:`parse_int` reads (a rank or size never needs more).
+MAX_DIGITS = 19
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 8
+
+
+def short_repr(value: object) -> str:
+    """``repr`` for messages about arbitrary input: bounded in length and nesting depth (a list
+    nested 5,000 deep or a 10 MB string cannot blow up the error that names it)::
+
+        >>> short_repr(list(range(100)))
+        '[0, 1, 2, 3, 4, 5, 6, 7, ...]'
+    """
+    try:
+        return _REPR.repr(value)
+    except Exception:  # a hostile __repr__
+        return f"<{type(value).__name__} object>"
 
 
 def is_int(value: object) -> bool:
@@ -37,7 +62,7 @@ def is_int(value: object) -> bool:
 def check_int(value: object, what: str) -> int:
     """``value`` as an int; ``TypeError`` naming ``what`` for anything else (bools included)."""
     if not is_int(value):
-        raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{what} must be an int, got {short_repr(value)} ({type(value).__name__})")
     return int(cast(int, value))
 
 
@@ -47,6 +72,26 @@ def check_positive(value: object, what: str, limit: int = MAX_WORLD_SIZE) -> int
     if not 1 <= n <= limit:
         raise LayoutError(f"{what}={n} must be between 1 and {limit}")
     return n
+
+
+def parse_int(text: object, what: str) -> int:
+    """An int written in ASCII digits with an optional leading ``-``: what a command line or a
+    ``name=size`` string may say. ``int()`` alone would also take ``1_000``, ``" 8"`` and
+    non-ASCII digits such as ``٣``; those are refused (``ValueError`` naming ``what``)::
+
+        >>> parse_int("16", "size of 'tp'")
+        16
+    """
+    if not isinstance(text, str):
+        raise TypeError(
+            f"{what} must be given as a str of digits, got {short_repr(text)} ({type(text).__name__})"
+        )
+    digits = text[1:] if text.startswith("-") else text
+    if not digits or not digits.isascii() or not digits.isdigit():
+        raise LayoutError(f"{what} must be an integer written in digits 0-9, got {short_repr(text)}")
+    if len(digits) > MAX_DIGITS:
+        raise LayoutError(f"{what} has more than {MAX_DIGITS} digits, got {text[:24]!r}…")
+    return int(text)
 
 
 def check_size(name: str, size: object) -> int:
@@ -71,25 +116,33 @@ def check_world(names: Sequence[str], sizes: Sequence[int]) -> int:
 def check_name(name: object, what: str = "dim name") -> str:
     """A dim (or view) name: an identifier that is not a keyword nor a ``Layout`` option."""
     if not isinstance(name, str):
-        raise TypeError(f"{what}s must be str, got {name!r} ({type(name).__name__})")
+        raise TypeError(f"{what}s must be str, got {short_repr(name)} ({type(name).__name__})")
     if not name.isidentifier() or keyword.iskeyword(name):
-        raise LayoutError(f"{what} {name!r} is not a Python identifier (or is a keyword)")
+        raise LayoutError(f"{what} {short_repr(name)} is not a Python identifier (or is a keyword)")
     if name in RESERVED_NAMES:
         raise LayoutError(f"{what} {name!r} is reserved for the Layout option of that name")
     return name
 
 
-def check_names(names: object, what: str = "dim name") -> tuple[str, ...]:
-    """An ordered sequence of distinct names (a str or a set is refused: no defined order)."""
+def check_names(names: object, what: str = "dim name", limit: int = MAX_NDIM) -> tuple[str, ...]:
+    """An ordered sequence of at most ``limit`` (:data:`MAX_NDIM`) distinct names (a str or a
+    set is refused: no defined order). The count is checked before any name, so a list of
+    thousands of names costs nothing."""
     if isinstance(names, (str, bytes)):
-        raise TypeError(f"{what}s must be a sequence of str such as ('dp', 'tp'), got the string {names!r}")
+        raise TypeError(
+            f"{what}s must be a sequence of str such as ('dp', 'tp'), got the string {short_repr(names)}"
+        )
     if isinstance(names, (set, frozenset)) or not isinstance(names, Iterable):
         raise TypeError(f"{what}s must be an ordered sequence (list or tuple), got {type(names).__name__}")
-    checked = tuple(check_name(n, what) for n in names)
+    items = list(itertools.islice(names, limit + 1))
+    if len(items) > limit:
+        count = len(names) if isinstance(names, Sized) else f"more than {limit}"
+        raise LayoutError(f"{count} {what}s given; a layout has at most {limit} dims (numpy's limit)")
+    checked = tuple(check_name(n, what) for n in items)
     seen: set[str] = set()
     for name in checked:
         if name in seen:
-            raise LayoutError(f"duplicate {what} {name!r} in {checked}; {what}s must be unique")
+            raise DuplicateNameError(f"duplicate {what} {name!r} in {checked}; {what}s must be unique")
         seen.add(name)
     return checked
 
@@ -100,11 +153,11 @@ def check_dims(requested: Sequence[object], names: Sequence[str], where: str = "
     out: list[str] = []
     for dim in requested:
         if not isinstance(dim, str):
-            raise TypeError(f"dims are named by str, got {dim!r} ({type(dim).__name__})")
+            raise TypeError(f"dims are named by str, got {short_repr(dim)} ({type(dim).__name__})")
         if dim not in names:
-            raise LayoutError(f"unknown dim {dim!r}; dims{suffix} are {', '.join(names)}")
+            raise UnknownDimError(f"unknown dim {dim!r}; dims{suffix} are {', '.join(names)}")
         if dim in out:
-            raise LayoutError(f"dim {dim!r} given twice in {tuple(requested)}")
+            raise DuplicateNameError(f"dim {dim!r} given twice in {tuple(requested)}")
         out.append(dim)
     return tuple(out)
 

@@ -18,106 +18,51 @@ layouts print a bounded summary that says what it left out (``--full`` prints ev
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+from ._cli_args import (
+    bounded_float,
+    bounded_int,
+    check_order,
+    key_values,
+    parse_dims,
+    rank_arg,
+    signed_int,
+    strict_int,
+)
+from .checks import MAX_RANK, formula, product
+from .demo import MAX_PROCESSES
+from .demo import MAX_TIMEOUT as DEMO_MAX_TIMEOUT
 from .layout import Layout
-from .render import short_list, span_table
+from .order import megatron_order
+from .render import MAX_DPI, short_list, span_table
 from .render import text as render_text
 from .topology import Topology
 
 DEFAULT_DEMO = ["pp=2", "dp=2", "cp=1", "tp=2"]
-#: Megatron's order tokens (RankGenerator accepts these and no others).
-ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
-#: Names a dim is usually called; a name close to one of these but not it is probably a typo.
-USUAL_NAMES = (
-    *ORDER_TOKENS,
-    "etp",
-    "edp",
-    "sp",
-    "dp_replicate",
-    "dp_shard",
-    "expt_tp",
-    "expt_dp",
-    "world",
-    "node",
-    "local",
-)
 #: Without --full, JSON lists at most this many groups per dim, and tables this many members.
 SUMMARY_GROUPS = 8
 SUMMARY_MEMBERS = 16
-
-
-def _positive(kind: Callable[[str], float], what: str) -> Callable[[str], float]:
-    def parse(value: str) -> float:
-        try:
-            number = kind(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be a number, got {value!r}") from None
-        if not number > 0 or number != number or number == float("inf"):
-            raise argparse.ArgumentTypeError(f"{what} must be positive, got {value!r}")
-        return number
-
-    return parse
-
-
-def _non_negative_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {value!r}") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value!r}")
-    return number
-
-
-def _parse_dims(
-    parser: argparse.ArgumentParser, words: Sequence[str], any_names: bool
-) -> list[tuple[str, int]]:
-    pairs = []
-    for word in words:
-        name, sep, size = word.partition("=")
-        if not sep or not name:
-            parser.error(f"dims are name=size words like tp=4, got {word!r}")
-        try:
-            pairs.append((name, int(size)))
-        except ValueError:
-            parser.error(f"size of {name!r} must be an integer, got {size!r}")
-        if not any_names and name not in USUAL_NAMES:
-            close = difflib.get_close_matches(name, USUAL_NAMES, n=2, cutoff=0.6)
-            if close:
-                parser.error(
-                    f"unknown dim {name!r}: did you mean {' or '.join(map(repr, close))}? "
-                    "(pass --any-names to use it as it is)"
-                )
-    if not pairs:
-        parser.error("give at least one dim, e.g. pp=2 dp=2 tp=4")
-    return pairs
-
-
-def _check_order(parser: argparse.ArgumentParser, order: str) -> None:
-    if not order.strip():
-        parser.error("--order is empty; give Megatron's tokens fastest first, e.g. tp-cp-ep-dp-pp")
-    for token in order.lower().split("-"):
-        if token not in ORDER_TOKENS:
-            close = difflib.get_close_matches(token, ORDER_TOKENS, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            parser.error(
-                f"--order token {token!r} is not one of Megatron's ({', '.join(ORDER_TOKENS)}); {hint}"
-                "without --order, any dim names may be used"
-            )
+#: Largest --from-json file read (a million-rank job's groups fit comfortably).
+MAX_JSON_BYTES = 256 * 2**20
+#: Longest --timeout of the demo (a day).
+MAX_TIMEOUT = DEMO_MAX_TIMEOUT
 
 
 def _from_json(parser: argparse.ArgumentParser, path: str) -> Layout:
     try:
-        with open(path) as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_JSON_BYTES + 1)  # bounded: /dev/zero or a huge file is refused
+        if len(raw) > MAX_JSON_BYTES:
+            parser.error(f"--from-json {path} is larger than {MAX_JSON_BYTES} bytes")
+        data = json.loads(raw)
     except OSError as exc:
         parser.error(f"cannot read --from-json {path}: {exc.strerror or exc}")
-    except json.JSONDecodeError as exc:
-        parser.error(f"--from-json {path} is not JSON: {exc}")
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested too deep
+        parser.error(f"--from-json {path} is not JSON meshgroups can read: {str(exc)[:200]}")
     try:
         if isinstance(data, dict) and "format" in data:
             return Layout.from_dict(data)  # a layout written by show --json --full or to_dict()
@@ -144,10 +89,10 @@ def _layout(parser: argparse.ArgumentParser, args: argparse.Namespace, default: 
         if args.dims or args.order:
             parser.error("give either --from-json or dims (and --order), not both")
         return _from_json(parser, args.from_json)
-    pairs = _parse_dims(parser, args.dims or default, getattr(args, "any_names", False) or bool(args.order))
+    pairs = parse_dims(parser, args.dims or default, getattr(args, "any_names", False) or bool(args.order))
     try:
         if args.order is not None:
-            _check_order(parser, args.order)
+            check_order(parser, args.order)
             if any(size == -1 for _, size in pairs):
                 parser.error("-1 sizes are not supported with --order")
             layout = Layout.from_order(args.order, **dict(pairs))
@@ -155,6 +100,9 @@ def _layout(parser: argparse.ArgumentParser, args: argparse.Namespace, default: 
                 sizes = " × ".join(f"{n}={s}" for n, s in pairs)
                 parser.error(f"{sizes} = {layout.world_size} does not match world size {args.world_size}")
             return layout
+        unknown = [name for name, size in pairs if size == -1]
+        if unknown and args.world_size is None:
+            parser.error(f"{unknown[0]}=-1 needs --world-size N to infer it from")
         return Layout(pairs, world_size=args.world_size)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
@@ -227,35 +175,47 @@ def _json(layout: Layout, args: argparse.Namespace) -> dict[str, object]:
 
 
 def _place(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    pairs = _parse_dims(parser, args.dims, args.any_names)
+    pairs = parse_dims(parser, args.dims, args.any_names)
     topology = _topology(parser, args.topology)
     assert topology is not None  # required by the parser
-    require = {}
-    for word in (args.require or "").split(","):
-        if word:
-            dim, sep, level = word.partition("=")
-            if not sep:
-                parser.error(f"--require takes dim=level pairs like tp=node, got {word!r}")
-            require[dim] = level
+    require = key_values(parser, "--require", args.require, "tp=node")
     fast = [d for d in (args.fast_first or "").split(",") if d]
+    if len(set(fast)) < len(fast):
+        parser.error(f"--fast-first names a dim twice: {args.fast_first!r}")
     try:
         layout = Layout.place(dict(pairs), topology, fast_first=fast, require=require)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
+    order, why = megatron_order(layout)
     if args.json:
         spans = {d: layout.span(d, topology=topology) for d in layout.names}
-        print(json.dumps({"layout": layout.to_dict(), "span": spans}, indent=1))
+        data = {
+            "layout": layout.to_dict(),
+            "span": spans,
+            "megatron_order": order,
+            "megatron_order_note": why,
+        }
+        print(json.dumps(data, indent=1))
         return 0
     print(render_text(layout, max_members=SUMMARY_MEMBERS))
     print()
     print(span_table(layout, topology))
+    print()
+    if order is not None:
+        print(
+            f"Megatron order string: {order} (initialize_model_parallel(order={order!r}) gives these groups)"
+        )
+    else:
+        print(f"not a Megatron order string: {why}")
     return 0
 
 
 def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     layout = _layout(parser, args)
     _check_rank(parser, layout, args.rank)
-    color_by = tuple(args.color_by.split(",")) if args.color_by else None
+    if not args.output.strip() or args.output.endswith(("/", os.sep)) or os.path.isdir(args.output):
+        parser.error(f"-o needs a file name such as layout.png, got {args.output!r}")
+    color_by = tuple(args.color_by.split(",")) if args.color_by is not None else None
     try:
         from .render import plot
 
@@ -276,26 +236,78 @@ def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    import os
-
+    """The demo's processes: one per rank of the layout. A ``-1`` dim is filled from ``--nproc``
+    or torchrun's ``WORLD_SIZE``; a layout of another size than the processes is an error; at most
+    ``MAX_PROCESSES`` are spawned on this machine (torchrun starts its own)."""
     from .demo import main as demo_main
 
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if args.dims:
-        args.world_size = None
-        layout = _layout(parser, args)
-        world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc or layout.world_size
-        if not torchrun and layout.max_rank >= world:
+    world, source = args.nproc, f"--nproc {args.nproc}"
+    if torchrun:
+        try:
+            world = strict_int(os.environ["WORLD_SIZE"], "WORLD_SIZE")
+        except argparse.ArgumentTypeError as exc:
+            parser.error(str(exc))
+        if args.nproc is not None and args.nproc != world:
             parser.error(
-                f"the layout has {layout.world_size} ranks but --nproc {world}; drop --nproc "
-                f"(it follows the dims) or give --nproc {layout.max_rank + 1}"
+                f"--nproc {args.nproc} but torchrun started WORLD_SIZE={world} processes; drop --nproc"
+            )
+        source = f"torchrun's WORLD_SIZE={world}"
+    if args.dims:
+        layout = _demo_layout(parser, args, world, source)
+        if world is None:
+            world = layout.world_size
+        elif layout.world_size != world:
+            fix = (
+                f"start torchrun with {layout.world_size} processes"
+                if torchrun
+                else f"drop --nproc (it follows the dims) or give --nproc {layout.world_size}"
+            )
+            parser.error(
+                f"the layout has {layout.world_size} ranks but {source}; the demo runs one process per rank: {fix}"
             )
     else:
-        world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc or 8
+        world = world or 8
         tp = 2 if world % 2 == 0 else 1
         pp = 2 if world % (2 * tp) == 0 and world > 2 * tp else 1
         layout = Layout(pp=pp, dp=world // (pp * tp), cp=1, tp=tp)
+    if not torchrun and world > MAX_PROCESSES:
+        parser.error(
+            f"the layout has {world} ranks; the demo spawns at most {MAX_PROCESSES} processes on this "
+            "machine (one per rank); run it under torchrun for more"
+        )
     return demo_main(layout, world, strategy=args.strategy, timeout=args.timeout)
+
+
+def _demo_layout(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, world: int | None, source: str
+) -> Layout:
+    """The demo's layout; a ``-1`` size is the processes' count over the other sizes."""
+    pairs = parse_dims(parser, args.dims, args.any_names or bool(args.order))
+    unknown = [name for name, size in pairs if size == -1]
+    if len(unknown) > 1:
+        parser.error(f"only one size may be -1 (inferred), got {', '.join(unknown)}")
+    if unknown:
+        if world is None:
+            parser.error(
+                f"{unknown[0]}=-1 needs the number of processes: give --nproc N (or run under torchrun)"
+            )
+        known = [(n, s) for n, s in pairs if s != -1 and s > 0]
+        rest = product(s for _, s in known)
+        if len(known) < len(pairs) - 1 or world % rest:
+            parser.error(
+                f"{formula([n for n, _ in known], [s for _, s in known]) if known else 'the other dims'} "
+                f"does not divide the {world} processes of {source}, so {unknown[0]}=-1 cannot be inferred"
+            )
+        pairs = [(n, world // rest if s == -1 else s) for n, s in pairs]
+    try:
+        if args.order is not None:
+            check_order(parser, args.order)
+            return Layout.from_order(args.order, **dict(pairs))
+        return Layout(pairs)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    raise AssertionError("unreachable")  # parser.error exits
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -305,11 +317,17 @@ def build_parser() -> argparse.ArgumentParser:
     def layout_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("dims", nargs="*", help="name=size words, outermost first (e.g. pp=2 dp=2 tp=4)")
         p.add_argument("--order", help="Megatron order string, fastest first (e.g. tp-cp-dp-pp)")
-        p.add_argument("--world-size", type=int, help="check the sizes against it (one size may be -1)")
         p.add_argument(
-            "--ranks-per-node", type=_positive(int, "--ranks-per-node"), help="report intra/inter-node groups"
+            "--world-size",
+            type=signed_int("--world-size"),
+            help="check the sizes against it (one size may be -1)",
         )
-        p.add_argument("--rank", type=_non_negative_int, help="show this rank's coordinates and groups")
+        p.add_argument(
+            "--ranks-per-node",
+            type=bounded_int("--ranks-per-node", 1, MAX_RANK + 1),
+            help="report intra/inter-node groups",
+        )
+        p.add_argument("--rank", type=rank_arg, help="show this rank's coordinates and groups")
         p.add_argument("--any-names", action="store_true", help="accept dim names that look like typos")
 
     show = sub.add_parser("show", help="print a layout and its groups")
@@ -339,24 +357,34 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--output", default="layout.png", help="output file (default layout.png)")
     plot.add_argument("--color-by", help="dim or comma-separated dims whose groups get colours")
     plot.add_argument(
-        "--dpi", type=_positive(int, "--dpi"), default=120, help="resolution of the PNG (default 120)"
+        "--dpi",
+        type=bounded_int("--dpi", 1, MAX_DPI, " (a 16 x 12 inch figure at most)"),
+        default=120,
+        help=f"resolution of the PNG (default 120, at most {MAX_DPI})",
     )
     plot.set_defaults(run=_plot, parser=plot)
     demo = sub.add_parser("demo", help="build the mesh on real processes and verify every group")
     demo.add_argument("dims", nargs="*", help="name=size words (default: pp=2 dp=2 cp=1 tp=2 for 8)")
     demo.add_argument(
         "--nproc",
-        type=_positive(int, "--nproc"),
-        help="processes to spawn (default: the layout's world, or 8; ignored under torchrun)",
+        type=bounded_int("--nproc", 1, MAX_PROCESSES, " (processes the demo spawns on this machine)"),
+        help=f"processes to spawn, at most {MAX_PROCESSES} (default: the layout's world, or 8; a -1 dim "
+        "is filled from it); under torchrun, its WORLD_SIZE",
     )
     demo.add_argument("--order", help="Megatron order string, fastest first")
     demo.add_argument("--any-names", action="store_true", help="accept dim names that look like typos")
     demo.add_argument("--strategy", choices=["global", "local"], default="global")
     demo.add_argument(
-        "--timeout", type=_positive(float, "--timeout"), default=60.0, help="seconds before a stuck job fails"
+        "--timeout",
+        type=bounded_float("--timeout", MAX_TIMEOUT, 1.0, " seconds"),
+        default=60.0,
+        help=f"seconds before a stuck job fails (1 to {MAX_TIMEOUT:g})",
     )
     demo.set_defaults(run=_demo, parser=demo, world_size=None)
     parser.set_defaults(commands={"show": show, "place": place, "plot": plot, "demo": demo})
+    from ._cli_transfer import register as register_transfer  # weight transfer: its own module
+
+    parser.get_default("commands")["transfer"] = register_transfer(sub)
     return parser
 
 
@@ -367,9 +395,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.get_default("commands")
     if words and words[0] in commands:
         args = commands[words[0]].parse_intermixed_args(words[1:])
+    else:
+        args = parser.parse_args(words)
+    try:
         return int(args.run(args.parser, args))
-    args = parser.parse_args(words)
-    return int(args.run(args.parser, args))
+    except (ValueError, TypeError) as exc:
+        # The last net: every check above names its option; a value error from deeper in the
+        # library is still a usage error (exit 2, one message), never a traceback.
+        args.parser.error(str(exc))
+    raise AssertionError("unreachable")  # parser.error exits
 
 
 if __name__ == "__main__":

@@ -23,8 +23,14 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from .checks import check_positive
 from .layout import Layout
 from .render import text as render_text
+
+#: Most processes the demo spawns on this machine (one per rank); torchrun starts its own.
+MAX_PROCESSES = 64
+#: Longest timeout, in seconds, the demo accepts (a day).
+MAX_TIMEOUT = 86400.0
 
 
 def families(layout: Layout) -> list[tuple[str, ...]]:
@@ -189,6 +195,30 @@ def _spawn_local(layout: Layout, nproc: int, strategy: str, timeout: float) -> i
 
 def main(layout: Layout, nproc: int, strategy: str = "global", timeout: float = 60.0) -> int:
     """Run the demo; returns the process exit status."""
+    check_args(layout, nproc, strategy, timeout)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _join_torchrun(layout, strategy, timeout)
     return _spawn_local(layout, nproc, strategy, timeout)
+
+
+def check_args(layout: Layout, nproc: int, strategy: str, timeout: float) -> None:
+    """``main``'s arguments: a layout over ranks ``0..nproc-1`` exactly (one process per rank),
+    at most :data:`MAX_PROCESSES` spawned here, a known strategy, a timeout of 1 s to a day::
+
+        >>> check_args(Layout(dp=2, tp=2), 4, "global", 60.0)
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"the demo takes a meshgroups.Layout, got {type(layout).__name__}")
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    check_positive(nproc, "nproc", 2**31 if torchrun else MAX_PROCESSES)
+    if layout.rank_offset != 0 or layout.max_rank != nproc - 1 or layout.world_size != nproc:
+        raise ValueError(
+            f"the layout has {layout.world_size} ranks ({layout.describe_ranks()}) but nproc={nproc}; "
+            "the demo runs one process per rank 0..nproc-1"
+        )
+    if strategy not in ("global", "local"):
+        raise ValueError(f"strategy={strategy!r} is not one of 'global', 'local'")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+    if not 1.0 <= timeout <= MAX_TIMEOUT:
+        raise ValueError(f"timeout={timeout!r} must be between 1 and {MAX_TIMEOUT:g} seconds")

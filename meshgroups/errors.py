@@ -56,12 +56,56 @@ class ConcurrentInitError(RuntimeError):
     """``init_mesh`` was called from a second thread while another call was in progress."""
 
 
+# Errors that are also the class torch raises for the same misuse, so code written against
+# torch (``except RuntimeError`` around ``init_device_mesh``, ``except KeyError`` around
+# ``mesh["nope"]``) catches meshgroups' error too, which keeps its own, clearer message.
+
+
+class DuplicateNameError(LayoutError, RuntimeError):
+    """Names repeat (``mesh_dim_names``, dims of a slice); torch raises ``RuntimeError``::
+
+    >>> from meshgroups import Layout
+    >>> import numpy as np
+    >>> try:
+    ...     Layout.from_grid(np.arange(4).reshape(2, 2), ("dp", "dp"))
+    ... except RuntimeError as exc:
+    ...     print(type(exc).__name__, isinstance(exc, ValueError))
+    DuplicateNameError True
+    """
+
+
+class UnknownDimError(LayoutError, KeyError):
+    """A dim name the layout does not have; torch raises ``KeyError`` (``mesh["nope"]``)."""
+
+    __str__ = BaseException.__str__  # the message as written, not KeyError's repr of it
+
+
+class DeviceTypeError(MeshConfigError, RuntimeError):
+    """``device_type`` carries an index (``"cpu:0"``) or is no device type; torch raises
+    ``RuntimeError``."""
+
+
+class WorldSizeError(MeshConfigError, RuntimeError):
+    """A layout needs ranks outside the default group's world; torch raises ``RuntimeError``
+    (``Mesh should not be bigger than default world size``)."""
+
+
+class BackendOverrideError(MeshConfigError, RuntimeError):
+    """``backend_override`` names a dim twice (by name and index) or a dim that does not exist;
+    torch raises ``RuntimeError``."""
+
+
 __all__ = [
+    "BackendOverrideError",
     "ConcurrentInitError",
+    "DeviceTypeError",
+    "DuplicateNameError",
     "LayoutError",
     "MeshBuildError",
     "MeshConfigError",
     "MismatchError",
     "RendezvousTimeout",
     "StoreConnectionError",
+    "UnknownDimError",
+    "WorldSizeError",
 ]

@@ -28,6 +28,7 @@ O(log W)); affine ones by digit arithmetic (O(ndim)).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
@@ -39,6 +40,7 @@ import numpy as np
 from . import _grid, algebra, views
 from ._layout_topology import LayoutTopology
 from .checks import (
+    MAX_NDIM,
     MAX_RANK,
     check_dims,
     check_int,
@@ -46,6 +48,7 @@ from .checks import (
     check_names,
     is_int,
     product,
+    short_repr,
 )
 from .errors import LayoutError
 
@@ -81,13 +84,17 @@ class Layout(LayoutTopology):
         if dims is not None and sizes:
             raise TypeError("give dims either as one mapping/sequence or as keywords, not both")
         if dims is not None and (isinstance(dims, (str, bytes)) or not isinstance(dims, (Mapping, Iterable))):
-            raise TypeError(f"dims must be a mapping or a sequence of (name, size) pairs, got {dims!r}")
-        pairs = list(dims.items() if isinstance(dims, Mapping) else dims or sizes.items())
+            raise TypeError(
+                f"dims must be a mapping or a sequence of (name, size) pairs, got {short_repr(dims)}"
+            )
+        # At most MAX_NDIM + 1 pairs are read: an endless iterable is refused, not consumed.
+        source = dims.items() if isinstance(dims, Mapping) else sizes.items() if dims is None else dims
+        pairs = list(itertools.islice(source, MAX_NDIM + 1))
         if not pairs:
             raise LayoutError("a Layout needs at least one dim, e.g. Layout(dp=8)")
         for pair in pairs:
             if not (isinstance(pair, tuple) and len(pair) == 2):
-                raise TypeError(f"dims must be (name, size) pairs, got {pair!r}")
+                raise TypeError(f"dims must be (name, size) pairs, got {short_repr(pair)}")
         names = check_names([name for name, _ in pairs])
         shape = _grid.infer_sizes(names, [size for _, size in pairs], world_size)
         strides, offset = _grid.check_affine(shape, _grid.row_major_strides(shape), rank_offset)
@@ -142,7 +149,7 @@ class Layout(LayoutTopology):
         """
         names_t = check_names(names)
         if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
-            raise TypeError(f"shape must be a sequence of ints, got {shape!r}")
+            raise TypeError(f"shape must be a sequence of ints, got {short_repr(shape)}")
         if len(shape) != len(names_t):
             raise LayoutError(f"{len(shape)} sizes given for {len(names_t)} names {names_t}")
         if not names_t:
@@ -283,7 +290,10 @@ class Layout(LayoutTopology):
         """A fresh, writable C-contiguous array of the grid in an integer ``dtype``, built once
         (no intermediate int64 copy): what a consumer keeps as its own, e.g. the int32 rank map
         of a ``DeviceMesh``. Refused if a rank does not fit the dtype."""
-        kind = np.dtype(dtype)
+        try:
+            kind = np.dtype(dtype)
+        except (TypeError, ValueError, RecursionError):
+            raise TypeError(f"grid_as needs an integer dtype, got {short_repr(dtype)}") from None
         if kind.kind not in "iu":
             raise TypeError(f"grid_as needs an integer dtype, got {kind}")
         if self.max_rank > np.iinfo(kind).max:

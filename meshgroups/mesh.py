@@ -25,7 +25,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._torch_seam import detach_builder, flatten_on_root, flattened_dim, make_root
+from ._torch_seam import (
+    BackendConfig,
+    detach_builder,
+    flatten_on_root,
+    flattened_dim,
+    forget_dtensor_caches,
+    make_group_mesh,
+    make_root,
+    register_builder,
+    unregister_builder,
+)
 from .build import Built, build, build_more, one_at_a_time
 from .errors import MeshConfigError
 from .groups import GroupCache, GroupHandle
@@ -37,9 +47,14 @@ from .strategies import Strategy
 class MeshGroups:
     """This rank's view of a built layout: the root ``DeviceMesh`` and every declared group.
 
-    Non-members get ``None``: a rank outside the layout (a rank offset, a subset) has
-    ``mesh is None``, and ``group``/``ranks``/``local_rank``/``submesh`` return ``None`` for a
-    family that has no group containing this rank. ``size`` always answers.
+    **Ranks outside a layout, view or subset** (a layout over part of the world, a rank offset,
+    a subset) are treated as torch treats ranks outside a ``DeviceMesh``: ``mesh``,
+    ``view_mesh`` and ``submesh`` still give a ``DeviceMesh`` (every rank gets one), whose
+    ``get_coordinate()`` is ``None``, on which DTensor ops are no-ops, and whose ``_flatten``,
+    ``_unflatten`` and slicing take part in the collective calls like the members'. The
+    meshgroups lookups that name *this rank's* group answer ``None`` there instead, because
+    there is no such group: ``group``, ``ranks`` and ``local_rank`` (and ``group(gloo=True)``).
+    ``size`` always answers.
 
     ``close()`` (or leaving a ``with init_mesh(...) as mg:`` block) destroys every process group
     this mesh created, except those another live ``MeshGroups`` still uses through a shared
@@ -59,8 +74,10 @@ class MeshGroups:
         self._keys = list(built.builder.keys)
         self._pads = list(built.builder.pads)
         self._closed = False
-        self._subset_meshes: dict[str, DeviceMesh | None] = {}
-        self._meshes: dict[str | None, DeviceMesh | None] = {}
+        self._subset_meshes: dict[str, DeviceMesh] = {}
+        self._meshes: dict[str | None, DeviceMesh] = {}
+        # How copies and unpickled meshes of this process find this MeshGroups (weakly).
+        self._token = register_builder(self._build_for_torch)
 
     # ----------------------------------------------------------------------- lifetime
     @property
@@ -80,11 +97,13 @@ class MeshGroups:
         if self._closed:
             return 0
         self._closed = True
-        for root in self._meshes.values():
+        unregister_builder(self._token)
+        for root in [*self._meshes.values(), *self._subset_meshes.values()]:
             detach_builder(root)
         self._meshes.clear()
         self._subset_meshes.clear()
         destroyed = self.cache.release(self._keys, self._pads)
+        forget_dtensor_caches()
         self._keys.clear()
         self._pads.clear()
         return destroyed
@@ -101,19 +120,20 @@ class MeshGroups:
 
     # ----------------------------------------------------------------------- meshes
     @property
-    def mesh(self) -> DeviceMesh | None:
-        """The root ``DeviceMesh`` of the main layout (``mesh_dim_names == layout.names``), or
-        ``None`` on a rank outside the layout. Built on first use from the groups already created
-        (no collective; torch's constructor is O(world)), with every declared flattened dim of
-        the main layout registered: ``mesh["dp_cp"]`` and ``mesh["dp", "cp"]._flatten()`` return
-        meshgroups' group."""
+    def mesh(self) -> DeviceMesh:
+        """The root ``DeviceMesh`` of the main layout (``mesh_dim_names == layout.names``), on
+        every rank (``get_coordinate()`` is ``None`` outside the layout). Built on first use
+        from the groups already created (no collective; one O(world) torch constructor, every
+        declared flattened dim then registered in O(ndim)): ``mesh["dp_cp"]`` and
+        ``mesh["dp", "cp"]._flatten()`` return meshgroups' group."""
         self._check_open()
         if None not in self._meshes:
             self._meshes[None] = self._build_root(self.layout)
         return self._meshes[None]
 
-    def view_mesh(self, name: str) -> DeviceMesh | None:
-        """The root ``DeviceMesh`` of a view declared with ``Layout.with_views`` (``None`` off it).
+    def view_mesh(self, name: str) -> DeviceMesh:
+        """The root ``DeviceMesh`` of a view declared with ``Layout.with_views`` (coordinate
+        ``None`` off it).
         A view is another factorisation, so its mesh is a root of its own: combine TP and FSDP2
         on slices of one root (the main mesh *or* one view mesh), never across them."""
         self._check_open()
@@ -124,82 +144,99 @@ class MeshGroups:
             self._meshes[name] = self._build_root(views[name])
         return self._meshes[name]
 
-    def _build_root(self, layout: Layout) -> DeviceMesh | None:
-        if dist.get_rank() not in layout:
-            return None
+    def _build_root(self, layout: Layout) -> DeviceMesh:
         missing = [d for d in layout.names if (d,) not in self._handles]
         if missing:
             raise MeshConfigError(
                 f"a DeviceMesh needs the groups of every dim, but {', '.join(missing)} were not built "
                 "(init_mesh was called with only=...)"
             )
-        groups = [self._handles[(d,)].group for d in layout.names]
+        rank = dist.get_rank()
+        coords = layout.coords(rank) if rank in layout else None
+        groups = None if coords is None else [self._handles[(d,)].group for d in layout.names]
         root = make_root(
-            cast(list[dist.ProcessGroup], groups),
+            cast("list[dist.ProcessGroup] | None", groups),
             self.device_type,
             # int32, what torch keeps as its rank map: built once, taken without a copy
             torch.from_numpy(layout.grid_as(np.int32)),
             layout.names,
+            None if coords is None else tuple(coords[d] for d in layout.names),
             self._build_for_torch,
+            self._token,
         )
         for key, handle in self._handles.items():
             if isinstance(key, tuple) and len(key) > 1 and all(d in layout.names for d in key):
-                if self.layout.resolve(*key) is layout and handle.group is not None:
-                    flatten_on_root(root, key, "_".join(key), handle.group)
+                if self.layout.resolve(*key) is layout:
+                    flatten_on_root(
+                        root, key, "_".join(key), handle.group, _flat_position(layout, key, coords)
+                    )
         return root
 
-    def _root_of(self, owner: Layout) -> DeviceMesh | None:
+    def _root_of(self, owner: Layout) -> DeviceMesh:
         if owner is self.layout:
             return self.mesh
         return self.view_mesh(next(n for n, v in self.layout.views.items() if v is owner))
 
     def _build_for_torch(
-        self, rows_per_dim: Sequence[torch.Tensor], names: Sequence[str]
-    ) -> list[dist.ProcessGroup]:
+        self,
+        rows_per_dim: Sequence[torch.Tensor],
+        names: Sequence[str],
+        backends: Sequence[BackendConfig] = (),
+    ) -> list[dist.ProcessGroup | None]:
         """torch's ``_flatten``/``_unflatten`` on one of our meshes: a collective build of each
-        new dim's groups (rows in mesh order), reusing equal groups."""
+        new dim's groups (rows in mesh order; ``backends``: torch's normalised
+        ``backend_override``), reusing equal groups. ``None`` where this rank is in no row."""
         self._check_open()
         groups = []
-        for rows, name in zip(rows_per_dim, names):
+        for i, (rows, name) in enumerate(zip(rows_per_dim, names)):
             grid = np.asarray(rows.cpu().numpy(), dtype=np.int64)
-            handle = self._build_family(Layout.from_grid(grid, ("group", "member")), ("member",))
-            if handle.group is None:
-                raise MeshConfigError(f"this rank is in no group of the new dim {name!r}")
+            override = backends[i] if i < len(backends) else (None, None)
+            handle = self._build_family(
+                Layout.from_grid(grid, ("group", "member")), ("member",), name, override
+            )
             groups.append(handle.group)
         return groups
 
-    def _build_family(self, owner: Layout, key: tuple[str, ...]) -> GroupHandle:
-        built = build_more(owner, [key], self._plan, self._check, self.cache)
+    def _build_family(
+        self,
+        owner: Layout,
+        key: tuple[str, ...],
+        label: str | None = None,
+        override: BackendConfig = (None, None),
+    ) -> GroupHandle:
+        label = label or "_".join(key)
+        overrides = {label: override} if override != (None, None) else None
+        built = build_more(owner, [key], self._plan, self._check, self.cache, {key: label}, overrides)
         self._keys += built.builder.keys
         self._pads += built.builder.pads
         return built.handles[key]
 
-    def flatten(self, *dims: str, name: str | None = None) -> DeviceMesh | None:
+    def flatten(self, *dims: str, name: str | None = None) -> DeviceMesh:
         """Add the flattened group of ``dims`` after ``init_mesh`` — collective: every rank calls
         it, like torch's ``_flatten`` — and register it on the root as ``name`` (default: the
-        dims joined by ``_``). Returns the flattened 1-D mesh (``None`` off the layout); an
-        already built set is reused."""
+        dims joined by ``_``). Returns the flattened 1-D mesh (coordinate ``None`` off the
+        layout); an already built set is reused."""
         self._check_open()
         if not dims:
             raise MeshConfigError("flatten needs at least one dim, e.g. mg.flatten('dp', 'cp')")
         owner = self.layout.resolve(*dims)
         key = tuple(d for d in owner.names if d in dims)
+        label = name if name is not None else "_".join(key)
         if key not in self._handles:
-            self._handles[key] = self._build_family(owner, key)
+            self._handles[key] = self._build_family(owner, key, label)
         root = self._root_of(owner)
-        if root is None:
-            return None
         if len(key) == 1:
             return root[key[0]]
-        label = name if name is not None else "_".join(key)
-        return flatten_on_root(root, key, label, self._handles[key].group)  # type: ignore[arg-type]
+        rank = dist.get_rank()
+        coords = owner.coords(rank) if rank in owner else None
+        return flatten_on_root(root, key, label, self._handles[key].group, _flat_position(owner, key, coords))
 
-    def submesh(self, *dims: str, flatten: bool = False) -> DeviceMesh | None:
+    def submesh(self, *dims: str, flatten: bool = False) -> DeviceMesh:
         """A slice of the root: ``mg.mesh[dims]`` (any dims, n-D, no declaration needed), or
         with ``flatten=True`` the registered flattened dim (``mg.mesh["dp_cp"]``; declare it with
         ``init_mesh(flatten=...)`` or add it with ``flatten()``). A subset name gives a 1-D mesh
-        over the subset's group, a root of its own (it is no dim of the layout). ``None`` off
-        the group."""
+        over the subset's group, a root of its own (it is no dim of the layout). Off the group:
+        the same mesh with coordinate ``None`` (as torch's slices on a rank outside the mesh)."""
         self._check_open()
         if len(dims) == 1 and dims[0] in self._subsets:
             return self._subset_mesh(dims[0])
@@ -210,25 +247,20 @@ class MeshGroups:
         root = self._root_of(owner)
         if flatten and len(key) > 1:
             self._key(key)  # raises a clear error if the flattened group was not built
-            if root is None:
-                return None
             return flattened_dim(root, "_".join(key)) or self.flatten(*key)
-        if root is None:
-            return None
         return root[key]
 
-    def _subset_mesh(self, name: str) -> DeviceMesh | None:
+    def _subset_mesh(self, name: str) -> DeviceMesh:
         if name not in self._subset_meshes:
-            handle = self._handles[name]
-            self._subset_meshes[name] = (
-                None
-                if handle.ranks is None
-                else DeviceMesh.from_group(
-                    handle.group,  # type: ignore[arg-type]
-                    self.device_type,
-                    mesh=torch.tensor(handle.ranks, dtype=torch.int64),
-                    mesh_dim_names=(name,),
-                )
+            handle, spec = self._handles[name], self._subsets[name]
+            self._subset_meshes[name] = make_group_mesh(
+                handle.group,
+                self.device_type,
+                torch.from_numpy(np.ascontiguousarray(spec.layout.groups(*spec.dims), dtype=np.int32)),
+                name,
+                None if handle.ranks is None else handle.ranks.index(dist.get_rank()),
+                self._build_for_torch,
+                self._token,
             )
         return self._subset_meshes[name]
 
@@ -317,6 +349,18 @@ class MeshGroups:
         return html(self.layout, highlight_rank=dist.get_rank())
 
 
+def _flat_position(
+    layout: Layout, key: tuple[str, ...], coords: Mapping[str, int] | None
+) -> tuple[int, ...] | None:
+    """This rank's coordinate on the flattened dim ``key`` (row-major over ``key``), O(ndim)."""
+    if coords is None:
+        return None
+    position = 0
+    for d in key:
+        position = position * layout.size(d) + coords[d]
+    return (position,)
+
+
 def init_mesh(
     layout: Layout,
     device_type: str = "cpu",
@@ -330,6 +374,7 @@ def init_mesh(
     strategy: Strategy = "global",
     cache: GroupCache | None = None,
     check: bool | None = None,
+    backend_override: Mapping[int | str, object] | None = None,
 ) -> MeshGroups:
     """Build ``layout`` on the initialised default process group. Call it on every rank, the
     same number of times, from one thread.
@@ -362,12 +407,19 @@ def init_mesh(
             alive while any ``MeshGroups`` built through the cache uses it.
         check: run the cross-rank rendezvous (default: on, except on the single-process
             ``"fake"`` backend). Off, nothing verifies that ranks agree.
+        backend_override: torch's per-dim backend choice (``init_device_mesh``'s argument):
+            ``{dim name or index: backend name | backend options | (name, options)}``, e.g.
+            ``{"tp": "gloo", 0: ("gloo", opts)}``; keys may also be a view's dim, a declared
+            flattened dim (``"dp_cp"``) or a subset name. Part of the cross-rank check.
 
     Raises:
         RuntimeError: the default process group is not initialised.
         ConcurrentInitError: another thread of this process is inside ``init_mesh``.
         TypeError / MeshConfigError / LayoutError: bad arguments on this rank — raised before
             any collective, and (with ``check``) raised on every other rank too, same class.
+            Where torch raises ``RuntimeError`` for the same misuse the error is also one
+            (``DeviceTypeError`` for ``"cpu:0"``, ``DuplicateNameError``, ``WorldSizeError``,
+            ``BackendOverrideError``; see ``meshgroups.errors``).
         MismatchError: ranks passed different arguments (names the argument and the ranks).
         RendezvousTimeout: a rank never arrived, or arrived after the others gave up.
         StoreConnectionError: the connection to the store was lost (e.g. rank 0 died).
@@ -391,6 +443,7 @@ def init_mesh(
             strategy=strategy,
             cache=cache,
             check=check,
+            backend_override=backend_override,
         )
     return MeshGroups(layout, built)
 

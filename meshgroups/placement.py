@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .checks import MAX_WORLD_SIZE, check_names, check_size, formula, product
+from .checks import MAX_RANK, MAX_WORLD_SIZE, check_names, check_size, formula, is_int, product, short_repr
 from .errors import LayoutError
 from .topology import WORLD, Topology
 
@@ -34,7 +34,7 @@ def place(
 ) -> Layout:
     """See ``Layout.place``."""
     if not isinstance(sizes, Mapping) or not sizes:
-        raise TypeError(f"sizes must be a non-empty mapping of dim name to size, got {sizes!r}")
+        raise TypeError(f"sizes must be a non-empty mapping of dim name to size, got {short_repr(sizes)}")
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a meshgroups.Topology, got {type(topology).__name__}")
     names = check_names(list(sizes))
@@ -43,17 +43,23 @@ def place(
     if world > MAX_WORLD_SIZE:
         raise LayoutError(f"{formula(names, shape)} ranks exceeds the {MAX_WORLD_SIZE} a layout may hold")
     fast = (
-        list(check_names(list(fast_first), "fast_first dim"))
-        if not isinstance(fast_first, str)
-        else [fast_first]
+        list(check_names(fast_first, "fast_first dim")) if not isinstance(fast_first, str) else [fast_first]
     )
     for d in fast:
         if d not in names:
-            raise LayoutError(f"fast_first names {d!r}, which is not one of the dims {', '.join(names)}")
+            raise LayoutError(
+                f"fast_first names {short_repr(d)}, which is not one of the dims {', '.join(names)}"
+            )
+    if require is not None and not isinstance(require, Mapping):
+        raise TypeError(
+            f"require must map dim names to level names, e.g. {{'tp': 'node'}}, got {short_repr(require)}"
+        )
     require = dict(require or {})
     for d, level in require.items():
         if d not in names:
-            raise LayoutError(f"require names {d!r}, which is not one of the dims {', '.join(names)}")
+            raise LayoutError(
+                f"require names {short_repr(d)}, which is not one of the dims {', '.join(names)}"
+            )
         if level != WORLD:
             topology.size(level)  # names the known levels if unknown
     # Capacity of each level in units of the level below (the world last), up to this world.
@@ -75,7 +81,7 @@ def place(
     order += [d for d in fast if d not in order]
     order += [d for d in names if d not in order]
     scored = len([d for d in order if d in fast or d in require])  # only these spans are compared
-    best = _assign(order, [sizes[d] for d in order], capacity, scored)
+    best = _assign(order, [sizes[d] for d in order], capacity, scored, MAX_BRANCHING)
     if best is None:
         raise AssertionError("unreachable: the sizes multiply to the world")  # pragma: no cover
     spans, allocation = best
@@ -94,6 +100,9 @@ def place(
 
 
 Allocation = list[tuple[int, int]]  # (level index, factor placed there)
+#: How many ranked dims ``place`` tries both splits for (2**8 = 256 evaluations at most); the
+#: rest take the innermost split. Bounds the search however many dims and levels are given.
+MAX_BRANCHING = 8
 
 
 def _take(size: int, capacity: list[int], levels: Sequence[int]) -> Allocation | None:
@@ -110,26 +119,27 @@ def _take(size: int, capacity: list[int], levels: Sequence[int]) -> Allocation |
 
 
 def _assign(
-    order: list[str], sizes: list[int], capacity: list[int], scored: int
+    order: list[str], sizes: list[int], capacity: list[int], scored: int, branching: int
 ) -> tuple[list[int], list[Allocation]] | None:
     """The allocation of every dim (in priority order) whose span levels — of the first
     ``scored`` dims, the ones the caller ranked — are lexicographically smallest. Each dim first
     gets its smallest span; within it, its factors go innermost first (JAX's split: fewest units
     crossed) unless putting them outermost first leaves a later ranked dim a smaller span. Two
-    choices per ranked dim: at most 2**scored small evaluations."""
+    choices for each of the first ``branching`` ranked dims (:data:`MAX_BRANCHING`), the
+    innermost split for the rest: at most 2**branching small evaluations, whatever the input."""
     if not order:
         return [], []
     inner = _take(sizes[0], capacity, range(len(capacity)))
     if inner is None:
         return None
     span = max((index for index, _ in inner), default=0)
-    outer = _take(sizes[0], capacity, range(span, -1, -1)) if scored > 1 else None
+    outer = _take(sizes[0], capacity, range(span, -1, -1)) if scored > 1 and branching > 0 else None
     best: tuple[list[int], list[Allocation]] | None = None
     for takes in [inner] if outer == inner or outer is None else [inner, outer]:
         left = list(capacity)
         for index, take in takes:
             left[index] //= take
-        rest = _assign(order[1:], sizes[1:], left, max(scored - 1, 0))
+        rest = _assign(order[1:], sizes[1:], left, max(scored - 1, 0), branching - (outer is not None))
         if rest is None:
             continue
         candidate = ([span if scored else 0, *rest[0]], [takes, *rest[1]])
@@ -142,6 +152,9 @@ def _grid_of_pieces(
     cls: type[Layout], names: tuple[str, ...], shape: list[int], pieces: list[list[tuple[str, int]]]
 ) -> Layout:
     flat = [p for level in pieces for p in level]  # innermost first
+    strides = _piece_strides(names, flat)
+    if strides is not None:  # the usual case: O(ndim), no grid of W ranks to build and check
+        return cls.from_strides(names, shape, strides)
     sizes = [size for _, size in flat] or [1]
     ranks = np.arange(product(sizes), dtype=np.int64).reshape(sizes[::-1])  # outermost axis first
     axis_of = {i: len(flat) - 1 - i for i in range(len(flat))}
@@ -152,22 +165,31 @@ def _grid_of_pieces(
     return cls.from_grid(grid, names)
 
 
+def _piece_strides(names: tuple[str, ...], flat: list[tuple[str, int]]) -> list[int] | None:
+    """Each dim's rank stride if every dim's pieces sit next to each other in ``flat`` (innermost
+    first), which makes the placement affine; None otherwise."""
+    strides = []
+    for d in names:
+        where = [i for i, (name, _) in enumerate(flat) if name == d]
+        if not where:
+            strides.append(0)  # a size-1 dim
+            continue
+        if where != list(range(where[0], where[-1] + 1)):
+            return None
+        strides.append(product(size for _, size in flat[: where[0]]))
+    return strides
+
+
 def infer(cls: type[Layout], groups: Mapping[str, Sequence[Sequence[int]]]) -> Layout:
     """See ``Layout.infer``."""
     if not isinstance(groups, Mapping) or not groups:
         raise TypeError(
             "infer needs a mapping of family name to a list of rank lists, e.g. {'tp': [[0, 1], [2, 3]]}"
         )
-    names = check_names(list(groups))
+    names = check_names(list(groups), "family name")
     arrays = {}
     for name in names:
-        try:
-            rows = np.asarray(groups[name], dtype=np.int64)
-        except (TypeError, ValueError):
-            raise LayoutError(f"family {name!r}: groups must be lists of integer ranks of one size") from None
-        if rows.ndim != 2 or rows.size == 0:
-            raise LayoutError(f"family {name!r}: give a non-empty list of equal-sized rank lists")
-        arrays[name] = rows
+        arrays[name] = _family_rows(name, groups[name])
     # (sorting, not np.unique: numpy's hash-based unique is several times slower at 1M ranks)
     ranks = np.sort(arrays[names[0]], axis=None)
     if ranks.size > 1 and (ranks[1:] == ranks[:-1]).any():
@@ -192,11 +214,17 @@ def infer(cls: type[Layout], groups: Mapping[str, Sequence[Sequence[int]]]) -> L
         gid[name] = np.empty(world, dtype=np.int64)
         gid[name][pos[name].ravel()] = np.repeat(np.arange(rows.shape[0]), rows.shape[1])
     coords = {}
+    # Size-1 families (every rank alone) join nothing: they are skipped in the passes below and
+    # their coordinate is 0, so the cost is O(families × W), not O(families² × W).
+    joining = [e for e in names if arrays[e].shape[1] > 1]
     for d in names:
+        if arrays[d].shape[1] == 1:
+            coords[d] = np.zeros(world, dtype=np.int64)
+            continue
         # Positions joined by the groups of every other family: in a product layout that is one
         # pass per family (each collapses one dim); the checks below catch anything else.
         label = np.arange(world, dtype=np.int64)
-        for e in names:
+        for e in joining:
             if e != d:
                 label = label[pos[e]].min(axis=1)[gid[e]]
         present = np.zeros(world, dtype=bool)
@@ -225,6 +253,34 @@ def infer(cls: type[Layout], groups: Mapping[str, Sequence[Sequence[int]]]) -> L
     return cls.from_grid(grid.reshape([arrays[d].shape[1] for d in ordered]), ordered)
 
 
+def _family_rows(name: str, groups: object) -> np.ndarray:
+    """One family's groups as an int64 ``(n_groups, size)`` array of ranks in ``0..MAX_RANK``.
+    Strings, floats and bools are refused, not converted (``1.9`` is no rank)."""
+    what = f"family {name!r}: groups must be equal-sized lists of integer ranks"
+    if isinstance(groups, (str, bytes, Mapping)):
+        raise TypeError(f"{what}, got {type(groups).__name__}")
+    try:
+        rows = np.asarray(groups)
+    except (TypeError, ValueError, OverflowError, RecursionError):
+        raise LayoutError(f"{what} (these are ragged or not numbers)") from None
+    if rows.ndim != 2 or rows.size == 0:
+        raise LayoutError(f"family {name!r}: give a non-empty list of equal-sized rank lists")
+    if rows.dtype == object:  # Python ints beyond int64, or mixed objects
+        items = rows.ravel().tolist()
+        if not all(is_int(v) for v in items):
+            raise TypeError(f"{what}, got {type(next(v for v in items if not is_int(v))).__name__}")
+        bad = next((v for v in items if not 0 <= v <= MAX_RANK), None)
+        if bad is not None:
+            raise LayoutError(f"family {name!r} holds rank {bad}; ranks are 0..{MAX_RANK}")
+        rows = np.array(items, dtype=np.int64).reshape(rows.shape)
+    elif rows.dtype.kind not in "iu":
+        raise TypeError(f"{what}, got values of dtype {rows.dtype}")
+    low, high = int(rows.min()), int(rows.max())
+    if low < 0 or high > MAX_RANK:
+        raise LayoutError(f"family {name!r} holds rank {low if low < 0 else high}; ranks are 0..{MAX_RANK}")
+    return rows.astype(np.int64, copy=False)
+
+
 def _explain(
     arrays: dict[str, np.ndarray],
     pos: dict[str, np.ndarray],
@@ -234,6 +290,8 @@ def _explain(
     """Raise the most precise error for families that are not the dims of one layout."""
     for i, d in enumerate(names):  # two dims of one layout share at most one rank per pair of groups
         for e in names[:i]:
+            if arrays[d].shape[1] == 1 or arrays[e].shape[1] == 1:
+                continue  # singletons share at most one rank with anything
             rows_d = np.repeat(np.arange(arrays[d].shape[0]), arrays[d].shape[1])
             keys = np.sort(rows_d * arrays[e].shape[0] + gid[e][pos[d].ravel()])
             repeated = np.flatnonzero(keys[1:] == keys[:-1])

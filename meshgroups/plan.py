@@ -14,10 +14,13 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from .errors import MeshConfigError
+from .errors import BackendOverrideError, MeshConfigError
 from .layout import Layout
 
 SubsetSpec = tuple[Layout, "str | Sequence[str]"]
+#: A family's backend as torch's ``backend_override`` gives it: (backend name, backend options);
+#: either may be ``None`` (the default). Options are opaque here (no torch import).
+BackendConfig = tuple["str | None", "object | None"]
 #: The longest timeout accepted (torch passes timeouts to C++ as milliseconds).
 MAX_TIMEOUT = timedelta(days=7)
 
@@ -29,6 +32,11 @@ class GroupSpec:
     key: Hashable
     layout: Layout
     dims: tuple[str, ...]
+    #: the group description torch shows (logs, flight recorder): ``mesh_<name>`` as torch names
+    #: a mesh dim's groups; flattened dims by their name (``mesh_dp_cp``), subsets by theirs.
+    desc: str = ""
+    #: ``backend_override`` for this family, ``None`` for the call's ``backend``
+    backend: BackendConfig | None = None
 
     @property
     def size(self) -> int:
@@ -50,6 +58,8 @@ class Plan:
     flatten: tuple[tuple[str, ...], ...] = ()
     only: tuple[tuple[str, ...], ...] | None = None
     _subset_digest: str = field(default="", repr=False)
+    #: ``{family label: (backend, options)}`` as resolved from ``init_mesh(backend_override=)``
+    backend_override: Mapping[str, BackendConfig] = field(default_factory=dict)
 
     def digests(self) -> dict[str, str]:
         """``{argument: digest}`` in the order arguments are reported when they differ."""
@@ -61,6 +71,7 @@ class Plan:
             "strategy": self.strategy,
             "device_type": self.device_type,
             "backend": str(self.backend),
+            "backend_override": _digest(_shown_overrides(self.backend_override)),
             "gloo_twins": str(self.gloo_twins),
             "timeout": f"{self.timeout.total_seconds():g}s",
         }
@@ -76,9 +87,27 @@ class Plan:
             "strategy": repr(self.strategy),
             "device_type": repr(self.device_type),
             "backend": repr(self.backend),
+            "backend_override": _cut(str(_shown_overrides(self.backend_override))),
             "gloo_twins": str(self.gloo_twins),
             "timeout": f"{self.timeout.total_seconds():g}s",
         }
+
+
+def options_tag(options: object) -> str:
+    """Backend options as a value (class and timeout), for digests and group-cache keys: two
+    options objects with equal tags give the same groups."""
+    timeout = getattr(options, "_timeout", None)
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    return (
+        f"{type(options).__name__}(timeout={seconds:g}s)" if seconds is not None else type(options).__name__
+    )
+
+
+def _shown_overrides(overrides: Mapping[str, BackendConfig]) -> dict[str, str]:
+    return {
+        label: f"{backend}" + ("" if options is None else f" + {options_tag(options)}")
+        for label, (backend, options) in sorted(overrides.items())
+    }
 
 
 def _cut(text: str, limit: int = 160) -> str:
@@ -139,8 +168,15 @@ def make_plan(
     strategy: str,
     gloo_twins: bool,
     timeout: timedelta,
+    backend_override: Mapping[int | str, BackendConfig] | None = None,
+    labels: Mapping[Hashable, str] | None = None,
 ) -> Plan:
-    """Validate the torch-free arguments of ``init_mesh`` and list the families to build."""
+    """Validate the torch-free arguments of ``init_mesh`` and list the families to build.
+
+    ``backend_override`` (normalised to ``(backend, options)`` pairs) is keyed as torch keys it,
+    by dim name or index of the main layout, and also by a view's dim, a declared flattened
+    dim's name (``"dp_cp"``) or a subset's name. ``labels`` renames families (torch's
+    ``_flatten(name)``), which sets their group description and override key."""
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a meshgroups.Layout, got {type(layout).__name__}")
     flatten_t = _dim_sets(flatten, "flatten") or ()
@@ -181,6 +217,12 @@ def make_plan(
         subset_specs[name] = spec
         specs.append(spec)
         subset_state.append((name, sub.fingerprint(), spec.dims))
+    names = {spec.key: _label(spec.key, labels) for spec in specs}
+    resolved = _resolve_overrides(layout, names, backend_override or {})
+    specs = [
+        GroupSpec(s.key, s.layout, s.dims, f"mesh_{names[s.key]}", resolved.get(names[s.key])) for s in specs
+    ]
+    subset_specs = {name: next(s for s in specs if s.key == name) for name in subset_specs}
     return Plan(
         layout=layout,
         specs=tuple(specs),
@@ -193,4 +235,40 @@ def make_plan(
         flatten=flatten_t,
         only=only_t,
         _subset_digest=_digest(subset_state),
+        backend_override=resolved,
     )
+
+
+def _label(key: Hashable, labels: Mapping[Hashable, str] | None) -> str:
+    if labels and key in labels:
+        return labels[key]
+    return "_".join(key) if isinstance(key, tuple) else str(key)
+
+
+def _resolve_overrides(
+    layout: Layout, names: Mapping[Hashable, str], overrides: Mapping[int | str, BackendConfig]
+) -> dict[str, BackendConfig]:
+    """torch's ``backend_override`` keys (dim index or name) as family labels; torch's rules:
+    a dim given by name *and* index, or a key naming nothing, is an error (its ``RuntimeError``)."""
+    known = set(names.values())
+    out: dict[str, BackendConfig] = {}
+    for key, config in overrides.items():
+        if isinstance(key, bool) or not isinstance(key, (int, str)):
+            raise TypeError(f"backend_override keys are dim names or indices, got {key!r}")
+        if isinstance(key, int):
+            if not 0 <= key < layout.ndim:
+                raise BackendOverrideError(
+                    f"backend_override has dim index {key}; indices of {layout!r} are 0..{layout.ndim - 1}"
+                )
+            label = layout.names[key]
+        else:
+            label = key
+        if label not in known:
+            raise BackendOverrideError(
+                f"backend_override names {key!r}, which is no dim, declared flattened dim or subset "
+                f"(those are {', '.join(sorted(known))})"
+            )
+        if label in out:
+            raise BackendOverrideError(f"backend_override gives dim {label!r} twice (by name and by index)")
+        out[label] = config
+    return out

@@ -2,7 +2,8 @@
 
 Every view arranges the grid in 2-D: one row per combination of the outer dims, one column per
 index of the innermost dim. Colours mark the groups of a chosen dim (or dim set). Big worlds
-show a window: the first ``max_cells`` ranks of the grid, said so in the caption. matplotlib is
+show a window: the first rows and at most ``MAX_COLUMNS`` columns, ``max_cells`` cells in all,
+said so in the caption. Every argument is checked (``TypeError``/``LayoutError``). matplotlib is
 an optional extra (``pip install meshgroups[plot]``), imported only by :func:`plot`.
 """
 
@@ -10,11 +11,14 @@ from __future__ import annotations
 
 import colorsys
 import html as html_lib
+import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .checks import MAX_RANK, MAX_WORLD_SIZE, check_int, check_positive, short_repr
+from .errors import LayoutError
 from .layout import Layout
 from .topology import Topology
 
@@ -22,9 +26,45 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
+#: Most columns a drawing (HTML or figure) shows: wider grids show a window of their first
+#: columns, as taller ones show their first rows, so drawing time and figure size stay bounded.
+MAX_COLUMNS = 64
+#: Most cells a drawing's window may be asked for (``max_cells``).
+MAX_CELLS = 16384
+#: Largest resolution ``savefig`` is given by the command line (a 16 × 12 inch figure at 400 dpi
+#: is 6400 × 4800 pixels, ~120 MB in memory).
+MAX_DPI = 400
+#: Colours of the HTML grid; groups beyond these reuse them (the figure uses 20).
+PALETTE = 64
+
+
+def _check_layout(layout: object) -> Layout:
+    if not isinstance(layout, Layout):
+        raise TypeError(f"expected a meshgroups.Layout, got {type(layout).__name__}")
+    return layout
+
+
+def _check_count(value: object, what: str, limit: int, allow_none: bool = False) -> int | None:
+    """An int option in ``1..limit`` (or None where allowed)."""
+    if value is None and allow_none:
+        return None
+    return check_positive(value, what, limit)
+
+
+def _check_rank_arg(value: object, what: str) -> int | None:
+    if value is None:
+        return None
+    rank = check_int(value, what)
+    if not 0 <= rank <= MAX_RANK:
+        raise LayoutError(f"{what}={rank} is not a rank (0..{MAX_RANK})")
+    return rank
+
+
 def _dims_arg(layout: Layout, color_by: str | Sequence[str] | None) -> tuple[str, ...]:
     if color_by is None:
         return (layout.names[-1],)
+    if not isinstance(color_by, (str, Sequence)):
+        raise TypeError(f"color_by must be a dim name or a sequence of them, got {type(color_by).__name__}")
     dims = (color_by,) if isinstance(color_by, str) else tuple(color_by)
     layout.resolve(*dims)  # validates, views included
     return dims
@@ -32,8 +72,12 @@ def _dims_arg(layout: Layout, color_by: str | Sequence[str] | None) -> tuple[str
 
 def group_ids(layout: Layout, *dims: str) -> np.ndarray:
     """For every cell of ``layout.grid``, the index of its group varying ``dims`` (a row of
-    ``groups(*dims)``, dims of a view allowed)."""
-    owner = layout.resolve(*dims) if dims else layout
+    ``groups(*dims)``, dims of a view allowed)::
+
+        >>> group_ids(Layout(dp=2, tp=2), "tp").tolist()
+        [[0, 0], [1, 1]]
+    """
+    owner = _check_layout(layout).resolve(*dims) if dims else layout
     rows = owner.groups(*dims)
     # Sorted lookup, not a table indexed by rank: memory follows the layout, not its rank range.
     members = rows.ravel()
@@ -42,22 +86,76 @@ def group_ids(layout: Layout, *dims: str) -> np.ndarray:
     return ids[np.searchsorted(members[order], layout.grid)]
 
 
-def _grid_2d(layout: Layout, max_cells: int) -> tuple[np.ndarray, int, bool]:
-    cols = layout.shape[-1]
-    flat = layout.grid.reshape(-1, cols)
-    max_rows = max(1, max_cells // cols)
-    return flat[:max_rows], cols, flat.shape[0] > max_rows
+def _grid_2d(layout: Layout, max_cells: int, max_cols: int | None = None) -> tuple[np.ndarray, int, bool]:
+    """The first rows (and, with ``max_cols``, columns) of the 2-D grid holding at most
+    ``max_cells`` cells; its column count; whether anything was left out."""
+    full_cols = layout.shape[-1]
+    cols = full_cols if max_cols is None else min(full_cols, max_cols, max_cells)
+    total_rows = layout.world_size // full_cols
+    n_rows = min(total_rows, max(1, max_cells // cols))
+    # Only the window's ranks are computed (affine: from the strides), never the whole grid.
+    index = (np.arange(n_rows, dtype=np.int64)[:, None] * full_cols + np.arange(cols)[None, :]).ravel()
+    if layout.strides is not None:
+        coords = np.unravel_index(index, layout.shape)
+        ranks = layout.rank_offset + sum(c * s for c, s in zip(coords, layout.strides))
+    else:
+        ranks = layout.grid.ravel()[index]
+    window = np.asarray(ranks, dtype=np.int64).reshape(n_rows, cols)
+    return window, cols, total_rows > n_rows or cols < full_cols
 
 
 def _coloured_window(
-    layout: Layout, color_by: str | Sequence[str] | None, max_cells: int
+    layout: Layout, color_by: str | Sequence[str] | None, max_cells: object
 ) -> tuple[tuple[str, ...], np.ndarray, int, bool, np.ndarray]:
-    """What html() and plot() draw: the colour dims, the 2-D window of ranks, its column count,
-    whether it was clipped, and each cell's group index."""
+    """What html() and plot() draw: the colour dims, the 2-D window of ranks (at most
+    ``MAX_COLUMNS`` columns), its column count, whether it was clipped, and each cell's group
+    index."""
+    _check_layout(layout)
+    cells = check_positive(max_cells, "max_cells", MAX_CELLS)
     dims = _dims_arg(layout, color_by)
-    rows, cols, clipped = _grid_2d(layout, max_cells)
-    gids = group_ids(layout, *dims).reshape(-1, cols)[: len(rows)]
-    return dims, rows, cols, clipped, gids
+    rows, cols, clipped = _grid_2d(layout, cells, MAX_COLUMNS)
+    return dims, rows, cols, clipped, _window_group_ids(layout, dims, rows)
+
+
+def _window_group_ids(layout: Layout, dims: tuple[str, ...], rows: np.ndarray) -> np.ndarray:
+    """``group_ids`` for the window's cells only: O(cells × ndim), not O(W), so a window of a
+    16M-rank layout costs what a small layout's does. A group's index is its position among
+    ``groups(*dims)``'s rows: the other dims' coordinates, row-major."""
+    ids = [_group_index(layout, dims, rank) for rank in rows.ravel().tolist()]
+    return np.array(ids, dtype=np.int64).reshape(rows.shape)
+
+
+def _group_index(layout: Layout, dims: tuple[str, ...], rank: int) -> int:
+    """The row of ``groups(*dims)`` holding ``rank``: its other coordinates, row-major. O(ndim)."""
+    owner = layout.resolve(*dims)
+    coords = owner.coords(rank)
+    index = 0
+    for name, size in zip(owner.names, owner.shape):
+        if name not in dims:
+            index = index * size + coords[name]
+    return index
+
+
+def _group_label(layout: Layout, dims: tuple[str, ...], rank: int) -> str:
+    """``[first, …, last] (size)`` of ``rank``'s group, in O(ndim) for big groups."""
+    owner = layout.resolve(*dims)
+    size = owner.size(*dims)
+    if size <= 8:
+        return str(owner.group_of(rank, *dims).tolist())
+    coords = owner.coords(rank)
+    first = owner.rank_at(**{**coords, **{d: 0 for d in dims}})
+    last = owner.rank_at(**{**coords, **{d: owner.size(d) - 1 for d in dims}})
+    return f"[{first}, …, {last}] ({size})"
+
+
+def _window_note(layout: Layout, rows: np.ndarray) -> str:
+    """What a clipped drawing says it shows."""
+    if rows.shape[1] < layout.shape[-1]:
+        return (
+            f"first {rows.shape[0]} rows × {rows.shape[1]} of {layout.shape[-1]} columns "
+            f"of {layout.world_size} ranks"
+        )
+    return f"first {rows.size} of {layout.world_size} ranks"
 
 
 def _row_label(layout: Layout, row: int) -> str:
@@ -74,8 +172,15 @@ def _palette(n: int) -> list[tuple[float, float, float]]:
 
 
 def short_list(ranks: Sequence[int], limit: int | None = 16) -> str:
-    """``[0, 1, 2, …, 99] (100 ranks)`` past ``limit`` members; the whole list with ``None``."""
-    ranks = list(ranks)
+    """``[0, 1, 2, …, 99] (100 ranks)`` past ``limit`` members; the whole list with ``None``::
+
+    >>> short_list(range(100), 4)
+    '[0, 1, 2, …, 99] (100 ranks)'
+    """
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, (Sequence, np.ndarray, range)):
+        raise TypeError(f"short_list takes a sequence of ranks, got {type(ranks).__name__}")
+    _check_count(limit, "limit", MAX_WORLD_SIZE, allow_none=True)
+    ranks = [check_int(r, "each rank") for r in ranks]
     if limit is None or len(ranks) <= limit:
         return str(ranks)
     head = ", ".join(str(r) for r in ranks[: max(limit - 1, 1)])
@@ -89,13 +194,25 @@ def span_table(layout: Layout, topology: Topology, dims: Sequence[Sequence[str]]
         dim  size  span    groups  leave node  leave domain
         tp   8     node    16      0           0
     """
+    _check_layout(layout)
+    if not isinstance(topology, Topology):
+        raise TypeError(
+            f"topology must be a meshgroups.Topology (e.g. Topology.parse({short_repr(topology)}) for a str), "
+            f"got {type(topology).__name__}"
+        )
     families: list[tuple[str, Layout, tuple[str, ...]]] = []
+    if dims is not None and (isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence)):
+        raise TypeError(f"dims must be a list of dim tuples such as [('dp', 'cp')], got {short_repr(dims)}")
     if dims is None:
         families = [(d, layout, (d,)) for d in layout.names]
         for k, view in layout.views.items():
             families += [(f"{k}.{d}", view, (d,)) for d in view.names if d not in layout.names]
     else:
         for group in dims:
+            if isinstance(group, (str, bytes)) or not isinstance(group, Sequence):
+                raise TypeError(
+                    f"each entry of dims is a tuple of dim names such as ('dp', 'cp'), got {short_repr(group)}"
+                )
             owner = layout.resolve(*group)
             families.append(("×".join(group), owner, tuple(group)))
     header = ("dim", "size", "span", "groups", *tuple(f"leave {name}" for name in topology.names))
@@ -133,6 +250,11 @@ def text(
     of the layout and its views, group size, number of groups, the first ``max_groups``
     groups (each cut to ``max_members`` ranks, saying how many it has; ``None`` for all), and
     intra/inter-node status when ``ranks_per_node`` is given."""
+    _check_layout(layout)
+    _check_count(ranks_per_node, "ranks_per_node", MAX_RANK + 1, allow_none=True)
+    _check_count(max_groups, "max_groups", MAX_WORLD_SIZE)
+    _check_count(max_grid, "max_grid", MAX_WORLD_SIZE)
+    _check_count(max_members, "max_members", MAX_WORLD_SIZE, allow_none=True)
     lines = [repr(layout), f"world: {layout.world_size} ranks ({layout.describe_ranks()})"]
     if layout.world_size <= max_grid:
         rows, cols, _ = _grid_2d(layout, max_grid)
@@ -181,21 +303,23 @@ def html(
     """An HTML table of the grid, cells coloured by the groups of ``color_by`` (default: the
     innermost dim); ``highlight_rank``'s group is outlined; node changes get a thick left edge."""
     dims, rows, cols, clipped, gids = _coloured_window(layout, color_by, max_cells)
-    colors = _palette(int(gids.max()) + 1)
-    mine = set()
+    _check_count(ranks_per_node, "ranks_per_node", MAX_RANK + 1, allow_none=True)
+    _check_rank_arg(highlight_rank, "highlight_rank")
+    colors = _palette(min(int(gids.max()) + 1, PALETTE))
+    mine = None
     if highlight_rank is not None and highlight_rank in layout:
-        mine = set(layout.group_of(highlight_rank, *dims).tolist())
+        mine = _group_index(layout, dims, highlight_rank)
     caption = f"{html_lib.escape(repr(layout))} — coloured by {'×'.join(dims)}"
     if clipped:
-        caption += f" (first {rows.size} of {layout.world_size} ranks)"
+        caption += f" ({_window_note(layout, rows)})"
     out = [f"<table style='border-collapse:collapse;font-family:monospace'><caption>{caption}</caption>"]
     out.append("<tr><th></th>" + "".join(f"<th>{layout.names[-1]}={c}</th>" for c in range(cols)) + "</tr>")
     for r, row in enumerate(rows.tolist()):
         cells = []
         for c, rank in enumerate(row):
-            red, green, blue = (int(255 * x) for x in colors[int(gids[r, c])])
+            red, green, blue = (int(255 * x) for x in colors[int(gids[r, c]) % len(colors)])
             style = f"background:rgb({red},{green},{blue});padding:2px 6px;text-align:right"
-            if rank in mine:
+            if mine is not None and int(gids[r, c]) == mine:
                 style += ";outline:3px solid black"
             # node boundaries wherever they fall: between columns and between rows
             if ranks_per_node and c and rank // ranks_per_node != row[c - 1] // ranks_per_node:
@@ -205,7 +329,7 @@ def html(
             cells.append(f"<td style='{style}'>{rank}</td>")
         out.append(f"<tr><th>{html_lib.escape(_row_label(layout, r))}</th>{''.join(cells)}</tr>")
     out.append("</table>")
-    out.append(_legend(layout, dims, gids, colors, ranks_per_node))
+    out.append(_legend(layout, dims, gids, rows, colors, ranks_per_node))
     return "".join(out)
 
 
@@ -213,24 +337,25 @@ def _legend(
     layout: Layout,
     dims: tuple[str, ...],
     gids: np.ndarray,
+    rows: np.ndarray,
     colors: list[tuple[float, float, float]],
     ranks_per_node: int | None,
     limit: int = 16,
 ) -> str:
     """Which colour is which group (the first ``limit`` groups shown), and what the edges mean."""
+    rank_of = {int(g): int(r) for g, r in zip(gids.ravel()[::-1].tolist(), rows.ravel()[::-1].tolist())}
     owner = layout.resolve(*dims)
-    groups = owner.groups(*dims)
+    n_groups = owner.world_size // owner.size(*dims)
     shown = sorted(set(int(g) for g in np.unique(gids)))[:limit]
     items = []
     for g in shown:
-        red, green, blue = (int(255 * x) for x in colors[g])
-        members = groups[g].tolist()
-        label = str(members) if len(members) <= 8 else f"[{members[0]}, …, {members[-1]}] ({len(members)})"
+        red, green, blue = (int(255 * x) for x in colors[g % len(colors)])
+        label = _group_label(layout, dims, rank_of[g])
         items.append(
             f"<span style='background:rgb({red},{green},{blue});padding:1px 6px;margin:2px;"
             f"display:inline-block'>{'×'.join(dims)} group {g}: {label}</span>"
         )
-    more = len(groups) - len(shown)
+    more = n_groups - len(shown)
     note = f" … and {more} more groups" if more > 0 else ""
     edges = f" Thick edges: node boundaries (every {ranks_per_node} ranks)." if ranks_per_node else ""
     return f"<div style='font-family:monospace;font-size:90%'>{''.join(items)}{note}{edges}</div>"
@@ -248,7 +373,10 @@ def plot(
     """A matplotlib figure of the grid: one cell per rank (labelled when there are at most 512
     cells), coloured by the groups of ``color_by``, node boundaries as thick lines,
     ``highlight_rank``'s group outlined. Worlds beyond ``max_cells`` ranks show a window, their
-    first ``max_cells`` ranks (the title says so), so a 16k-rank layout draws in about a second."""
+    first ``max_cells`` ranks (the title says so), so a 16k-rank layout draws in about a second;
+    grids wider than ``MAX_COLUMNS`` show their first columns (``pp=2 tp=4096``: 64 columns)."""
+    if ax is not None and not hasattr(ax, "imshow"):
+        raise TypeError(f"ax must be a matplotlib Axes, got {type(ax).__name__}")
     try:
         # The object-oriented API only: no pyplot, no backend switch, so a Jupyter kernel keeps
         # its inline backend (the figure shows with display(fig)) and the caller's own plots too.
@@ -257,8 +385,13 @@ def plot(
         from matplotlib.figure import Figure
         from matplotlib.patches import Rectangle
     except ImportError:  # pragma: no cover - depends on the environment
-        raise ImportError("plot() needs matplotlib: pip install 'meshgroups[plot]'") from None
+        raise ImportError(
+            "plot() needs matplotlib: pip install 'meshgroups[plot]' (in a clone of the repository: "
+            "pip install -e '.[plot]')"
+        ) from None
     dims, rows, cols, clipped, gids = _coloured_window(layout, color_by, max_cells)
+    _check_count(ranks_per_node, "ranks_per_node", MAX_RANK + 1, allow_none=True)
+    _check_rank_arg(highlight_rank, "highlight_rank")
     n_rows = len(rows)
     if ax is None:
         fig = Figure(figsize=(min(max(7.0, 2 + 0.6 * cols), 16), min(2 + 0.45 * n_rows, 12)))
@@ -279,17 +412,25 @@ def plot(
         r, c = np.nonzero(nodes[1:, :] != nodes[:-1, :])
         ax.hlines(r + 0.5, c - 0.5, c + 0.5, colors="black", linewidth=width)
     if highlight_rank is not None and highlight_rank in layout:
-        members = np.isin(rows, layout.group_of(highlight_rank, *dims))
+        members = gids == _group_index(layout, dims, highlight_rank)
         for r, c in zip(*np.nonzero(members)):
             ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2))
-    ax.set_xticks(range(cols), [f"{layout.names[-1]}={c}" for c in range(cols)], fontsize=7)
+    col_step = max(1, cols // 32)  # at most ~32 labels per axis, like the rows
+    ax.set_xticks(
+        range(0, cols, col_step), [f"{layout.names[-1]}={c}" for c in range(0, cols, col_step)], fontsize=7
+    )
     step = max(1, n_rows // 32)
     ax.set_yticks(range(0, n_rows, step), [_row_label(layout, r) for r in range(0, n_rows, step)], fontsize=7)
     title = f"{layout!r}\ncoloured by {'×'.join(dims)} groups"
     if ranks_per_node:
         title += f", node boundaries every {ranks_per_node} ranks"
     if clipped:
-        title += f"\n(first {rows.size} of {layout.world_size} ranks shown)"
-    ax.set_title(title, fontsize=9)
+        title += f"\n({_window_note(layout, rows)} shown)"
+    # The title is centred on the axes, right of the row labels: wrap it at the axes' width
+    # (estimated; a character is about 0.6 of its point size wide), so a long repr (views
+    # included) never makes the title, instead of the grid, the widest thing in the figure.
+    label_chars = max((len(_row_label(layout, r)) for r in range(0, n_rows, step)), default=0)
+    chars = max(20, int((fig.get_figwidth() * 72 - 0.6 * 7 * label_chars - 30) / (0.6 * 9)))
+    ax.set_title("\n".join(textwrap.fill(line, chars) for line in title.split("\n")), fontsize=9)
     fig.tight_layout()
     return fig

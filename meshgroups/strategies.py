@@ -33,7 +33,7 @@ from ._torch_seam import bound_device_id
 from .errors import MeshConfigError
 from .groups import GroupCache, GroupHandle, GroupKey, backend_key
 from .layout import Layout
-from .plan import GroupSpec
+from .plan import GroupSpec, options_tag
 
 Groups = list["dist.ProcessGroup | None"]
 Strategy = Literal["global", "local", "split"]
@@ -50,14 +50,39 @@ class Builder:
         self.timeout = timeout
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        # A twin is only needed where the main backend is not gloo already.
+        self.gloo_twins = gloo_twins
+        self.default = backend
+        self.desc = "meshgroups"
+        self.options: object | None = None
+        self.overridden = False
         self.twin_backend: str | None = None
-        if gloo_twins:
-            main = (backend or str(dist.get_backend())).lower()
-            self.twin_backend = None if main in ("gloo", "cpu:gloo") else "gloo"
-        self.backends = [backend] + ([self.twin_backend] if self.twin_backend else [])
+        self.backends: list[str | None] = []
+        self._use(backend)
         self.keys: list[GroupKey] = []  # entries this build holds a reference to
         self.pads: list[dist.ProcessGroup] = []  # one-rank groups this build created
+
+    def _use(self, backend: str | None) -> None:
+        self.backend = backend
+        # A twin is only needed where the main backend is not gloo already.
+        self.twin_backend = None
+        if self.gloo_twins:
+            main = (real_backend(backend) or str(dist.get_backend())).lower()
+            self.twin_backend = None if main in ("gloo", "cpu:gloo") else "gloo"
+        self.backends = [backend] + ([self.twin_backend] if self.twin_backend else [])
+
+    def configure(self, spec: GroupSpec) -> None:
+        """Use ``spec``'s backend override (if any) and group description for what follows.
+        With options the backend key carries ``#<options tag>``, so the group cache never
+        hands a family a group made with other options."""
+        self.desc = spec.desc or "meshgroups"
+        self.overridden = spec.backend is not None
+        if spec.backend is None:
+            self.options = None
+            self._use(self.default)
+            return
+        name, self.options = spec.backend
+        tag = "" if self.options is None else f"#{options_tag(self.options)}"
+        self._use(f"{name or self.default or ''}{tag}" if tag else (name or self.default))
 
     def take(self, key: GroupKey) -> dist.ProcessGroup | None:
         self.keys.append(key)
@@ -66,13 +91,17 @@ class Builder:
 
     def new_group(self, ranks: list[int], backend: str | None, local: bool) -> dist.ProcessGroup | None:
         self.cache.calls += 1
+        options = self.options if backend == self.backend else None
+        # torch lets an explicit timeout win over the options' own (device_mesh passes it too)
+        timeout = getattr(options, "_timeout", None) or self.timeout
         group = dist.new_group(
             ranks,
-            timeout=self.timeout,
-            backend=backend,
+            timeout=timeout,
+            backend=real_backend(backend),
+            pg_options=options,
             use_local_synchronization=local,
             sort_ranks=False,
-            group_desc="meshgroups",
+            group_desc=self.desc,
         )
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             return None
@@ -87,7 +116,15 @@ class Builder:
         self.pads.append(group)
 
     def is_world(self, row: tuple[int, ...]) -> bool:
+        # An overridden backend gets a group of its own even over the whole world (as in torch).
+        if self.overridden:
+            return False
         return len(row) == self.world_size and row[0] == 0 and row == tuple(range(self.world_size))
+
+
+def real_backend(backend: str | None) -> str | None:
+    """The backend name ``new_group`` gets from a builder's backend key (``"gloo#<options>"``)."""
+    return (backend.partition("#")[0] or None) if backend else None
 
 
 class CreationStrategy:
@@ -209,7 +246,9 @@ class SplitStrategy(CreationStrategy):
     def family(self, b: Builder, rows: np.ndarray | None, mine: tuple[int, ...] | None) -> Groups:
         assert rows is not None
         b.cache.calls += 1
-        group = dist.split_group(split_ranks=rows.tolist(), timeout=b.timeout, group_desc="meshgroups")
+        group = dist.split_group(
+            split_ranks=rows.tolist(), timeout=b.timeout, pg_options=b.options, group_desc=b.desc
+        )
         out: Groups = [None]
         if mine is not None:
             # Reuse an equal cached group; the fresh split (all ranks had to make it) is dropped.
@@ -270,16 +309,19 @@ def build_families(
             f"it cannot be reused with strategy={strategy.name!r} (the ranks would disagree on what exists)"
         )
     b.cache.strategy = strategy.name
-    singles: Groups = []
-    if any(spec.size == 1 for spec in specs):  # same decision on every rank
-        singles = [strategy.singleton(b, backend) for backend in b.backends]
+    # One shared one-rank group per backend for every size-1 family, made at the first such
+    # family: the same step on every rank, whether or not it is a member.
+    singles: dict[str | None, Groups] = {}
     handles: dict[Hashable, GroupHandle] = {}
     built: dict[tuple[object, ...], Hashable] = {}
     for spec in specs:
+        b.configure(spec)
         mine = _mine(spec, b.rank)
-        identity = _family_identity(spec, main)
+        identity = (*_family_identity(spec, main), b.backend)
         if spec.size == 1:
-            groups = singles if mine is not None else [None] * len(b.backends)
+            if b.backend not in singles:
+                singles[b.backend] = [strategy.singleton(b, backend) for backend in b.backends]
+            groups = singles[b.backend] if mine is not None else [None] * len(b.backends)
         elif identity in built:
             earlier = handles[built[identity]]
             handles[spec.key] = GroupHandle(mine, earlier.group, earlier.gloo)

@@ -15,15 +15,18 @@ Functions take group arrays as ``Layout.groups`` returns them; ``node_locality``
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import numpy as np
 
-from .checks import MAX_RANK, check_name, check_positive
+from .checks import MAX_RANK, check_name, check_positive, is_int, parse_int, short_repr
 from .errors import LayoutError
 
 WORLD = "world"
+#: Most levels a topology may have: each level at least doubles the one below, and a rank is
+#: below 2**31.
+MAX_LEVELS = 32
 
 
 class Topology:
@@ -58,16 +61,27 @@ class Topology:
 
     @classmethod
     def parse(cls, text: str) -> Topology:
-        """``"node=8,domain=32"`` (the command line's form)."""
+        """``"node=8,domain=32"`` (the command line's form): sizes in ASCII digits, each level
+        named once::
+
+            >>> Topology.parse("node=8,domain=32")
+            Topology(node=8, domain=32)
+        """
+        if not isinstance(text, str):
+            raise TypeError(
+                f"a topology is parsed from a str like 'node=8,domain=32', got {short_repr(text)}"
+            )
+        parts = text.split(",", MAX_LEVELS)
+        if len(parts) > MAX_LEVELS:
+            raise LayoutError(f"more than {MAX_LEVELS} levels in {text[:40]!r}…; each level at least doubles")
         levels: dict[str, int] = {}
-        for part in text.split(","):
+        for part in parts:
             name, sep, size = part.strip().partition("=")
             if not sep or not name:
                 raise LayoutError(f"topology levels are name=size separated by commas, got {part!r}")
-            try:
-                levels[name] = int(size)
-            except ValueError:
-                raise LayoutError(f"size of level {name!r} must be an integer, got {size!r}") from None
+            if name in levels:
+                raise LayoutError(f"level {name!r} is given twice in {text!r}; name each level once")
+            levels[name] = parse_int(size, f"size of level {name!r}")
         return cls(**levels)
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -90,12 +104,12 @@ class Topology:
         for name, size in self._levels:
             if name == level:
                 return size
-        raise LayoutError(f"unknown level {level!r}; levels are {', '.join(self.names)}")
+        raise LayoutError(f"unknown level {short_repr(level)}; levels are {', '.join(self.names)}")
 
     def span(self, rows: object) -> str:
         """The smallest level whose units each hold a whole group of ``rows`` (an array of groups,
-        one per row), or ``"world"``."""
-        groups = np.atleast_2d(np.asarray(rows, dtype=np.int64))
+        one per row, or one group as a flat list), or ``"world"``."""
+        groups = group_rows(rows)
         for name, size in self._levels:
             units = groups // size
             if (units == units[:, :1]).all():
@@ -104,7 +118,7 @@ class Topology:
 
     def crossings(self, rows: object) -> dict[str, int]:
         """For every level, how many groups of ``rows`` leave a unit of it."""
-        groups = np.atleast_2d(np.asarray(rows, dtype=np.int64))
+        groups = group_rows(rows)
         return {
             name: int((groups // size != (groups // size)[:, :1]).any(axis=1).sum())
             for name, size in self._levels
@@ -120,8 +134,37 @@ class Topology:
         return "Topology(" + ", ".join(f"{n}={s}" for n, s in self._levels) + ")"
 
 
+def group_rows(rows: object) -> np.ndarray:
+    """``rows`` as a non-empty int64 array of groups ``(n_groups, size)``: integer ranks in
+    ``0..MAX_RANK`` (a flat list is one group). Floats, strings, bools, a bare number and an
+    empty list are refused, not converted."""
+    if isinstance(rows, (str, bytes)) or is_int(rows) or not isinstance(rows, (Sequence, np.ndarray)):
+        raise TypeError(f"groups must be a list of rank lists (or an array), got {short_repr(rows)}")
+    try:
+        arr = np.asarray(rows)
+    except (TypeError, ValueError, OverflowError, RecursionError):
+        raise LayoutError("groups must be equal-sized lists of integer ranks (these are ragged)") from None
+    if arr.dtype == object:
+        items = arr.ravel().tolist()
+        if not all(is_int(v) for v in items):
+            raise TypeError(f"groups must hold integer ranks, got {short_repr(rows)}")
+        bad = next((v for v in items if not 0 <= v <= MAX_RANK), None)
+        if bad is not None:
+            raise LayoutError(f"groups hold rank {bad}; ranks are 0..{MAX_RANK}")
+        arr = np.array(items, dtype=np.int64).reshape(arr.shape)
+    if arr.size == 0 or arr.ndim not in (1, 2):
+        raise LayoutError(f"groups must be a non-empty list of rank lists, got an array of shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"groups must hold integer ranks, got dtype {arr.dtype}")
+    low, high = int(arr.min()), int(arr.max())
+    if low < 0 or high > MAX_RANK:
+        raise LayoutError(f"groups hold rank {low if low < 0 else high}; ranks are 0..{MAX_RANK}")
+    return np.atleast_2d(arr.astype(np.int64, copy=False))
+
+
 def _nodes(rows: np.ndarray, ranks_per_node: int) -> np.ndarray:
-    return rows // check_positive(ranks_per_node, "ranks_per_node", MAX_RANK + 1)
+    per_node = check_positive(ranks_per_node, "ranks_per_node", MAX_RANK + 1)
+    return group_rows(rows) // per_node
 
 
 def node_locality(rows: np.ndarray, ranks_per_node: int) -> Literal["intra", "inter", "mixed"]:

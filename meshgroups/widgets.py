@@ -10,8 +10,11 @@ redraws), so it can be driven and checked without a browser.
 from __future__ import annotations
 
 import html as html_lib
+from collections.abc import Mapping
 from typing import Any
 
+from .checks import MAX_RANK, check_int, check_positive, check_size, short_repr
+from .errors import LayoutError
 from .layout import Layout
 from .render import html
 
@@ -19,7 +22,10 @@ from .render import html
 def explore(
     world: int, sizes: dict[str, int], order: str, color_by: str, rank: int, ranks_per_node: int
 ) -> tuple[Layout | None, str]:
-    """The layout for these control values and the HTML that shows it (or the error)."""
+    """The layout for these control values and the HTML that shows it (or the error). The values
+    themselves must be of the right kind (``TypeError``/``LayoutError`` otherwise); a layout they
+    cannot make is shown as the error, as a user moving sliders would see it."""
+    _check_controls(world, sizes, order, color_by, rank, ranks_per_node)
     try:
         full = _with_dp(world, sizes)
         layout = Layout.from_order(order.strip(), **full) if order.strip() else Layout(**full)
@@ -43,6 +49,22 @@ def explore(
     return layout, "".join(parts)
 
 
+def _check_controls(
+    world: object, sizes: object, order: object, color_by: object, rank: object, ranks_per_node: object
+) -> None:
+    check_positive(world, "world")
+    if not isinstance(sizes, Mapping) or set(sizes) != {"pp", "cp", "tp"}:
+        raise TypeError(f"sizes must map exactly pp, cp and tp to sizes, got {short_repr(sizes)}")
+    for name, size in sizes.items():
+        check_size(name, size)
+    for value, what in ((order, "order"), (color_by, "color_by")):
+        if not isinstance(value, str):
+            raise TypeError(f"{what} must be a str, got {short_repr(value)}")
+    if check_int(rank, "rank") < 0:
+        raise LayoutError(f"rank={rank} must be >= 0")
+    check_positive(ranks_per_node, "ranks_per_node", MAX_RANK + 1)
+
+
 def _with_dp(world: int, sizes: dict[str, int]) -> dict[str, int]:
     fixed = sizes["pp"] * sizes["cp"] * sizes["tp"]
     if world % fixed:
@@ -56,6 +78,11 @@ def layout_explorer(
     """An ipywidgets box: world and pp/cp/tp sliders (dp is inferred), an order string, a dim
     picker, a rank picker and ranks per node; shows the coloured grid, the rank's groups and
     their intra/inter-node verdicts."""
+    for value, what, high in ((world, "world", 256), (pp, "pp", 16), (cp, "cp", 16), (tp, "tp", 16)):
+        check_positive(value, what, high)  # the sliders' ranges
+    check_positive(ranks_per_node, "ranks_per_node", 64)
+    if not isinstance(order, str):
+        raise TypeError(f"order must be a str, got {short_repr(order)}")
     try:
         import ipywidgets as w
     except ImportError:  # pragma: no cover - depends on the environment

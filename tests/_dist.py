@@ -3,6 +3,9 @@
 Starting processes is the slow part (each imports torch), so each test runs many checks in one
 job. A worker returns a picklable result; an exception in any rank fails the test with that
 rank's traceback; a job that outlives ``timeout`` is killed and fails instead of hanging CI.
+
+Waits scale with MESHGROUPS_TEST_TIME_SCALE (see ``tests/_timing.py``): :func:`run` scales its job
+timeout and the default group's timeout itself; tests scale their own waits with ``scaled``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from ._timing import TIME_SCALE, scaled
+
+__all__ = ["TIME_SCALE", "free_port", "run", "scaled"]
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -30,6 +37,9 @@ def _entry(fn, rank, world, port, args, queue, backend, env, pg_timeout):
     try:
         import torch.distributed as dist
 
+        if backend is None:  # the worker sets up (and tears down) torch.distributed itself
+            queue.put((rank, "ok", fn(rank, world, *args)))
+            return
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",
@@ -50,15 +60,19 @@ def run(
     world: int,
     *args: Any,
     timeout: float = 120,
-    backend: str = "gloo",
+    backend: str | None = "gloo",
     env=None,
     pg_timeout: float = 60,
     may_exit: frozenset[int] | set[int] = frozenset(),
 ) -> list[Any]:
     """``[fn(rank, world, *args) for each rank]`` computed in ``world`` real processes.
 
-    ``pg_timeout`` is the default group's timeout; ranks in ``may_exit`` may die without a
-    result (fault injection): their entry is ``None``."""
+    ``timeout`` (the whole job) and ``pg_timeout`` (the default group's) are nominal seconds,
+    multiplied by MESHGROUPS_TEST_TIME_SCALE here; a test comparing a time with the default
+    group's timeout uses ``scaled(pg_timeout)``. ``backend=None`` leaves torch.distributed to
+    ``fn``. Ranks in ``may_exit`` may die without a result (fault injection): their entry is
+    ``None``."""
+    timeout, pg_timeout = scaled(timeout), scaled(pg_timeout)
     # forkserver with torch preloaded: children start in ~0.1 s from a clean, thread-free server
     # process, instead of ~2 s each importing torch (spawn) or inheriting pytest's state (fork).
     ctx = mp.get_context("forkserver")
@@ -92,14 +106,15 @@ def run(
                 results[r] = None
                 dead.remove(r)
             if dead and queue.empty():
-                time.sleep(0.5)  # a result may still be in flight from a rank that just exited
+                time.sleep(scaled(0.5))  # a result may still be in flight from a rank that just exited
                 if queue.empty():
                     raise RuntimeError(
                         f"ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) without a result"
                     )
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"ranks {missing} did not finish within {timeout}s; errors so far: {errors}"
+                    f"ranks {missing} did not finish within {timeout:g}s (MESHGROUPS_TEST_TIME_SCALE="
+                    f"{TIME_SCALE:g}); errors so far: {errors}"
                 )
     finally:
         for p in procs:

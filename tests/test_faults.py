@@ -3,7 +3,7 @@ never arrives, arrives late, dies; retries; two threads; argument mismatches; cl
 
 Every group is verified by an all_gather of global ranks inside it, so a cross-wired group
 (members other than declared) fails the test. Every wait has a timeout; elapsed times are
-checked against it.
+checked against it; every time is scaled by MESHGROUPS_TEST_TIME_SCALE (``scaled``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 from meshgroups import Layout
 
-from ._dist import run
+from ._dist import run, scaled
 
 LAYOUT = Layout(dp=2, tp=2)
 FLATTEN = [("dp", "tp")]
@@ -60,11 +60,11 @@ def worker_retries(rank, world):
     # 1. A rank raises before the check (a bad argument there only): every rank raises the same
     #    class at once, not after the timeout.
     flatten = FLATTEN if rank != 2 else [("dp", "xp")]
-    exc, elapsed = _timed(lambda: init_mesh(LAYOUT, flatten=flatten, timeout=20))
+    exc, elapsed = _timed(lambda: init_mesh(LAYOUT, flatten=flatten, timeout=scaled(20)))
     assert isinstance(exc, LayoutError), repr(exc)
     out["early"] = (type(exc).__name__, str(exc), elapsed)
     # 2. The identical retry builds correct groups (the failed call used up its number everywhere).
-    with init_mesh(LAYOUT, flatten=FLATTEN, timeout=20) as mg:
+    with init_mesh(LAYOUT, flatten=FLATTEN, timeout=scaled(20)) as mg:
         verify_groups(mg, LAYOUT, rank)
 
     # 3. A rank raises inside group creation, after the check; the others are left waiting for
@@ -87,18 +87,18 @@ def worker_retries(rank, world):
             dist.new_group = failing_new_group
         try:
             exc, elapsed = _timed(
-                lambda s=strategy: init_mesh(LAYOUT, flatten=FLATTEN, timeout=4, strategy=s)
+                lambda s=strategy: init_mesh(LAYOUT, flatten=FLATTEN, timeout=scaled(4), strategy=s)
             )
         finally:
             dist.new_group = real_new_group
         assert isinstance(exc, MeshBuildError), repr(exc)
         assert "failed on rank 1 while creating groups" in str(exc) and "injected failure" in str(exc)
-        assert elapsed < 4 + 6, elapsed
+        assert elapsed < scaled(4 + 6), elapsed
         out[f"during_{strategy}"] = elapsed
         assert held_group_count() == held  # the failed call destroyed what it had created
         # 4. The identical retry on every rank: correct groups, never cross-wired.
         with init_mesh(
-            LAYOUT, flatten=FLATTEN, subsets=_subsets(LAYOUT), timeout=20, strategy=strategy
+            LAYOUT, flatten=FLATTEN, subsets=_subsets(LAYOUT), timeout=scaled(20), strategy=strategy
         ) as mg:
             verify_groups(mg, LAYOUT, rank)
 
@@ -113,13 +113,13 @@ def worker_retries(rank, world):
         "gloo_twins": {"gloo_twins": True},
         "backend": {"backend": "gloo"},
         "device_type": {"device_type": "meta"},
-        "timeout": {"timeout": 21},
+        "timeout": {"timeout": scaled(21)},
     }
     seen = []
     for _ in range(12):
         argument = rnd.choice(sorted(alternatives))
         bad_rank = rnd.randrange(world)
-        kwargs = {"layout": LAYOUT, "flatten": FLATTEN, "subsets": _subsets(LAYOUT), "timeout": 20}
+        kwargs = {"layout": LAYOUT, "flatten": FLATTEN, "subsets": _subsets(LAYOUT), "timeout": scaled(20)}
         if argument == "only":
             kwargs["flatten"] = ()  # only= and flatten= exclude each other
         if rank == bad_rank:
@@ -129,14 +129,14 @@ def worker_retries(rank, world):
         assert exc.argument == argument and exc.ranks == (bad_rank,), (argument, bad_rank, str(exc))
         assert f"different {argument!r} on rank {bad_rank}" in str(exc)
         seen.append(argument)
-    with init_mesh(LAYOUT, flatten=FLATTEN, timeout=20) as mg:
+    with init_mesh(LAYOUT, flatten=FLATTEN, timeout=scaled(20)) as mg:
         verify_groups(mg, LAYOUT, rank)
 
     # 6. A global build whose subset leaves some ranks with fewer groups, then a local build:
     #    held-group counts differ, and the local strategy levels them instead of failing.
     lay = Layout(a=2, b=2)
-    keep = init_mesh(lay, subsets={"only_first": (lay.select("a", 0), "b")}, timeout=20)
-    with init_mesh(lay, strategy="local", timeout=20) as mg:
+    keep = init_mesh(lay, subsets={"only_first": (lay.select("a", 0), "b")}, timeout=scaled(20))
+    with init_mesh(lay, strategy="local", timeout=scaled(20)) as mg:
         verify_groups(mg, lay, rank)
     keep.close()
     out["mismatches"] = sorted(set(seen))
@@ -147,7 +147,7 @@ def test_failures_then_retries_never_cross_wire():
     results = run(worker_retries, 4, timeout=240)
     for rank, out in enumerate(results):
         name, message, elapsed = out["early"]
-        assert name == "LayoutError" and elapsed < 5, (rank, elapsed)
+        assert name == "LayoutError" and elapsed < scaled(5), (rank, elapsed)
         if rank != 2:
             assert "rank 2 failed before the cross-rank check" in message and "unknown dim 'xp'" in message
     assert len(results[0]["mismatches"]) >= 6  # the property covered most arguments
@@ -159,19 +159,19 @@ def worker_late_and_missing(rank, world):
     from meshgroups import ConcurrentInitError, RendezvousTimeout, init_mesh
 
     out = {}
-    # 1. Rank 3 never arrives; no timeout given: the default group's (4 s) bounds the wait.
+    # 1. Rank 3 never arrives; no timeout given: the default group's (scaled(4) s) bounds the wait.
     if rank != 3:
         exc, elapsed = _timed(lambda: init_mesh(LAYOUT))
         assert isinstance(exc, RendezvousTimeout), repr(exc)
         assert "rank 3 never arrived" in str(exc), str(exc)
-        assert 3.8 <= elapsed < 4 + 3, elapsed
+        assert 0.95 * scaled(4) <= elapsed < scaled(4 + 3), elapsed
         out["missing"] = elapsed
     else:
-        time.sleep(5)
+        time.sleep(scaled(5))
         # Now it comes, late, for the same call: it must not pass alone.
         exc, elapsed = _timed(lambda: init_mesh(LAYOUT))
         assert isinstance(exc, RendezvousTimeout), repr(exc)
-        assert "gave up waiting" in str(exc) and elapsed < 1, (str(exc), elapsed)
+        assert "gave up waiting" in str(exc) and elapsed < scaled(1), (str(exc), elapsed)
     # 2. Everyone in step again: the next call works.
     with init_mesh(LAYOUT, flatten=FLATTEN) as mg:
         verify_groups(mg, LAYOUT, rank)
@@ -182,19 +182,19 @@ def worker_late_and_missing(rank, world):
 
     def first_call():
         if rank == 0:
-            time.sleep(2)
-        results["mg"] = init_mesh(LAYOUT, timeout=20)
+            time.sleep(scaled(2))
+        results["mg"] = init_mesh(LAYOUT, timeout=scaled(20))
 
     thread = threading.Thread(target=first_call)
     thread.start()
     if rank != 0:
-        time.sleep(0.5)
-        exc, elapsed = _timed(lambda: init_mesh(LAYOUT, timeout=20))
-        assert isinstance(exc, ConcurrentInitError) and elapsed < 0.5, repr(exc)
-    thread.join(30)
+        time.sleep(scaled(0.5))
+        exc, elapsed = _timed(lambda: init_mesh(LAYOUT, timeout=scaled(20)))
+        assert isinstance(exc, ConcurrentInitError) and elapsed < scaled(0.5), repr(exc)
+    thread.join(scaled(30))
     verify_groups(results["mg"], LAYOUT, rank)
     results["mg"].close()
-    with init_mesh(LAYOUT, timeout=20) as mg:  # and the next call still pairs up
+    with init_mesh(LAYOUT, timeout=scaled(20)) as mg:  # and the next call still pairs up
         verify_groups(mg, LAYOUT, rank)
     return out
 
@@ -208,11 +208,11 @@ def worker_rank_dies(rank, world, victim):
 
     from meshgroups import RendezvousTimeout, StoreConnectionError, init_mesh
 
-    with init_mesh(LAYOUT, timeout=10) as mg:
+    with init_mesh(LAYOUT, timeout=scaled(10)) as mg:
         verify_groups(mg, LAYOUT, rank)
     if rank == victim:
         os._exit(1)
-    exc, elapsed = _timed(lambda: init_mesh(LAYOUT, timeout=3))
+    exc, elapsed = _timed(lambda: init_mesh(LAYOUT, timeout=scaled(3)))
     expected = StoreConnectionError if victim == 0 else RendezvousTimeout
     assert isinstance(exc, expected), repr(exc)
     if victim != 0:
@@ -222,14 +222,14 @@ def worker_rank_dies(rank, world, victim):
 
         store = default_store()
         store.add("survivors_done", 1)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + scaled(20)
         while int(store.add("survivors_done", 0)) < world - 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         if rank != 0:
             store.add("survivors_left", 1)  # after this rank's last store call
         while rank == 0 and int(store.add("survivors_left", 0)) < world - 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-    assert elapsed < 3 + 3, elapsed
+    assert elapsed < scaled(3 + 3), elapsed
     return type(exc).__name__
 
 
@@ -262,20 +262,24 @@ def worker_cycles(rank, world, cycles):
     out = {}
     lay = Layout(dp=2, tp=2).with_views(expert=Layout(ep=4))
     for strategy in ("global", "local"):
-        with init_mesh(lay, flatten=FLATTEN, subsets=_subsets(lay), strategy=strategy, timeout=20) as mg:
+        with init_mesh(
+            lay, flatten=FLATTEN, subsets=_subsets(lay), strategy=strategy, timeout=scaled(20)
+        ) as mg:
             verify_groups(mg, lay, rank)  # warm-up: gloo's first-collective threads are not leaks
         dist.barrier()
         before = _resources()
         for _ in range(cycles):
-            with init_mesh(lay, flatten=FLATTEN, subsets=_subsets(lay), strategy=strategy, timeout=20) as mg:
+            with init_mesh(
+                lay, flatten=FLATTEN, subsets=_subsets(lay), strategy=strategy, timeout=scaled(20)
+            ) as mg:
                 verify_groups(mg, lay, rank)
         dist.barrier()
         after = _resources()
         out[strategy] = (before, after)
     # Two meshes sharing a cache: closing one keeps the groups the other still uses.
     cache = GroupCache()
-    a = init_mesh(LAYOUT, cache=cache, timeout=20)
-    b = init_mesh(LAYOUT, flatten=FLATTEN, cache=cache, timeout=20)
+    a = init_mesh(LAYOUT, cache=cache, timeout=scaled(20))
+    b = init_mesh(LAYOUT, flatten=FLATTEN, cache=cache, timeout=scaled(20))
     assert a.group("tp") is b.group("tp")
     a.close()
     verify_groups(b, LAYOUT, rank)

@@ -6,7 +6,7 @@ import pytest
 
 from meshgroups import Layout
 
-from ._dist import run
+from ._dist import run, scaled
 
 
 def dense_expert_layout() -> Layout:
@@ -39,7 +39,8 @@ def _check_every_family(mg, lay, rank):
             expected = lay.group_of(rank, *dims).tolist()
         assert ranks == expected, (fam, ranks, expected)
         if expected is None:
-            assert group is None and mg.local_rank(*dims) is None and mg.submesh(*dims) is None
+            assert group is None and mg.local_rank(*dims) is None
+            assert mg.submesh(*dims).get_coordinate() is None  # a mesh on every rank, as in torch
             continue
         assert dist.get_process_group_ranks(group) == expected, fam
         assert dist.get_rank(group) == expected.index(rank) == mg.local_rank(*dims), fam
@@ -57,7 +58,7 @@ def worker_invariants(rank, world):
     from meshgroups import init_mesh
 
     lay = dense_expert_layout()
-    mg = init_mesh(lay, flatten=PLAN["flatten"], subsets=_subsets(lay), timeout=30)
+    mg = init_mesh(lay, flatten=PLAN["flatten"], subsets=_subsets(lay), timeout=scaled(30))
     seen = _check_every_family(mg, lay, rank)
     # one process group per distinct rank set
     assert mg.group("dp", "cp") is mg.group("dp")
@@ -102,7 +103,7 @@ def worker_permuted_dtensor(rank, world):
     # a topology-aware placement whose ranks do not increase along either dim
     grid = np.array([[3, 1, 2, 0], [7, 5, 4, 6]])
     lay = Layout.from_grid(grid, ("a", "b"))
-    mg = init_mesh(lay, flatten=[("a", "b")], timeout=30)
+    mg = init_mesh(lay, flatten=[("a", "b")], timeout=scaled(30))
     _check_every_family(mg, lay, rank)
     coords = lay.coords(rank)
     assert tuple(mg.mesh.get_coordinate()) == (coords["a"], coords["b"])
@@ -140,7 +141,7 @@ def worker_fsdp(rank, world):
     from meshgroups import init_mesh
 
     lay = Layout(dp=2, cp=2)
-    mg = init_mesh(lay, flatten=[("dp", "cp")], timeout=30)
+    mg = init_mesh(lay, flatten=[("dp", "cp")], timeout=scaled(30))
     for dims, flatten in ((("dp",), False), (("dp", "cp"), True)):
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 3)
@@ -169,12 +170,12 @@ def worker_mismatch(rank, world):
     from meshgroups import init_mesh
 
     # several meshes in one job: no false alarms
-    first = init_mesh(Layout(dp=2, tp=2), timeout=20)
-    second = init_mesh(Layout(pp=4), timeout=20)
+    first = init_mesh(Layout(dp=2, tp=2), timeout=scaled(20))
+    second = init_mesh(Layout(pp=4), timeout=scaled(20))
     assert first.ranks("tp") is not None and second.ranks("pp") == [0, 1, 2, 3]
     lay = Layout(dp=2, tp=2) if rank != 2 else Layout(dp=4, tp=1)
     try:
-        init_mesh(lay, timeout=20)
+        init_mesh(lay, timeout=scaled(20))
     except ValueError as exc:
         from meshgroups import MismatchError
 
@@ -200,13 +201,13 @@ def worker_local_strategy(rank, world):
     lay = dense_expert_layout()
     cache = GroupCache()
     mg = init_mesh(
-        lay, flatten=PLAN["flatten"], subsets=_subsets(lay), strategy="local", cache=cache, timeout=30
+        lay, flatten=PLAN["flatten"], subsets=_subsets(lay), strategy="local", cache=cache, timeout=scaled(30)
     )
     _check_every_family(mg, lay, rank)
     calls_first = cache.calls
     # a second, different layout through the same cache: counts stayed aligned, no hang
     other = Layout.from_grid([[7, 6, 5, 4], [3, 2, 1, 0]], ("x", "y"))
-    mg2 = init_mesh(other, flatten=[("x", "y")], strategy="local", cache=cache, timeout=30)
+    mg2 = init_mesh(other, flatten=[("x", "y")], strategy="local", cache=cache, timeout=scaled(30))
     _check_every_family(mg2, other, rank)
     assert mg2.group("x", "y") is not dist.group.WORLD  # reversed order: not the default group
     return calls_first
@@ -254,9 +255,9 @@ def worker_errors(rank, world):
             errors[name] = f"{type(exc).__name__}: {exc}"
     # the failed calls created nothing and left the ranks in step: a real build still works
     lay = Layout(dp=2, tp=1, rank_offset=2)  # part of the world: ranks 2 and 3
-    mg = init_mesh(lay, flatten=[("dp", "tp")], gloo_twins=True, timeout=20)
+    mg = init_mesh(lay, flatten=[("dp", "tp")], gloo_twins=True, timeout=scaled(20))
     member = rank in (2, 3)
-    assert (mg.mesh is None) == (not member)
+    assert (mg.mesh.get_coordinate() is None) == (not member)
     assert (mg.group("dp") is None) == (not member) and (mg.ranks("dp") is None) == (not member)
     assert mg.size("dp") == 2
     if member:
@@ -267,11 +268,11 @@ def worker_errors(rank, world):
     except ValueError as exc:
         errors["unknown_dim"] = str(exc)
     try:
-        init_mesh(Layout(dp=2, tp=2), timeout=20).group("dp", "tp")
+        init_mesh(Layout(dp=2, tp=2), timeout=scaled(20)).group("dp", "tp")
     except ValueError as exc:
         errors["undeclared"] = str(exc)
     # node-aware groups: two "nodes" of two ranks
-    nodes = init_mesh(Layout(world=4).split_by_node("world", 2), timeout=20)
+    nodes = init_mesh(Layout(world=4).split_by_node("world", 2), timeout=scaled(20))
     assert nodes.ranks("world_intra") == [rank // 2 * 2, rank // 2 * 2 + 1]
     assert nodes.ranks("world_inter") == [rank % 2, rank % 2 + 2]
     assert nodes._repr_html_().startswith("<table") and "outline" in nodes._repr_html_()
@@ -323,7 +324,7 @@ def worker_local_uneven_dedup(rank, world):
     view = Layout.from_grid([[0, 1], [2, 4], [3, 5]], ("c", "d"))  # d groups: {0,1} {2,4} {3,5}
     lay = main.with_views(v=view)
     cache = GroupCache()
-    mg = init_mesh(lay, strategy="local", cache=cache, timeout=20)
+    mg = init_mesh(lay, strategy="local", cache=cache, timeout=scaled(20))
     _check_every_family(mg, lay, rank)
     if rank in (0, 1):
         assert mg.group("d") is mg.group("b")  # same ranks: reused, and this rank padded instead

@@ -68,12 +68,16 @@ def test_local_strategy_at_131k_costs_one_call_per_family(fake_rank):
 
 
 @pytest.mark.parametrize("fake_rank", [(5, 1024)], indirect=True)
-def test_subset_non_member_gets_none(fake_rank):
+def test_subset_non_member_gets_a_mesh_and_none_groups(fake_rank):
     lay = Layout(pp=4, dp=32, tp=8)
     mg = init_mesh(lay, subsets={"embd": (lay.select("pp", [0, -1]), "pp")}, strategy="local")
     assert mg.ranks("embd") == [5, 773] and mg.local_rank("embd") == 0
     mg_far = init_mesh(Layout(tp=8, rank_offset=512), strategy="local")
-    assert mg_far.mesh is None and mg_far.group("tp") is None and mg_far.size("tp") == 8
+    # every rank gets a mesh, as in torch; this rank's group is None
+    assert mg_far.mesh.get_coordinate() is None and mg_far.mesh.mesh.tolist() == list(range(512, 520))
+    assert mg_far.group("tp") is None and mg_far.ranks("tp") is None and mg_far.size("tp") == 8
+    embd = mg.submesh("embd")
+    assert embd.get_coordinate() == (0,) and embd.mesh.tolist() == [5, 773]
 
 
 @st.composite
@@ -103,3 +107,32 @@ def test_every_group_matches_the_layout_for_random_layouts(args):
         assert tuple(mg.mesh.get_coordinate()) == tuple(lay.coords(rank).values())
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fake_rank", [(98765, BIG.world_size)], indirect=True)
+def test_root_and_derived_meshes_skip_torch_world_scans_at_131k(fake_rank, monkeypatch):
+    """The root, every declared flattened dim, slices and their coordinates come from layout
+    arithmetic: no torch DeviceMesh constructor (O(world) each) and no rank tuple until a mesh
+    is hashed or compared; then the answers equal torch's."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    calls = []
+    original = DeviceMesh.__init__
+    monkeypatch.setattr(
+        DeviceMesh, "__init__", lambda self, *a, **k: calls.append(a) or original(self, *a, **k)
+    )
+    flatten = [("dp", "cp"), ("cp", "tp"), ("pp", "dp", "cp", "tp")]
+    mg = init_mesh(BIG, flatten=flatten, strategy="local")
+    root = mg.mesh
+    meshes = [root, root["dp", "tp"], root["cp"], *(root["_".join(dims)] for dims in flatten)]
+    assert calls == [] and "_mg_rank_tuple" not in vars(root)
+    coords = BIG.coords(fake_rank)
+    assert root.get_coordinate() == tuple(coords.values())
+    assert root["dp", "tp"].get_coordinate() == (coords["dp"], coords["tp"])
+    for dims in flatten:
+        flat = root["_".join(dims)]
+        assert flat.get_coordinate() == (mg.local_rank(*dims),) and flat.get_group() is mg.group(*dims)
+    # hashing and equality as torch's: a torch-built mesh over the same ranks is equal
+    twin = DeviceMesh("cpu", root.mesh, mesh_dim_names=BIG.names, _init_backend=False)
+    assert hash(root) == hash(twin) and root == twin and root._flatten_rank_map is meshes[1]._flatten_rank_map
+    assert twin.get_coordinate() == root.get_coordinate()

@@ -1,5 +1,7 @@
-"""Every notebook runs top to bottom headless under at least two parameter sets (papermill-style:
-a cell injected after the ``parameters`` cell), and every plotting cell shows a figure.
+"""Every notebook runs top to bottom headless under several parameter sets (papermill-style: a
+cell injected after the ``parameters`` cell) — the defaults, bigger worlds, worlds that are not a
+whole number of nodes, one-dim layouts, the largest world the drawing window holds and random sets
+(random dim names and sizes included) — and every plotting cell shows a figure of readable width.
 
 The harness retries a kernel start that lost jupyter_client's port race and fails fast when the
 kernel dies; the live widget is unit-tested here instead of in a browser.
@@ -7,20 +9,95 @@ kernel dies; the live widget is unit-tested here instead of in a browser.
 
 from __future__ import annotations
 
+import base64
+import keyword
+import math
 import os
+import random
+import string
 import time
 from pathlib import Path
 
 import pytest
+from meshgroups.compat.megatron_layout import megatron_plan
+
+from meshgroups import Layout
+
+from ._timing import scaled
 
 NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
+# Random parameter sets are drawn from this seed (set MESHGROUPS_NOTEBOOK_SEED to draw others);
+# the test id shows each set, so a failure can be rerun as it was.
+RNG = random.Random(int(os.environ.get("MESHGROUPS_NOTEBOOK_SEED", "2026")))
+LARGEST = 1024  # render's drawing window (max_cells): the largest world drawn whole
+
+
+def _random_names(n: int) -> list[str]:
+    names: list[str] = []
+    while len(names) < n:
+        name = "".join(RNG.choice(string.ascii_lowercase + "_") for _ in range(RNG.randint(1, 7)))
+        if name.isidentifier() and not keyword.iskeyword(name) and name not in names:
+            names.append(name)
+    return names
+
+
+def _random_layout_params() -> dict:
+    names = _random_names(RNG.randint(2, 4))
+    sizes = {n: RNG.randint(1, 5) for n in names}
+    world = math.prod(sizes.values())
+    color_by = RNG.choice([names[0], names[-1], tuple(RNG.sample(names, min(2, len(names))))])
+    return {
+        "sizes": sizes,
+        "rank": RNG.randint(-world, 3 * world),
+        "ranks_per_node": RNG.randint(1, 9),
+        "color_by": color_by,
+    }
+
+
+def _random_legacy_params() -> dict:
+    tp = RNG.choice([1, 2, 3, 4, 8])
+    world = tp * RNG.randint(1, 12)
+    return {
+        "world_size": world,
+        "rank": RNG.randint(0, 999),
+        "tensor_parallel_size": tp,
+        "ranks_per_node": RNG.randint(1, 9),
+    }
+
+
+def _random_megatron_params() -> dict:
+    tp, pp, cp, etp = RNG.choice([1, 2, 4]), RNG.choice([1, 2, 3]), RNG.choice([1, 2]), RNG.choice([1, 2])
+    ep = RNG.choice([1, 2, 4])
+    dp = RNG.randint(1, 4) * ep * etp  # the expert side (ep×etp) divides the dense dp×cp×tp ranks
+    return {
+        "world_size": tp * pp * cp * dp,
+        "tp": tp,
+        "pp": pp,
+        "cp": cp,
+        "ep": ep,
+        "etp": etp,
+        "order": "tp-cp-ep-dp-pp",
+        "alt_order": RNG.choice(["tp-cp-ep-pp-dp", "tp-pp-cp-ep-dp", "tp-cp-dp-ep-pp"]),
+        "ranks_per_node": RNG.randint(1, 9),
+        "rank": RNG.randint(-50, 5000),
+    }
+
+
 PARAMETER_SETS = {
     "explore_layouts.ipynb": [
         {},
         {"sizes": {"pp": 4, "dp": 4, "cp": 2, "tp": 8}, "rank": 200, "ranks_per_node": 8, "color_by": "cp"},
-        {"sizes": {"pp": 3, "dp": 2, "cp": 1, "tp": 2}, "rank": 7, "ranks_per_node": 4, "color_by": "dp"},
+        # the issue's cases: no cp dim, 9 ranks on nodes of 4 (a partial last node), an unknown color_by
+        {"sizes": {"dp": 3, "tp": 3}, "rank": -1, "ranks_per_node": 4, "color_by": "xx"},
+        _random_layout_params(),
+        {"sizes": {"ranks": LARGEST}, "rank": 1000, "ranks_per_node": 8, "color_by": "ranks"},  # one dim
     ],
-    "legacy_to_mesh.ipynb": [{}, {"world_size": 64, "rank": 37, "tensor_parallel_size": 8}],
+    "legacy_to_mesh.ipynb": [
+        {},
+        {"world_size": 12, "rank": -1, "tensor_parallel_size": 3, "ranks_per_node": 8},  # partial node
+        _random_legacy_params(),
+        {"world_size": LARGEST, "rank": 777, "tensor_parallel_size": 1, "ranks_per_node": 8},
+    ],
     "megatron_layouts.ipynb": [
         {},
         {
@@ -33,9 +110,41 @@ PARAMETER_SETS = {
             "rank": 37,
             "alt_order": "tp-pp-cp-ep-dp",
         },
+        _random_megatron_params(),
+        # the largest world, one dim of size > 1 (dp), on a partial last node of 48
+        {
+            "world_size": LARGEST,
+            "tp": 1,
+            "pp": 1,
+            "cp": 1,
+            "ep": 1,
+            "etp": 1,
+            "ranks_per_node": 48,
+            "rank": 999,
+        },
+    ],
+    "weight_transfer.ipynb": [
+        {},
+        {
+            "src": {"dp": 2, "tp": 4},
+            "dst": {"tp": 2, "dp": 4},
+            "dst_offset": 0,
+            "ranks_per_node": 4,
+            "rank": 3,
+        },
+        # 128 ranks on nodes of 6 (partial nodes), an out-of-range rank
+        {
+            "src": {"pp": 4, "dp": 2, "tp": 8},
+            "dst": {"dp": 4, "tp": 4},
+            "dst_offset": 64,
+            "ranks_per_node": 6,
+            "rank": -1,
+        },
     ],
 }
 CASES = [(name, i) for name, sets in PARAMETER_SETS.items() for i in range(len(sets))]
+IDS = [f"{n.removesuffix('.ipynb')}-{i}-{PARAMETER_SETS[n][i] or 'defaults'}" for n, i in CASES]
+MAX_WIDTH_PX = 1700  # the widest grid render.plot draws (16 in at the inline backend's 100 dpi) + labels
 
 
 def _inject(book, overrides):
@@ -60,8 +169,8 @@ def _execute(book, path, attempts=3):
         client = NotebookClient(
             book,
             kernel_name="python3",
-            timeout=120,
-            startup_timeout=60,
+            timeout=int(scaled(120)),
+            startup_timeout=int(scaled(60)),
             resources={"metadata": {"path": str(path.parent)}},
             skip_cells_with_tag="skip-execution",
             shutdown_kernel="immediate",
@@ -79,7 +188,7 @@ def _execute(book, path, attempts=3):
     return book
 
 
-@pytest.mark.parametrize(("name", "index"), CASES, ids=[f"{n}-{i}" for n, i in CASES])
+@pytest.mark.parametrize(("name", "index"), CASES, ids=IDS)
 def test_notebook_runs_and_shows_its_figures(name, index, monkeypatch):
     import nbformat
 
@@ -100,9 +209,46 @@ def test_notebook_runs_and_shows_its_figures(name, index, monkeypatch):
     for cell in plots:
         images = [o for o in cell.outputs if "image/png" in o.get("data", {})]
         assert images, f"plotting cell shows no figure: {cell.source[:80]!r}"
-        assert cell.source.count("display(") == len(images)  # one picture per display call
+        assert len(images) <= cell.source.count("display("), "a figure shown twice"
+        for image in images:
+            width = _png_width(image["data"]["image/png"])
+            assert width <= MAX_WIDTH_PX, f"a {width}-px-wide figure (title or labels wider than the grid)"
     text = "".join(o.get("text", "") for c in executed for o in c.outputs)
-    assert "AssertionError" not in text and "<Figure size" not in text
+    assert "AssertionError" not in text and "<Figure size" not in text and "Traceback" not in text
+
+
+def _png_width(data: str) -> int:
+    png = base64.b64decode(data)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(png[16:20], "big")  # IHDR's width field
+
+
+FIGURES = {
+    "megatron 16, views in the repr": lambda: megatron_plan(16, 2, 2, expert_model_parallel_size=2).layout,
+    "megatron 64": lambda: (
+        megatron_plan(64, 4, 2, context_parallel_size=2, expert_model_parallel_size=4).layout
+    ),
+    "9 ranks": lambda: Layout(pp=1, dp=3, cp=1, tp=3),
+    "one dim of 1024": lambda: Layout(ranks=1024),
+    "long names": lambda: Layout(a_very_long_dim_name_indeed=2, another_quite_long_dim_name=3),
+}
+
+
+@pytest.mark.parametrize("make", FIGURES.values(), ids=FIGURES.keys())
+def test_plot_keeps_title_and_labels_inside_the_figure(make):
+    """What made megatron_layouts' figures 1,740 px wide: a title wider than the figure (the
+    inline backend crops to everything drawn). Nothing drawn may stick out of the figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from meshgroups.render import plot
+
+    lay = make()
+    for color_by in (lay.names[-1], lay.names[:2]):
+        fig = plot(lay, color_by, ranks_per_node=8, highlight_rank=1)
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+        drawn = fig.get_tightbbox(canvas.get_renderer())  # inches
+        assert drawn.width <= fig.get_figwidth() + 0.05, (repr(lay), drawn.width, fig.get_figwidth())
 
 
 def test_every_notebook_is_tested():

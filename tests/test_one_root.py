@@ -13,7 +13,7 @@ import numpy as np
 
 from meshgroups import Layout
 
-from ._dist import run
+from ._dist import run, scaled
 
 # ranks do not increase along any dim: torch's sorted groups would permute data here
 PERMUTED = np.array([[[6, 3], [0, 5]], [[2, 7], [4, 1]]])
@@ -101,7 +101,7 @@ def worker_one_root(rank, world, kind):
     from meshgroups import init_mesh
 
     lay = layout_for(kind)
-    mg = init_mesh(lay, flatten=[("dp", "cp")], timeout=60)
+    mg = init_mesh(lay, flatten=[("dp", "cp")], timeout=scaled(60))
     root = mg.mesh
     held = len(mg.cache.groups())
     # 1. One root: submeshes are its slices; the declared flattened dim lives on it.
@@ -170,7 +170,7 @@ def worker_hsdp(rank, world):
     from meshgroups import init_mesh
 
     lay = Layout(dp_replicate=2, dp_shard=2, cp=1, tp=2)
-    mg = init_mesh(lay, timeout=60)
+    mg = init_mesh(lay, timeout=scaled(60))
     root = mg.mesh
     dp = root["dp_replicate", "dp_shard"]._flatten("dp")
     dp_shard_cp = root["dp_shard", "cp"]._flatten("dp_shard_cp")
@@ -205,7 +205,7 @@ def worker_dcp(rank, world, path):
     from meshgroups import init_mesh
 
     def sharded(kind, seed):
-        mg = init_mesh(layout_for(kind), flatten=[("dp", "cp")], timeout=60)
+        mg = init_mesh(layout_for(kind), flatten=[("dp", "cp")], timeout=scaled(60))
         model = _mlp(seed)
         parallelize_module(model, mg.mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         fully_shard(model, mesh=mg.mesh["dp_cp"])

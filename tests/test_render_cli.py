@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 
 from meshgroups import Layout
+from meshgroups.cli import main
 from meshgroups.render import group_ids, html, plot, text
+
+from ._timing import scaled
 
 
 def cli(*args, env=None, timeout=120):
@@ -20,7 +23,7 @@ def cli(*args, env=None, timeout=120):
         [sys.executable, "-m", "meshgroups", *args],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=scaled(timeout),
         env=full_env,
     )
 
@@ -59,6 +62,27 @@ def test_plot_draws_and_windows_big_worlds(tmp_path):
 
     pixels = imread(tmp_path / "small.png")
     assert pixels.shape[0] > 200 and np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0).shape[0] > 8
+
+
+def test_drawings_show_a_window_of_columns_too():
+    wide = Layout(pp=2, tp=4096)
+    fig = plot(wide)
+    assert "first 2 rows × 64 of 4096 columns of 8192 ranks shown" in fig.axes[0].get_title()
+    assert len(fig.axes[0].get_xticklabels()) <= 33
+    assert "first 2 rows × 64 of 4096 columns" in html(wide)
+
+
+def test_demo_checks_its_python_arguments():
+    from meshgroups.demo import check_args
+
+    with pytest.raises(ValueError, match="the layout has 4 ranks"):
+        check_args(Layout(dp=2, tp=2), 8, "global", 60.0)
+    with pytest.raises(ValueError, match="nproc=65 must be between 1 and 64"):
+        check_args(Layout(dp=65), 65, "global", 60.0)
+    with pytest.raises(ValueError, match="timeout=1e-300 must be between 1 and 86400"):
+        check_args(Layout(dp=2), 2, "global", 1e-300)
+    with pytest.raises(TypeError):
+        check_args(None, 2, "global", 60.0)  # type: ignore[arg-type]
 
 
 def test_plot_without_matplotlib_names_the_extra(monkeypatch):
@@ -103,7 +127,8 @@ def test_cli_big_worlds_print_a_bounded_summary():
     [
         (["show", "pp=2", "tp=3", "--world-size", "16"], "pp=2 × tp=3 = 6 does not match world_size=16"),
         (["show", "dp=-1", "tp=3", "--world-size", "16"], "tp=3 does not divide world_size=16"),
-        (["show", "tp=x"], "size of 'tp' must be an integer, got 'x'"),
+        (["show", "tp=x"], "size of 'tp' must be an integer in digits 0-9, got 'x'"),
+        (["show", "dp=-1", "tp=2"], "dp=-1 needs --world-size N to infer it from"),
         (["show", "tp"], "dims are name=size words like tp=4, got 'tp'"),
         (["show", "tp=2", "tp=2"], "duplicate dim name 'tp'"),
         (["show", "tp=0"], "tp=0: dim sizes must be positive"),
@@ -118,6 +143,10 @@ def test_cli_big_worlds_print_a_bounded_summary():
         (["plot", "tp=2", "--dpi", "0"], "--dpi must be positive"),
         (["plot", "tp=2", "-o", "/nonexistent/dir/x.png"], "cannot write -o /nonexistent/dir/x.png"),
         (["demo", "--nproc", "4", "tp=8"], "the layout has 8 ranks but --nproc 4"),
+        (["demo", "--nproc", "65"], "--nproc must be at most 64"),
+        (["demo", "--timeout", "1e308"], "--timeout must be between 1 and 86400 seconds"),
+        (["plot", "tp=2", "--dpi", "9000"], "--dpi must be at most 400"),
+        (["plot", "tp=2", "-o", ""], "-o needs a file name such as layout.png, got ''"),
         (["demo", "--timeout", "0"], "--timeout must be positive"),
         (["demo", "--timeout", "-5"], "--timeout must be positive"),
         (["demo", "--nproc", "0"], "--nproc must be positive"),
@@ -125,10 +154,20 @@ def test_cli_big_worlds_print_a_bounded_summary():
         (["frobnicate"], "invalid choice"),
     ],
 )
-def test_cli_bad_arguments_exit_2_without_traceback(args, message):
-    out = cli(*args)
-    assert out.returncode == 2, (out.stdout, out.stderr)
-    assert message in out.stderr and "Traceback" not in out.stderr
+def test_cli_bad_arguments_exit_2_without_traceback(args, message, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)  # in-process: the parser, not the interpreter's start-up, is under test
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert message in err and "Traceback" not in err
+
+
+def test_cli_bad_argument_in_a_real_process_prints_no_traceback():
+    out = cli("show", "tp=1_000")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "size of 'tp' must be an integer in digits 0-9, got '1_000'" in out.stderr
 
 
 def test_cli_plot_writes_png(tmp_path):
@@ -140,7 +179,7 @@ def test_cli_plot_writes_png(tmp_path):
 
 
 def test_cli_demo_on_real_processes():
-    out = cli("demo", "--nproc", "4", "dp=2", "tp=2", timeout=180)
+    out = cli("demo", "--nproc", "4", "dp=-1", "tp=2", timeout=180)  # dp=-1: filled from --nproc
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all 12 checks passed" in out.stdout  # 4 ranks × 3 groups each (dp, tp, dp×tp)
     assert "4 processes (spawned on 127.0.0.1, gloo)" in out.stdout
@@ -150,7 +189,11 @@ def test_cli_demo_joins_torchrun():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [*cmd, "-m", "meshgroups", "demo", "dp=2"], capture_output=True, text=True, timeout=180, env=env
+        [*cmd, "-m", "meshgroups", "demo", "dp=2"],
+        capture_output=True,
+        text=True,
+        timeout=scaled(180),
+        env=env,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "2 processes (torchrun, gloo)" in out.stdout and "checks passed" in out.stdout
@@ -177,5 +220,5 @@ def test_console_script_is_installed():
 
     script = Path(sys.executable).parent / "meshgroups"
     assert script.exists(), "pip install should create the meshgroups command"
-    out = subprocess.run([str(script), "show", "tp=2"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([str(script), "show", "tp=2"], capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 0 and "Layout(tp=2)" in out.stdout

@@ -17,6 +17,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from meshgroups import Layout, LayoutError, Topology, init_mesh, layout_of
 from meshgroups.render import span_table
 
+from ._timing import scaled
+
 NAMES = ("pp", "dp", "cp", "tp")
 
 
@@ -90,7 +92,7 @@ def test_infer_errors_name_the_family():
         Layout.infer({"tp": [[0, 1], [2, 3]], "dp": [[0, 1, 2, 3]]})
     with pytest.raises(LayoutError, match="family 'dp' does not cover the same 4 ranks"):
         Layout.infer({"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 4]]})
-    with pytest.raises(LayoutError, match="lists of integer ranks of one size"):
+    with pytest.raises(LayoutError, match="equal-sized lists of integer ranks"):
         Layout.infer({"tp": [[0, 1], [2]]})
     with pytest.raises(TypeError, match="mapping of family name"):
         Layout.infer([[0, 1]])
@@ -236,7 +238,7 @@ def test_layout_of_reads_device_meshes_back(fake_world, permuted):
 
 def cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "meshgroups", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "meshgroups", *args], capture_output=True, text=True, timeout=scaled(120)
     )
 
 
@@ -265,3 +267,30 @@ def test_cli_place_show_topology_and_from_json(tmp_path):
     assert out.returncode == 2 and "cannot read --from-json" in out.stderr
     out = cli("show", "tp=2", "--topology", "node=8,domain=12")
     assert out.returncode == 2 and "must be a multiple of the level below it" in out.stderr
+
+
+def test_place_says_whether_its_result_is_a_megatron_order_string():
+    from meshgroups.order import megatron_order
+
+    machine = Topology(node=4, domain=8)
+    placed = Layout.place({"tp": 4, "dp": 2, "pp": 2}, machine, fast_first=["tp", "dp"])
+    order, _ = megatron_order(placed)
+    assert order == "tp-dp-pp"
+    megatron = Layout.from_order(order, tp=4, dp=2, pp=2)
+    for d in placed.names:  # the order string states exactly the placed groups
+        assert sorted(map(tuple, placed.groups(d).tolist())) == sorted(
+            map(tuple, megatron.groups(d).tolist())
+        )
+    assert placed.span("tp", topology=machine) == "node"
+    assert Layout(tp=4, dp=2, pp=2).span("tp", topology=machine) == "world"  # row-major: across
+    split = Layout.place({"dp": 8, "tp": 2}, Topology(node=4), fast_first=["dp", "tp"])
+    order, why = megatron_order(split)
+    assert order is None and "members of dim dp are not evenly spaced" in why
+    assert megatron_order(Layout(a=2))[0] is None
+    assert megatron_order(Layout(pp=2, dp=2, cp=1, tp=2))[0] == "tp-dp-pp-cp"
+
+
+def test_place_search_is_bounded_and_the_result_affine():
+    many = {f"d{i}": 4 for i in range(12)}  # 4**12 = 2**24 ranks, 12 ranked dims, 24 levels
+    lay = Layout.place(many, Topology(**{f"l{i}": 2**i for i in range(1, 25)}), fast_first=list(many))
+    assert lay.is_affine and lay.world_size == 2**24  # built from strides: no 16M-rank grid

@@ -1,0 +1,272 @@
+"""``python -m meshgroups transfer``: what a weight transfer between two layouts moves, per node
+and per rank, from the plan (numpy only, no processes)::
+
+    python -m meshgroups transfer --src pp=2,tp=4 --dst tp=8 --dst-offset 8 --ranks-per-node 8
+    python -m meshgroups transfer --src dp_shard=4,tp=2 --dst dp=2,tp=4 --model llama-8b --json
+    python -m meshgroups transfer --src tp=4 --dst tp=2 --dst-offset 4 --weights weights.json
+
+Models are built per layout: ``tp`` shards like Megatron (q/k/v/gate/up and the vocabulary on
+rows, o/down on columns), ``pp`` assigns stages (layers split evenly, embedding first, head
+last), ``ep``/``etp`` shard experts, ``dp_shard``/``fsdp`` shard rows after ``tp`` (FSDP2);
+other dims replicate. ``--weights FILE`` reads ``{"src": [...], "dst": [...]}`` instead, each
+weight as ``Weight.to_dict`` writes it: ``{"name", "shape", "dtype", "placements": {dim:
+"Shard(0)" | "Replicate()"}, "stage": [dim, i], "shard_order": [dims]}`` (all but name and
+shape optional). Bad input exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .layout import Layout
+from .topology import Topology
+from .transfer import Shard, Weight, plan_transfer
+from .transfer.spec import Placement
+
+#: name: (hidden, ffn, kv width, vocab, layers, experts (0: dense), dtype)
+MODELS: dict[str, tuple[int, int, int, int, int, int, str]] = {
+    "tiny": (64, 256, 64, 1000, 2, 0, "float32"),
+    "small": (1024, 4096, 256, 32000, 4, 0, "bfloat16"),
+    "moe-small": (1024, 1024, 256, 32000, 4, 8, "bfloat16"),
+    "llama-8b": (4096, 14336, 1024, 128256, 32, 0, "bfloat16"),
+    "llama-70b": (8192, 28672, 1024, 128256, 80, 0, "bfloat16"),
+}
+FSDP_DIMS = ("dp_shard", "fsdp")
+#: Without --full, the per-rank table shows this many ranks (the busiest).
+SHOWN_RANKS = 32
+
+
+def model_weights(model: str, layout: Layout) -> list[Weight]:
+    """The preset ``model``'s weights placed on ``layout`` (see the module docstring).
+
+    >>> [w.name for w in model_weights("tiny", Layout(tp=2))][:3]
+    ['embed', 'layers.0.q', 'layers.0.k']
+    """
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; models are {', '.join(MODELS)}")
+    hidden, ffn, kv, vocab, layers, experts, dtype = MODELS[model]
+    names = layout.names
+    pp = layout.size("pp") if "pp" in names else 1
+    fsdp = next((d for d in FSDP_DIMS if d in names), None)
+    out: list[Weight] = []
+
+    def add(name: str, shape: tuple[int, ...], tp_axis: int | None, stage: int, expert: bool = False) -> None:
+        pl: dict[str, Placement] = {}
+        if "tp" in names and tp_axis is not None and not expert:
+            pl["tp"] = Shard(tp_axis)
+        if expert:
+            if "ep" in names:
+                pl["ep"] = Shard(0)
+            if "etp" in names and tp_axis is not None:
+                pl["etp"] = Shard(tp_axis)
+        order = None
+        if fsdp is not None and len(shape) > 1:
+            pl[fsdp] = Shard(0)
+            sharing_rows = [d for d, p in pl.items() if d != fsdp and p == Shard(0)]
+            if sharing_rows:  # FSDP2 splits what TP/EP already split: its dim nests last
+                order = (*sharing_rows, fsdp)
+        out.append(Weight(name, shape, dtype, pl, ("pp", stage) if "pp" in names else None, order))
+
+    add("embed", (vocab, hidden), 0, 0)
+    for layer in range(layers):
+        s = layer * pp // layers
+        for part, shape, axis in (
+            ("q", (hidden, hidden), 0), ("k", (kv, hidden), 0), ("v", (kv, hidden), 0),
+            ("o", (hidden, hidden), 1), ("ln1", (hidden,), None), ("ln2", (hidden,), None),
+        ):  # fmt: skip
+            add(f"layers.{layer}.{part}", shape, axis, s)
+        if experts:
+            add(f"layers.{layer}.router", (experts, hidden), None, s)
+            add(f"layers.{layer}.experts.w1", (experts, ffn, hidden), 1, s, expert=True)
+            add(f"layers.{layer}.experts.w2", (experts, hidden, ffn), 2, s, expert=True)
+        else:
+            for part, shape, axis in (
+                ("gate", (ffn, hidden), 0),
+                ("up", (ffn, hidden), 0),
+                ("down", (hidden, ffn), 1),
+            ):
+                add(f"layers.{layer}.{part}", shape, axis, s)
+    add("norm", (hidden,), None, pp - 1)
+    add("lm_head", (vocab, hidden), 0, pp - 1)
+    return out
+
+
+def read_weights(path: str) -> tuple[list[Weight], list[Weight]]:
+    """``(src weights, dst weights)`` from a JSON file ``{"src": [...], "dst": [...]}``."""
+    with open(path) as f:
+        data = json.load(f)
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("src"), list)
+        or not isinstance(data.get("dst"), list)
+    ):
+        raise ValueError(f'--weights {path}: expected an object {{"src": [...], "dst": [...]}}')
+    out: tuple[list[Weight], list[Weight]] = ([], [])
+    for side, weights in zip(("src", "dst"), out):
+        for item in data[side]:
+            if not isinstance(item, dict) or "name" not in item or "shape" not in item:
+                raise ValueError(
+                    f"--weights {path} {side}: each weight needs 'name' and 'shape', got {item!r}"
+                )
+            weights.append(Weight.from_dict(item))
+    return out
+
+
+def _dims(text: str, what: str) -> list[tuple[str, int]]:
+    pairs = []
+    for word in text.replace(" ", ",").split(","):
+        if not word:
+            continue
+        name, sep, size = word.partition("=")
+        if not sep or not name or not size.lstrip("-").isdigit():
+            raise ValueError(
+                f"{what} takes name=size words separated by commas, like pp=2,tp=4; got {word!r}"
+            )
+        pairs.append((name, int(size)))
+    if not pairs:
+        raise ValueError(f"{what} is empty; give dims like pp=2,tp=4")
+    return pairs
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
+
+
+def report(plan: Any, src: Layout, dst: Layout, node: int | None) -> dict[str, Any]:
+    """The summary as data: totals, per node, per rank (every rank of either layout)."""
+    s = plan.stats
+    ranks = np.union1d(src.grid.ravel(), dst.grid.ravel())
+    per_rank = []
+    for r in ranks.tolist():
+        role = "src+dst" if r in src and r in dst else ("src" if r in src else "dst")
+        per_rank.append(
+            {
+                "rank": r,
+                "role": role,
+                "node": r // node if node else r,
+                "sent": int(s.send[r]),
+                "received": int(s.recv[r]),
+                "sent_cross_node": int(s.send_cross[r]),
+                "received_cross_node": int(s.recv_cross[r]),
+                "messages_sent": int(s.n_send[r]),
+                "messages_received": int(s.n_recv[r]),
+                "forwards_sent": int(s.n_send_step1[r]),
+            }
+        )
+    nodes: dict[int, dict[str, int]] = {}
+    for row in per_rank:
+        agg = nodes.setdefault(row["node"], {"node": row["node"], "ranks": 0, "sent": 0, "received": 0})
+        agg["ranks"] += 1
+        for key in ("sent", "received", "sent_cross_node", "received_cross_node"):
+            agg[key] = agg.get(key, 0) + row[key]
+    return {
+        "src": src.to_dict(),
+        "dst": dst.to_dict(),
+        "ranks_per_node": node,
+        "messages": int(plan.n_messages),
+        "local_copies": int(plan.n_local),
+        "bytes_sent": int(s.send.sum()),
+        "cross_node_bytes": int(plan.cross_node_bytes),
+        "cross_node_lower_bound": plan.cross_node_lower_bound,
+        "busiest_send_bytes": int(plan.busiest_send_bytes),
+        "ideal_send_bytes": float(plan.ideal_send_bytes),
+        "per_node": list(nodes.values()) if node else [],
+        "per_rank": per_rank,
+    }
+
+
+def _print(data: dict[str, Any], plan: Any, n_weights: int, total: int, full: bool) -> None:
+    print(f"src {Layout.from_dict(data['src'])!r} -> dst {Layout.from_dict(data['dst'])!r}")
+    print(f"{n_weights} weights, {_bytes(total)} ({total:,} bytes)")
+    print(plan.summary())
+    if data["per_node"]:
+        print("\nper node")
+        node_rows: list[tuple[object, ...]] = [
+            (n["node"], n["ranks"], _bytes(n["sent"]), _bytes(n["received"]), _bytes(n["sent_cross_node"]),
+             _bytes(n["received_cross_node"]))
+            for n in data["per_node"]
+        ]  # fmt: skip
+        print(_table(("node", "ranks", "sent", "received", "sent out", "received in"), node_rows))
+    per_rank = data["per_rank"]
+    shown = per_rank
+    if not full and len(per_rank) > SHOWN_RANKS:
+        shown = sorted(per_rank, key=lambda r: -(r["sent"] + r["received"]))[:SHOWN_RANKS]
+        shown.sort(key=lambda r: r["rank"])
+    print(
+        f"\nper rank{'' if shown is per_rank else f' (the {len(shown)} busiest of {len(per_rank)}; --full for all)'}"
+    )
+    rows: list[tuple[object, ...]] = [
+        (r["rank"], r["role"], r["node"], _bytes(r["sent"]), _bytes(r["received"]), r["messages_sent"],
+         r["messages_received"], r["forwards_sent"])
+        for r in shown
+    ]  # fmt: skip
+    print(_table(("rank", "role", "node", "sent", "received", "msgs out", "msgs in", "forwards"), rows))
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        src = Layout(_dims(args.src, "--src"), rank_offset=args.src_offset)
+        dst = Layout(_dims(args.dst, "--dst"), rank_offset=args.dst_offset)
+        if args.weights:
+            src_w, dst_w = read_weights(args.weights)
+        else:
+            src_w, dst_w = model_weights(args.model, src), model_weights(args.model, dst)
+        topology = Topology(node=args.ranks_per_node) if args.ranks_per_node else None
+        plan = plan_transfer(src, src_w, dst, dst_w, topology=topology)
+    except OSError as exc:
+        parser.error(f"cannot read --weights {args.weights}: {exc.strerror or exc}")
+    except json.JSONDecodeError as exc:
+        parser.error(f"--weights {args.weights} is not JSON: {exc}")
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    data = report(plan, src, dst, args.ranks_per_node)
+    if args.json:
+        print(json.dumps(data, indent=1))
+    else:
+        _print(data, plan, len(dst_w), sum(w.nbytes for w in dst_w), args.full)
+    return 0
+
+
+def register(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``transfer`` subcommand to ``cli.py``'s subparsers; returns its parser."""
+    p = sub.add_parser("transfer", help="plan a weight transfer between two layouts and summarise it")
+    p.add_argument("--src", required=True, help="trainer dims, outermost first: pp=2,tp=4")
+    p.add_argument("--dst", required=True, help="rollout dims, outermost first: tp=8")
+    for side in ("src", "dst"):
+        p.add_argument(f"--{side}-offset", type=_offset, default=0, help=f"first rank of the {side} layout")
+    p.add_argument("--ranks-per-node", type=_positive, help="node size (default: every rank its own node)")
+    p.add_argument("--model", default="small", choices=sorted(MODELS), help="a preset model (default small)")
+    p.add_argument("--weights", metavar="FILE", help='JSON {"src": [...], "dst": [...]} instead of --model')
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--full", action="store_true", help="list every rank, however many")
+    p.set_defaults(run=run, parser=p)
+    return p
+
+
+def _offset(value: str) -> int:
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def _positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return int(value)
+
+
+__all__ = ["MODELS", "model_weights", "read_weights", "register", "report"]

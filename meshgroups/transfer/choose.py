@@ -1,0 +1,183 @@
+"""The balanced choices of a plan: who sends, who represents a node, how finely to cut.
+
+Every choice is a function of the weights and layouts alone (never of messages exchanged), so
+each rank makes the same choice for the pieces it takes part in:
+- cross-node senders (:meth:`Choices._replay`): per set of source holders, over the weights in
+  order, each piece's ``K = q·h + r`` units (a piece, or a part of it, to one node lacking it)
+  give every holder ``q`` and the ``r`` left over to the holders with the fewest bytes so far;
+- parts (:meth:`Choices._parts`): a piece with more holders than nodes to reach is cut so every
+  holder can send one part;
+- representatives (:meth:`Choices._rep_table`): per destination block key, the holder position
+  with the fewest bytes so far represents the nodes for the next weight's block;
+- intra-node senders rotate with the weight and the source block (:meth:`Choices._turn`).
+
+:class:`~meshgroups.transfer.routes.Planner` inherits these; for instance, an even split::
+
+    >>> from meshgroups import Layout
+    >>> from meshgroups.transfer.routes import Planner
+    >>> from meshgroups.transfer.spec import Shard, Weight
+    >>> w = Weight("w", (8,), placements={"tp": Shard(0)})
+    >>> p = Planner(Layout(dp=4, tp=2), Layout(tp=2, rank_offset=8), [(w, w)], node_size=8, min_part_bytes=4)
+    >>> p._parts(0, ((0, 4),), n_cross=1, h=4)  # 4 holders, 1 node to reach: 4 parts of 1 element
+    4
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .assign import PairRoute, Senders
+from .shards import BlockKey, Side
+from .spec import Box, Weight
+
+if TYPE_CHECKING:
+    from .assign import ByNode
+
+
+class Choices:
+    """The choices, as methods of the planner (state: see ``Planner.__init__``)."""
+
+    sides: list[tuple[Side, Side]]
+    weights: list[Weight]
+    min_part_bytes: int
+    _senders: dict[tuple[int, tuple[int, ...]], list[Senders]]
+    _by_signature: dict[tuple[tuple[str, ...], frozenset[str]], dict[tuple[str, int] | None, list[int]]]
+
+    if TYPE_CHECKING:
+
+        def _holders_of(self, which: int, side: Side, key: BlockKey) -> tuple[np.ndarray, ByNode]: ...
+
+        def _listed(
+            self, w: int, s_block: tuple[int, ...]
+        ) -> list[tuple[tuple[int, ...], Box, PairRoute]]: ...
+
+    def _replay(self, key: BlockKey, free_dims: tuple[str, ...]) -> None:
+        """Choose the cross-node senders of every pair whose source block has holders ``key``:
+        over the weights in order, each pair's ``K = q·h + r`` units give every holder ``q`` and
+        the ``r`` left over to the holders with the fewest bytes so far (ties: holder order).
+        A function of the weights alone, so every rank replays the same choices."""
+        loads: np.ndarray | None = None
+        fixed = dict(key)
+        stages = self._by_signature.get((free_dims, frozenset(fixed)), {})
+        candidates = sorted(
+            w for stage, ws in stages.items() if stage is None or fixed.get(stage[0]) == stage[1] for w in ws
+        )
+        for w in candidates:
+            s_block = self._block_for(w, key)
+            if s_block is None:
+                continue
+            if loads is None:
+                hs = self._holders_of(0, self.sides[w][0], key)[0]
+                loads = np.zeros(hs.size, np.float64)
+            h = loads.size
+            out = []
+            for _, box, route in self._listed(w, s_block):
+                parts = self._parts(w, box, route.n_cross, h)
+                q, r = divmod(route.n_cross * parts, h)
+                unit = self._nbytes(w, box) / parts
+                if q:
+                    loads += q * unit
+                extra = np.argsort(loads, kind="stable")[:r] if r else np.zeros(0, np.int64)
+                loads[extra] += unit
+                out.append(Senders(q, extra, parts))
+            self._senders[(w, s_block)] = out
+
+    def _block_for(self, w: int, key: BlockKey) -> tuple[int, ...] | None:
+        """The non-empty source block of weight ``w`` whose holders are ``key``, if any."""
+        ss = self.sides[w][0]
+        fixed = dict(key)
+        stage = ss.weight.stage
+        if stage is not None and fixed.get(stage[0], 0) != stage[1]:
+            return None
+        block = []
+        for dims, sizes, iv in zip(ss.axis_dims, ss.axis_sizes, ss.axis_intervals):
+            index = 0
+            for d, k in zip(dims, sizes):
+                index = index * k + fixed.get(d, 0)  # size-1 dims are not in keys
+            if iv[index, 1] <= iv[index, 0]:
+                return None
+            block.append(index)
+        return tuple(block)
+
+    def _parts(self, w: int, box: Box, n_cross: int, h: int) -> int:
+        """How many parts a piece is cut into for its cross-node sends: when it has more
+        holders than nodes to reach, enough parts for every holder to send one (at most the
+        longest axis, each part at least ``min_part_bytes``), so the load spreads."""
+        if n_cross == 0 or h <= n_cross or not box:
+            return 1
+        longest = max(b - a for a, b in box)
+        parts = max(1, min(h // n_cross, longest, self._nbytes(w, box) // self.min_part_bytes))
+        size = -(-longest // parts)
+        return -(-longest // size)  # chunks of ceil(n / parts) leave no empty part
+
+    @staticmethod
+    def _flat(intervals: tuple[np.ndarray, ...], block: tuple[int, ...]) -> int:
+        flat = 0
+        for iv, b in zip(intervals, block):
+            flat = flat * len(iv) + b
+        return flat
+
+    def _turn(self, w: int, s_block: tuple[int, ...]) -> int:
+        """Rotation of intra-node senders: the weight plus the source block's row-major index."""
+        return w + self._flat(self.sides[w][0].axis_intervals, s_block)
+
+    def _rep_turn(self, w: int, d_block: tuple[int, ...]) -> int:
+        """Which holder of a destination block represents its node (number ``turn mod count``
+        of the holders there): one choice per (weight, block), so every piece of the block
+        lands on the same representative, which can forward the block whole."""
+        return self._rep_table[(w, d_block)]
+
+    @cached_property
+    def _rep_table(self) -> dict[tuple[int, tuple[int, ...]], int]:
+        """Greedy by bytes over the weights in order: per destination block key (blocks placed
+        alike share one), the position with the least bytes so far takes the next block, so the
+        forwarding load spreads evenly over a node's holders. Positions run over the lcm of the
+        key's per-node holder counts, so ``turn mod count`` is even on every node. One pass over
+        every weight's destination blocks (the model's structure, not the world)."""
+        loads: dict[tuple[BlockKey, tuple[str, ...]], np.ndarray] = {}
+        table: dict[tuple[int, tuple[int, ...]], int] = {}
+        for w, (_, ds) in enumerate(self.sides):
+            sizes = [len(iv) for iv in ds.axis_intervals]
+            for d_block in itertools.product(*[range(k) for k in sizes]):
+                box = ds.block_box(d_block)
+                if any(b <= a for a, b in box):
+                    continue
+                key = (ds.block_key(d_block), ds.free_dims)
+                load = loads.get(key)
+                if load is None:
+                    counts = np.unique(self._holders_of(1, ds, key[0])[1].count).tolist()
+                    positions = math.lcm(*counts)
+                    if (
+                        positions > 4096
+                    ):  # irregular placements: bound the table, evenness is then approximate
+                        positions = max(counts)
+                    load = loads[key] = np.zeros(positions, np.float64)
+                p = int(np.argmin(load))
+                load[p] += self._nbytes(w, box)
+                table[(w, d_block)] = p
+        return table
+
+    @staticmethod
+    def _merged_nodes(routes: list[PairRoute]) -> np.ndarray:
+        """Nodes that receive *every* piece of a block from outside (so its representative
+        gets the whole block and forwards it in one message); none when the block is one piece."""
+        if len(routes) < 2:
+            return np.zeros(0, np.int64)
+        out = routes[0].cross_nodes
+        for r in routes[1:]:
+            out = np.intersect1d(out, r.cross_nodes, assume_unique=True)
+        return out
+
+    def _nbytes(self, w: int, box: Box) -> int:
+        n = self.weights[w].itemsize
+        for a, b in box:
+            n *= b - a
+        return n
+
+
+__all__ = ["Choices"]

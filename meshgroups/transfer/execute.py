@@ -1,0 +1,372 @@
+"""Move real tensors along a plan: the trainer's local shards into the rollout's local buffers.
+
+``execute`` is collective over the default group (every rank calls it, a rank with no part
+passes empty mappings)::
+
+    >>> plan = plan_transfer(trainer, weights, rollout, rollout_weights)  # doctest: +SKIP
+    >>> execute(plan, {"wq": trainer_shard}, {"wq": rollout_buffer}, bucket_bytes=64 << 20)  # doctest: +SKIP
+
+Buckets are the same on every rank (``buckets.Buckets``: weights in plan order, big ones cut
+into row blocks, packed by full size), so a rank stages about one bucket at a time. Before the
+first bucket every rank checks its inputs against its boxes. Per bucket: prepare (views and
+staging buffers of both steps), agree that every rank is ready (one small all-reduce), step 0
+(sources send; colocated ranks copy locally), write into the buffers, step 1 (forwards inside a
+node, sent from the buffers just written), agree that every rank finished, call ``progress``
+and agree that it returned everywhere. One-to-one slices go
+point-to-point on the default group; a fan-out goes as one broadcast over its ``TransferGroups``
+group when ``groups`` is given. Any failure on any rank — a bad input, a failed or timed-out
+send, an exception from ``progress`` — becomes a ``TransferError`` on every rank, naming the
+rank and its reason; weights are reported done only once every rank has them complete.
+
+The code only uses tensors' own devices (staging lives where the tensor lives) and torch's
+backend-neutral calls, so NCCL with CUDA tensors takes the same path; CI here runs gloo only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .._torch_seam import default_timeout
+from ..errors import MeshConfigError
+from ..layout import Layout
+from ..plan import as_timedelta
+from .buckets import Buckets, Part, parts_by_bucket
+from .spec import Box, Weight
+
+if TYPE_CHECKING:
+    from .jobs import TransferGroups
+    from .plan import Plan
+
+#: Default bucket: 64 MiB of full weight size.
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+class TransferError(RuntimeError):
+    """A transfer failed on some rank; raised on every rank of the status group alike.
+
+    Attributes:
+        ranks: the ranks that failed. bucket: the bucket it happened in (0-based; ``-1``: the
+            check before the first). stage: ``"check"``, ``"prepare"`` (nothing of the bucket
+            moved yet), ``"transfer"`` or ``"progress"`` (the bucket is complete). done: weights
+            complete on every rank before the failure (the others may be partly written).
+    """
+
+    def __init__(self, message: str, ranks: tuple[int, ...], bucket: int, stage: str, done: tuple[str, ...]):
+        super().__init__(message)
+        self.ranks, self.bucket, self.stage, self.done = ranks, bucket, stage, done
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Handed to ``progress`` after each bucket, once every rank has finished it."""
+
+    bucket: int  # buckets finished so far (1-based)
+    buckets: int
+    weights_done: tuple[str, ...]  # weights now complete on every rank (this bucket's)
+    bytes_done: int  # this rank's bytes sent, received or copied so far
+    bytes_total: int
+
+
+@dataclass
+class Report:
+    """What ``execute`` did on this rank."""
+
+    buckets: int = 0
+    messages: int = 0  # this rank's sends, receives and local copies (after bucketing)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_copied: int = 0
+    broadcasts: int = 0
+    weights: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).rsplit(".", 1)[-1]
+
+
+class _Local:
+    """This rank's tensors, checked against its boxes; views by global box."""
+
+    def __init__(self, me: int, pairs: Sequence[tuple[Weight, Weight]], src: Layout, dst: Layout) -> None:
+        self.me, self.pairs, self.src, self.dst = me, pairs, src, dst
+        self.tensors: dict[tuple[str, int], tuple[torch.Tensor, Box]] = {}
+
+    def take(self, side: str, w: int, tensors: Mapping[str, Any]) -> None:
+        weight = self.pairs[w][0 if side == "src" else 1]
+        what = "src_tensors" if side == "src" else "dst_buffers"
+        box = weight.box(self.src if side == "src" else self.dst, self.me)
+        if box is None:  # the plan never asks this; a mismatched plan would
+            raise MeshConfigError(
+                f"rank {self.me} holds no {side} shard of {weight.name!r} but the plan uses one"
+            )
+        if weight.name not in tensors:
+            raise MeshConfigError(f"{what} has no {weight.name!r}; rank {self.me} holds its box {box}")
+        t = tensors[weight.name]
+        if hasattr(t, "to_local"):  # a DTensor: its local shard
+            t = t.to_local()
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}[{weight.name!r}] must be a torch.Tensor, got {type(t).__name__}")
+        need = tuple(b - a for a, b in box)
+        if tuple(t.shape) != need:
+            raise MeshConfigError(
+                f"{what}[{weight.name!r}] on rank {self.me} has shape {tuple(t.shape)}, but its box {box} "
+                f"needs {need}"
+            )
+        if _dtype_name(t) != weight.dtype:
+            raise MeshConfigError(
+                f"{what}[{weight.name!r}] on rank {self.me} is {_dtype_name(t)}, the plan says {weight.dtype}"
+            )
+        self.tensors[(side, w)] = (t, box)
+
+    def view(self, side: str, w: int, box: Box) -> torch.Tensor:
+        t, own = self.tensors[(side, w)]
+        return t[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(box, own))]
+
+
+class _Status:
+    """One small all-reduce (MAX) over the status group: who failed, and whether all agree."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout: timedelta) -> None:
+        self.group, self.timeout = group, timeout
+        self.ranks = dist.get_process_group_ranks(group)
+        self.size = len(self.ranks)
+        self.me = self.ranks.index(dist.get_rank())
+        # NCCL reduces CUDA tensors only; everything else takes CPU ones
+        nccl = "nccl" in str(dist.get_backend(group)).lower()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    def exchange(self, failed: bool, digest: int = 0) -> tuple[list[int], bool]:
+        """Failed ranks (global) and whether every rank gave the same ``digest``."""
+        t = torch.zeros(self.size + 2, dtype=torch.int64, device=self.device)
+        t[self.me] = int(failed)
+        t[self.size], t[self.size + 1] = digest, -digest
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        if work is not None and work.wait(self.timeout) is False:
+            raise TimeoutError(f"a rank did not reach the status exchange within {self.timeout}")
+        flags = t.tolist()
+        failed_ranks = [self.ranks[i] for i in range(self.size) if flags[i]]
+        return failed_ranks, flags[self.size] == -flags[self.size + 1]
+
+    def reasons(self, error: BaseException | None) -> list[str | None]:
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        out: list[str | None] = [None] * self.size
+        dist.all_gather_object(out, mine, group=self.group)
+        return out
+
+
+def _digest(pairs: Sequence[tuple[Weight, Weight]], src: Layout, dst: Layout, extra: object) -> int:
+    text = repr(([(s, d) for s, d in pairs], src.fingerprint(), dst.fingerprint(), extra))
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
+@dataclass
+class _Step:
+    """One step of one bucket on this rank, prepared: every view taken and staging buffer
+    allocated, so what can fail locally fails before any rank moves data."""
+
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dst, src) local
+    fills: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (staging, view) to send
+    p2p: list[tuple[bool, torch.Tensor, int]] = field(default_factory=list)  # (is send, tensor, peer)
+    casts: list[tuple[tuple[int, ...], int, Box, int, torch.Tensor]] = field(default_factory=list)
+    landing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (staging, dst view)
+
+
+def _contiguous(view: torch.Tensor, fills: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``view`` itself when contiguous, else a staging buffer filled from it when the step runs
+    (a forward's view is written at step 0, after this is prepared)."""
+    if view.is_contiguous():
+        return view
+    staging = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+    fills.append((staging, view))
+    return staging
+
+
+def _prepare(parts: Sequence[Part], local: _Local, groups: TransferGroups | None, report: Report) -> _Step:
+    """Sends and receives are ordered by (weight, box, sender, receiver) on both sides, so the
+    point-to-point pairs match; a fan-out is one broadcast for its sender and each receiver."""
+    me, step = local.me, _Step()
+    staged: dict[tuple[int, Box], torch.Tensor] = {}
+    cast_seen: set[tuple[tuple[int, ...], int, Box]] = set()
+    for p in sorted(parts, key=lambda p: (p.w, p.box, p.src, p.dst)):
+        ranks = groups.routes.get(p.key) if groups is not None else None
+        if ranks is not None and groups is not None and groups.group(ranks) is None:
+            raise MeshConfigError(
+                f"rank {me} has no transfer group over ranks {ranks}; rebuild TransferGroups"
+            )
+        if p.src == me and p.dst == me:
+            step.copies.append((local.view("dst", p.w, p.box), local.view("src", p.w, p.box)))
+            report.bytes_copied += p.nbytes
+        elif p.src == me:
+            if (p.w, p.box) not in staged:  # a forward (step 1) re-sends what step 0 wrote
+                view = local.view("src" if p.step == 0 else "dst", p.w, p.box)
+                staged[(p.w, p.box)] = _contiguous(view, step.fills)
+            report.bytes_sent += p.nbytes
+            if ranks is None:
+                step.p2p.append((True, staged[(p.w, p.box)], p.dst))
+            elif (ranks, p.w, p.box) not in cast_seen:
+                cast_seen.add((ranks, p.w, p.box))
+                step.casts.append((ranks, p.w, p.box, p.src, staged[(p.w, p.box)]))
+        else:
+            view = local.view("dst", p.w, p.box)
+            buf = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+            step.landing.append((buf, view))
+            report.bytes_received += p.nbytes
+            if ranks is None:
+                step.p2p.append((False, buf, p.src))
+            else:
+                step.casts.append((ranks, p.w, p.box, p.src, buf))
+    report.messages += len(parts)
+    return step
+
+
+def _run(step: _Step, groups: TransferGroups | None, timeout: timedelta) -> int:
+    """Post every send, receive and broadcast of a prepared step, wait, write the buffers.
+    Broadcasts go in one order on every rank (by group, weight, box). Returns broadcasts made."""
+    for dst_view, src_view in step.copies:
+        dst_view.copy_(src_view)
+    for staging, view in step.fills:
+        staging.copy_(view)
+    ops = [dist.P2POp(dist.isend if send else dist.irecv, t, peer) for send, t, peer in step.p2p]
+    works = list(dist.batch_isend_irecv(ops)) if ops else []
+    for ranks, _, _, src, data in sorted(step.casts, key=lambda c: (c[0], c[1], c[2])):
+        group = groups.group(ranks) if groups is not None else None
+        works.append(dist.broadcast(data, src=src, group=group, async_op=True))
+    for work in works:
+        if work is not None and work.wait(timeout) is False:
+            raise TimeoutError(f"a send or receive of rank {dist.get_rank()} did not finish within {timeout}")
+    for buf, view in step.landing:
+        view.copy_(buf)
+    return len(step.casts)
+
+
+def execute(
+    plan: Plan,
+    src_tensors: Mapping[str, Any],
+    dst_buffers: Mapping[str, Any],
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    progress: Callable[[Progress], object] | None = None,
+    timeout: timedelta | float | None = None,
+    groups: TransferGroups | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> Report:
+    """Copy every destination shard of ``plan`` from the source shards (collective).
+
+    Args:
+        plan: the whole plan or this rank's (``plan_transfer(..., rank=dist.get_rank())``).
+        src_tensors: ``{weight name: this rank's source shard}`` (a tensor of its box's shape, or
+            a DTensor whose local shard it is); only the weights this rank sends are needed.
+        dst_buffers: ``{weight name: this rank's destination buffer}``, written in place.
+        bucket_bytes: full-weight bytes per bucket (see ``Buckets``); the same on every rank.
+        progress: called after each bucket with a ``Progress``; an exception it raises fails
+            the transfer on every rank before the next bucket.
+        timeout: bound on each wait (seconds or timedelta); default: the default group's.
+        groups: ``TransferGroups`` of this plan: fan-outs go as broadcasts over them; without,
+            every slice goes point-to-point.
+        group: the ranks that take part and exchange status (default: the whole world).
+
+    Raises:
+        TransferError: on every rank, when any rank failed (a bad input, a failed or timed-out
+            transfer, ``progress``), naming the ranks and their reasons.
+        RuntimeError: no default process group.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("execute needs an initialised default process group (dist.init_process_group)")
+    me = dist.get_rank()
+    wait = as_timedelta(timeout, default_timeout())
+    status = _Status(group if group is not None else dist.group.WORLD, wait)  # type: ignore[arg-type]
+    src, dst, pairs = plan.src, plan.dst, plan.weights
+    report = Report()
+    error: BaseException | None = None
+    parts: dict[int, list[Part]] = {}
+    buckets = Buckets(0, (), (), ())
+    local = _Local(me, pairs, src, dst)
+    try:
+        buckets = Buckets.of([d for _, d in pairs], bucket_bytes)
+        index = {d.name: i for i, (_, d) in enumerate(pairs)}
+        parts = parts_by_bucket(plan.for_rank(me), index, buckets)
+        mine = [p for ps in parts.values() for p in ps]
+        needs = {("src" if p.step == 0 and p.src == me else "dst", p.w) for p in mine}
+        needs |= {("dst", p.w) for p in mine if p.src == p.dst == me}
+        for side, w in sorted(needs):
+            local.take(side, w, src_tensors if side == "src" else dst_buffers)
+        report.weights = tuple(sorted({pairs[p.w][1].name for p in mine}))
+    except Exception as exc:
+        error = exc
+    digest = _digest(pairs, src, dst, (bucket_bytes, None if groups is None else groups.sets))
+    total = sum(p.nbytes for ps in parts.values() for p in ps)
+    done: list[str] = []
+    _agree(status, error, digest, -1, "check", done)
+    for b in range(buckets.count):
+        steps: list[_Step] = []
+        error = None
+        try:
+            for s in (0, 1):
+                steps.append(_prepare([p for p in parts.get(b, ()) if p.step == s], local, groups, report))
+        except Exception as exc:
+            error = exc
+        _agree(status, error, digest, b, "prepare", done)
+        try:
+            for step in steps:
+                report.broadcasts += _run(step, groups, wait)
+        except Exception as exc:
+            error = exc
+        _agree(status, error, digest, b, "transfer", done)
+        report.buckets += 1
+        finished = tuple(d.name for w, (_, d) in enumerate(pairs) if buckets.last_bucket(w) == b)
+        done += finished
+        if progress is not None:
+            moved = report.bytes_sent + report.bytes_received + report.bytes_copied
+            try:
+                progress(Progress(b + 1, buckets.count, finished, moved, total))
+            except Exception as exc:
+                error = exc
+            _agree(status, error, digest, b, "progress", done)
+    return report
+
+
+def _agree(
+    status: _Status, error: BaseException | None, digest: int, bucket: int, stage: str, done: list[str]
+) -> None:
+    """The status exchange: raise the same ``TransferError`` on every rank if any failed."""
+    try:
+        failed, same = status.exchange(error is not None, digest)
+    except Exception as exc:
+        raise TransferError(
+            f"weight transfer: rank {dist.get_rank()} got no status from every rank in {_where(bucket, stage)} "
+            f"({type(exc).__name__}: {exc}) within {status.timeout}; a rank is gone or stuck",
+            (),
+            bucket,
+            stage,
+            tuple(done),
+        ) from (error or exc)
+    if not failed and same:
+        return
+    reasons = status.reasons(error)
+    if failed:
+        why = "; ".join(f"rank {r}: {reasons[status.ranks.index(r)]}" for r in failed)
+    else:
+        why = "ranks passed different plans, bucket sizes or transfer groups (their digests differ)"
+    raise TransferError(
+        f"weight transfer failed in {_where(bucket, stage)} — {why}. Complete on every rank: "
+        f"{len(done)} weight(s){' (' + ', '.join(done[:4]) + (', …' if len(done) > 4 else '') + ')' if done else ''}; "
+        "the others may be partly written",
+        tuple(failed),
+        bucket,
+        stage,
+        tuple(done),
+    ) from error
+
+
+def _where(bucket: int, stage: str) -> str:
+    return "the check before the first bucket" if bucket < 0 else f"bucket {bucket} ({stage})"
+
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "Progress", "Report", "TransferError", "execute"]

@@ -1,0 +1,323 @@
+"""``plan_transfer``: which rank sends which slice of each weight to which rank (numpy only).
+
+For every destination shard the plan names the source ranks and exact boxes, choosing among
+replicas so that a node receives each byte it needs and lacks exactly once from outside (then
+forwards it inside the node), the senders take turns, nothing goes to a rank that already holds
+it (colocated ranks copy locally) and every destination element is covered exactly once —
+checked while the plan is built::
+
+    >>> from meshgroups import Layout, Topology
+    >>> from meshgroups.transfer import Replicate, Shard, Weight, plan_transfer
+    >>> trainer, rollout = Layout(dp=2, tp=2), Layout(tp=4, rank_offset=4)
+    >>> w = [Weight("wq", (8, 8), placements={"dp": Shard(0), "tp": Shard(1)})]
+    >>> r = [Weight("wq", (8, 8), placements={"tp": Shard(0)})]
+    >>> plan = plan_transfer(trainer, w, rollout, r, topology=Topology(node=4))
+    >>> plan.cross_node_bytes == plan.cross_node_lower_bound == 8 * 8 * 4
+    True
+    >>> [(m.src, m.dst, m.box) for m in plan.for_rank(4)]
+    [(0, 4, ((0, 2), (0, 4))), (1, 4, ((0, 2), (4, 8)))]
+
+``plan_transfer(..., rank=r)`` computes only the messages ``r`` sends or receives, from its
+own shards (equal to the whole plan's messages filtered to ``r``). The whole plan keeps
+statistics and materialises its messages lazily, weight by weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import overload
+
+import numpy as np
+
+from ..errors import LayoutError
+from ..layout import Layout
+from ..topology import Topology
+from .routes import Chunk, Planner
+from .spec import Box, Weight
+from .stats import RankStats, Tally
+
+
+@dataclass(frozen=True)
+class Message:
+    """One slice of one weight from ``src`` to ``dst``; ``src == dst`` is a local copy.
+
+    ``step`` 0: sent by a source holder; 1: forwarded inside a node by a destination rank after
+    it received the slice at step 0."""
+
+    weight: str
+    src: int
+    dst: int
+    box: Box
+    nbytes: int
+    step: int
+
+
+def _messages(names: Sequence[str], chunks: Iterator[Chunk]) -> Iterator[Message]:
+    for c in chunks:
+        for s, d, t in zip(c.src.tolist(), c.dst.tolist(), c.step.tolist()):
+            yield Message(names[c.weight], s, d, c.box, c.nbytes, t)
+
+
+class _LazyMessages(Sequence[Message]):
+    """The whole plan's messages, generated weight by weight on access (never all held)."""
+
+    def __init__(self, planner: Planner, counts: np.ndarray) -> None:
+        self._planner, self._counts = planner, counts
+        self._ends = np.cumsum(counts)
+        self._names = [w.name for w in planner.weights]
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if self._ends.size else 0
+
+    def __iter__(self) -> Iterator[Message]:
+        for w in range(len(self._names)):
+            yield from _messages(self._names, self._planner.weight_chunks(w))
+
+    @overload
+    def __getitem__(self, i: int) -> Message: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Message]: ...
+    def __getitem__(self, i: int | slice) -> Message | list[Message]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError(f"message index {i} out of range ({n} messages)")
+        w = int(np.searchsorted(self._ends, j, side="right"))
+        first = int(self._ends[w] - self._counts[w])
+        return list(_messages(self._names, self._planner.weight_chunks(w)))[j - first]
+
+
+class Plan:
+    """A transfer plan; see the module docstring.
+
+    Attributes:
+        messages: every message (``rank=None``) or those ``rank`` sends or receives.
+        send_bytes, recv_bytes: per rank, local copies excluded (for a rank's plan: of its
+            messages only).
+        cross_node_bytes: bytes whose sender and receiver sit on different nodes.
+        cross_node_lower_bound: Σ over nodes of the bytes the node needs and holds none of —
+            no plan can move fewer across nodes (``None`` for a rank's plan).
+        busiest_send_bytes: the most any source holder sends at step 0 (local copies excluded).
+        ideal_send_bytes: the bytes sent at step 0 over the ranks holding distinct data (source
+            ranks with a non-empty shard of a moved weight): what the busiest sender would send
+            if every holder sent alike; ``nan`` for a rank's plan.
+        busiest_forward_bytes: the most any rank forwards inside its node (step 1).
+        n_messages: messages including local copies; ``n_local`` of them are local copies.
+        stats: per-rank arrays (bytes and messages by step and node crossing), see
+            :class:`~meshgroups.transfer.stats.RankStats`.
+    """
+
+    def __init__(
+        self,
+        planner: Planner,
+        rank: int | None,
+        messages: Sequence[Message],
+        tally: Tally,
+        bound: int | None,
+        n_holders: int,
+    ) -> None:
+        self._planner = planner
+        self.rank = rank
+        self.messages = messages
+        self.stats: RankStats = tally.result()
+        self._send, self._recv = self.stats.send, self.stats.recv
+        self.cross_node_bytes = tally.cross_bytes
+        self.cross_node_lower_bound = bound
+        step0 = self.stats.send_step0
+        self.busiest_send_bytes = int(step0.max()) if step0.size else 0
+        forwards = self._send - step0
+        self.busiest_forward_bytes = int(forwards.max()) if forwards.size else 0
+        # n_holders < 0: a rank's plan, which cannot know the ideal; 0: nothing to send.
+        self.ideal_send_bytes = (
+            float(step0.sum()) / n_holders if n_holders > 0 else float("nan") if n_holders else 0.0
+        )
+        self.n_messages = tally.n_messages
+        self.n_local = tally.n_local
+        self.node_size = planner.node_size
+
+    @property
+    def src(self) -> Layout:
+        """The source layout."""
+        return self._planner.src
+
+    @property
+    def dst(self) -> Layout:
+        """The destination layout."""
+        return self._planner.dst
+
+    @property
+    def weights(self) -> list[tuple[Weight, Weight]]:
+        """``(source weight, destination weight)`` per moved weight, in destination order."""
+        return list(self._planner.pairs)
+
+    @property
+    def send_bytes(self) -> Mapping[int, int]:
+        return {int(r): int(self._send[r]) for r in np.flatnonzero(self._send)}
+
+    @property
+    def recv_bytes(self) -> Mapping[int, int]:
+        return {int(r): int(self._recv[r]) for r in np.flatnonzero(self._recv)}
+
+    def send_array(self) -> np.ndarray:
+        """Bytes sent per rank as an int64 array indexed by rank (a copy)."""
+        return self._send.copy()
+
+    def recv_array(self) -> np.ndarray:
+        """Bytes received per rank as an int64 array indexed by rank (a copy)."""
+        return self._recv.copy()
+
+    def per_node(self) -> dict[str, np.ndarray]:
+        """:attr:`stats` summed per node (index = node id = rank // ranks per node)."""
+        out = {}
+        for name, arr in self.stats.as_dict().items():
+            pad = -arr.size % self.node_size
+            out[name] = (
+                np.concatenate([arr, np.zeros(pad, arr.dtype)]).reshape(-1, self.node_size).sum(axis=1)
+            )
+        return out
+
+    def for_rank(self, r: int) -> list[Message]:
+        """The messages ``r`` sends or receives, in plan order."""
+        if self.rank is None:
+            return list(_messages([w.name for w in self._planner.weights], _rank_chunks(self._planner, r)))
+        if r != self.rank:
+            raise LayoutError(f"this plan holds rank {self.rank}'s messages only, not rank {r}'s")
+        return list(self.messages)
+
+    def summary(self) -> str:
+        """A text table of the plan's figures."""
+        rows = [
+            ("messages (local copies)", f"{self.n_messages} ({self.n_local})"),
+            ("bytes sent", f"{int(self._send.sum()):,}"),
+            ("cross-node bytes", f"{self.cross_node_bytes:,}"),
+            (
+                "cross-node lower bound",
+                "-" if self.cross_node_lower_bound is None else f"{self.cross_node_lower_bound:,}",
+            ),
+            ("busiest sender bytes", f"{self.busiest_send_bytes:,}"),
+            ("ideal sender bytes", f"{self.ideal_send_bytes:,.0f}"),
+            ("busiest forwarder bytes", f"{self.busiest_forward_bytes:,}"),
+            ("busiest receiver bytes", f"{int(self._recv.max()) if self._recv.size else 0:,}"),
+            ("ranks per node", str(self.node_size)),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+    def __repr__(self) -> str:
+        who = "whole" if self.rank is None else f"rank {self.rank}"
+        return f"<Plan {who}: {self.n_messages} messages, {self.cross_node_bytes:,} cross-node bytes>"
+
+
+def _rank_chunks(planner: Planner, rank: int) -> Iterator[Chunk]:
+    for w in range(len(planner.weights)):
+        yield from planner.rank_chunks(w, rank)
+
+
+def _node_size(topology: Topology | None) -> int:
+    if topology is None:
+        return 1
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a meshgroups.Topology or None, got {topology!r}")
+    return topology.size("node") if "node" in topology.names else topology.levels[0][1]
+
+
+def _match(
+    src: Layout, src_weights: Sequence[Weight], dst: Layout, dst_weights: Sequence[Weight]
+) -> list[tuple[Weight, Weight]]:
+    for what, layout, weights in (("src", src, src_weights), ("dst", dst, dst_weights)):
+        if not isinstance(layout, Layout):
+            raise TypeError(f"{what} must be a meshgroups.Layout, got {layout!r}")
+        if isinstance(weights, (str, bytes, Weight)) or not isinstance(weights, Sequence):
+            raise TypeError(f"{what}_weights must be a sequence of Weight, got {weights!r}")
+        seen: set[str] = set()
+        for w in weights:
+            if not isinstance(w, Weight):
+                raise TypeError(f"{what}_weights must hold Weight objects, got {w!r}")
+            if w.name in seen:
+                raise LayoutError(
+                    f"weight {w.name!r} is listed twice in {what}_weights; names must be unique"
+                )
+            seen.add(w.name)
+            w.check(layout)
+    by_name = {w.name: w for w in src_weights}
+    pairs = []
+    for dw in dst_weights:
+        sw = by_name.get(dw.name)
+        if sw is None:
+            raise LayoutError(
+                f"weight {dw.name!r} is in dst_weights but not in src_weights: nothing to send it from"
+            )
+        if sw.shape != dw.shape or sw.dtype != dw.dtype:
+            raise LayoutError(
+                f"weight {dw.name!r}: source {sw.shape} {sw.dtype} and destination {dw.shape} {dw.dtype} "
+                "must have the same shape and dtype"
+            )
+        pairs.append((sw, dw))
+    return pairs
+
+
+def plan_transfer(
+    src: Layout,
+    src_weights: Sequence[Weight],
+    dst: Layout,
+    dst_weights: Sequence[Weight],
+    topology: Topology | None = None,
+    rank: int | None = None,
+    *,
+    min_part_bytes: int = 1 << 20,
+) -> Plan:
+    """Plan moving ``dst_weights`` (matched by name to ``src_weights``) from ``src`` to ``dst``.
+
+    Args:
+        topology: its ``node`` level (else its smallest) is the node; ``None``: each rank its
+            own node.
+        rank: ``None`` for the whole plan; a rank for only its messages (O(its shards)).
+        min_part_bytes: a piece with more source holders than nodes to reach is cut into parts
+            (each node gets every part, each part from another holder) so the send load
+            spreads; no part is smaller than this.
+
+    Raises:
+        TypeError: an argument of the wrong kind.
+        LayoutError: (a ``ValueError``) a weight names a dim its layout lacks, a destination
+            weight has no source, shapes or dtypes differ, a name repeats.
+    """
+    pairs = _match(src, src_weights, dst, dst_weights)
+    # A rank's part checks its own coverage (routes.rank_chunks); the whole plan every holder's.
+    if isinstance(min_part_bytes, bool) or not isinstance(min_part_bytes, int) or min_part_bytes < 1:
+        raise TypeError(f"min_part_bytes must be a positive int, got {min_part_bytes!r}")
+    planner = Planner(
+        src, dst, pairs, _node_size(topology), full_check=rank is None, min_part_bytes=min_part_bytes
+    )
+    if rank is not None:
+        if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool):
+            raise TypeError(f"rank must be an int or None, got {rank!r}")
+        chunks = list(_rank_chunks(planner, int(rank)))
+        tally = Tally(max(src.max_rank, dst.max_rank) + 1, planner.node_size)
+        for c in chunks:
+            tally.add(c.src, c.dst, np.full(c.src.size, c.nbytes, np.int64), c.step)
+        msgs = list(_messages([w.name for w in planner.weights], iter(chunks)))
+        return Plan(planner, int(rank), msgs, tally, None, -1)
+    return _whole(planner, src, dst)
+
+
+def _whole(planner: Planner, src: Layout, dst: Layout) -> Plan:
+    """Walk every weight once, keeping only statistics (messages stay lazy)."""
+    size = max(src.max_rank, dst.max_rank) + 1
+    tally = Tally(size, planner.node_size)
+    holds = np.zeros(size, bool)
+    counts = np.zeros(len(planner.weights), np.int64)
+    bound = 0
+    for w in range(len(planner.weights)):
+        for c in planner.weight_chunks(w):
+            tally.add(c.src, c.dst, np.full(c.src.size, c.nbytes, np.int64), c.step)
+            counts[w] += c.src.size
+            if c.piece_nbytes:  # once per pair
+                bound += c.route.lower_bound_nodes * c.piece_nbytes
+                holds[c.route.src_holders] = True
+    return Plan(planner, None, _LazyMessages(planner, counts), tally, bound, int(holds.sum()))
+
+
+__all__ = ["Message", "Plan", "plan_transfer"]

@@ -1,0 +1,41 @@
+"""Suite-wide settings: pytest-timeout's per-test limit scales with MESHGROUPS_TEST_TIME_SCALE,
+and hypothesis has no per-example deadline (a loaded machine misses any fixed one).
+
+The limit (``timeout`` in pyproject.toml, or a test's own ``@pytest.mark.timeout(n)``) only stops
+a hang; on a loaded machine the waits inside a test grow with the scale (``tests/_timing.py``), so
+the limit around them must grow with it too. An explicit ``--timeout`` or PYTEST_TIMEOUT wins.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ._timing import TIME_SCALE, scaled
+
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # pragma: no cover - hypothesis is in the test extra
+    pass
+else:
+    # A test's own @settings(...) overrides only the fields it names; these fill in the rest.
+    settings.register_profile("meshgroups", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("meshgroups")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if TIME_SCALE == 1 or not config.pluginmanager.hasplugin("timeout"):
+        return
+    if config.getoption("timeout", None) is not None or os.environ.get("PYTEST_TIMEOUT"):
+        return  # the caller chose the limit for this run
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        nominal = float(marker.args[0]) if marker and marker.args else default
+        if nominal > 0:  # 0 means no limit
+            item.add_marker(pytest.mark.timeout(scaled(nominal)), append=False)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"MESHGROUPS_TEST_TIME_SCALE={TIME_SCALE:g} (waits and per-test limits scaled by it)"

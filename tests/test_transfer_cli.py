@@ -1,0 +1,111 @@
+"""``python -m meshgroups transfer``: the summary agrees with the plan; bad input exits 2 with
+one message (in-process through ``cli.main``, no subprocess start-up per case)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshgroups import Layout, Topology
+from meshgroups._cli_transfer import model_weights
+from meshgroups.cli import main
+from meshgroups.transfer import Shard, Weight, plan_transfer
+
+
+def _json(capsys, *argv):
+    assert main(["transfer", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_summary_matches_the_plan(capsys):
+    argv = ["--src", "pp=2,tp=4", "--dst", "tp=8", "--dst-offset", "8", "--ranks-per-node", "8"]
+    data = _json(capsys, *argv, "--model", "tiny")
+    src, dst = Layout(pp=2, tp=4), Layout(tp=8, rank_offset=8)
+    weights = model_weights("tiny", dst)
+    plan = plan_transfer(src, model_weights("tiny", src), dst, weights, topology=Topology(node=8))
+    total = sum(w.nbytes for w in weights)
+    assert data["messages"] == plan.n_messages and data["cross_node_bytes"] == plan.cross_node_bytes
+    assert data["cross_node_bytes"] == data["cross_node_lower_bound"] == total  # disjoint nodes
+    assert [n["received_cross_node"] for n in data["per_node"]] == [0, total]  # each byte once
+    assert [r["rank"] for r in data["per_rank"]] == list(range(16))
+    assert sum(r["received"] for r in data["per_rank"]) == sum(plan.recv_bytes.values())
+    assert {r["role"] for r in data["per_rank"][:8]} == {"src"}
+
+    assert main(["transfer", *argv, "--model", "tiny"]) == 0
+    text = capsys.readouterr().out
+    assert "per node" in text and "per rank" in text and "cross-node lower bound" in text
+    assert "Layout(pp=2, tp=4) -> dst Layout(tp=8, rank_offset=8)" in text
+
+
+def test_colocated_fsdp_and_experts(capsys):
+    data = _json(capsys, "--src", "dp_shard=4,tp=2", "--dst", "dp=2,tp=4", "--model", "tiny")
+    assert data["local_copies"] > 0 and {r["role"] for r in data["per_rank"]} == {"src+dst"}
+    assert data["per_node"] == []  # no --ranks-per-node: every rank its own node
+    moe = _json(
+        capsys, "--src", "ep=4,etp=2", "--dst", "ep=2,tp=4", "--dst-offset", "8", "--model", "moe-small"
+    )
+    experts = [w for w in model_weights("moe-small", Layout(ep=2, tp=4)) if "experts" in w.name]
+    assert experts and all(w.placements["ep"].axis == 0 for w in experts)
+    assert moe["cross_node_bytes"] == moe["cross_node_lower_bound"]
+
+
+def test_weights_from_json(tmp_path, capsys):
+    spec = {
+        "src": [
+            {"name": "w", "shape": [6, 4], "placements": {"tp": "Shard(0)"}},
+            {"name": "b", "shape": [4]},
+        ],
+        "dst": [
+            {"name": "w", "shape": [6, 4], "placements": {"tp": "Shard(1)", "dp": "Replicate()"}},
+            Weight("b", (4,), placements={"tp": Shard(0)}).to_dict(),
+        ],
+    }
+    path = tmp_path / "weights.json"
+    path.write_text(json.dumps(spec))
+    data = _json(capsys, "--src", "tp=2", "--dst", "dp=2,tp=2", "--dst-offset", "2", "--weights", str(path))
+    received = {r["rank"]: r["received"] for r in data["per_rank"]}
+    assert received == {0: 0, 1: 0, 2: 56, 3: 56, 4: 56, 5: 56}  # 6×2 floats + 2 floats each
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--src", "pp2", "--dst", "tp=2"], "--src takes name=size words"),
+        (["--src", "tp=2", "--dst", ""], "--dst is empty"),
+        (["--src", "tp=0", "--dst", "tp=2"], "tp=0"),
+        (["--src", "tp=2", "--dst", "tp=2", "--model", "gpt5"], "invalid choice: 'gpt5'"),
+        (["--src", "tp=2", "--dst", "tp=2", "--ranks-per-node", "0"], "must be a positive integer"),
+        (["--src", "tp=2", "--dst", "tp=2", "--src-offset", "-1"], "must be an integer >= 0"),
+        (["--src", "tp=2", "--dst", "tp=2", "--weights", "/no/such/file.json"], "cannot read --weights"),
+    ],
+)
+def test_bad_input_exits_2_with_one_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["transfer", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1
+
+
+def test_bad_weight_files_exit_2(tmp_path, capsys):
+    cases = {
+        "notjson.json": ("{", "is not JSON"),
+        "list.json": ("[]", 'expected an object {"src": [...], "dst": [...]}'),
+        "shape.json": (
+            json.dumps({"src": [{"name": "w", "shape": [4]}], "dst": [{"name": "w", "shape": [5]}]}),
+            "weight 'w'",
+        ),
+        "axis.json": (
+            json.dumps({"src": [{"name": "w", "shape": [4], "placements": {"tp": "rows"}}], "dst": []}),
+            "write 'Shard(axis)' or 'Replicate()'",
+        ),
+        "noshape.json": (json.dumps({"src": [{"name": "w"}], "dst": []}), "needs 'name' and 'shape'"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(SystemExit) as exc:
+            main(["transfer", "--src", "tp=2", "--dst", "tp=2", "--weights", str(tmp_path / name)])
+        assert exc.value.code == 2, name
+        assert message in capsys.readouterr().err, name
