@@ -34,6 +34,7 @@ from ._torch_seam import (
     make_group_mesh,
     make_root,
     register_builder,
+    set_group_timeout,
     unregister_builder,
     use_collective_calls,
 )
@@ -43,6 +44,9 @@ from .errors import MeshConfigError
 from .groups import GroupCache, GroupHandle
 from .layout import Layout
 from .plan import GroupSpec, SubsetSpec
+
+# Public here (compat uses it): changing a live group's timeout has no public torch API.
+__all__ = ["GroupCache", "MeshGroups", "init_mesh", "layout_of", "set_group_timeout"]
 from .strategies import Strategy
 
 
