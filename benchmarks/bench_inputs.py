@@ -16,6 +16,7 @@ import numpy as np
 from meshgroups.compat.group_initializer import TrainDPGroupInitializer
 
 from meshgroups import Layout, Topology, placement
+from meshgroups.render import span_table
 
 
 def median_ms(fn: Callable[[], object], repeat: int = 3) -> float:
@@ -61,6 +62,25 @@ def place_dims(n: int) -> None:
     topo = Topology(**{f"l{i}": 2**i for i in range(1, 25)})
     sizes = {f"d{i}": 4 for i in range(n)}
     Layout.place(sizes, topo, fast_first=list(sizes))
+
+
+LEVELS = Topology(**{f"l{i}": 2**i for i in range(1, 25)})
+
+
+def _span_case(world: int) -> tuple[Layout, Topology]:
+    sizes = {f"d{i}": 2 for i in range(9)}
+    sizes["d9"] = world // 2**9
+    return Layout(**sizes), LEVELS
+
+
+def old_span_table(world: int) -> None:
+    """The span table before this round: every group array divided by every level's size."""
+    lay, topo = _span_case(world)
+    for d in lay.names:
+        rows = lay.groups(d)
+        for _, size in topo.levels:
+            units = rows // size
+            int((units != units[:, :1]).any(axis=1).sum())
 
 
 def row(case: str, n: int, prepare: Callable[[int], Callable[[], object]], m: int | None = None) -> str:
@@ -146,6 +166,20 @@ def main() -> None:
             9,
             lambda n: lambda: place_dims(n),
             12,
+        )
+    )
+    print(
+        row(
+            "span table, 10 dims × 24 levels over n ranks, before (per-rank units)",
+            2**16,
+            lambda n: lambda: old_span_table(n),
+        )
+    )
+    print(
+        row(
+            "span table, 10 dims × 24 levels over n ranks, now (group extents)",
+            2**16,
+            lambda n: lambda: span_table(*_span_case(n)),
         )
     )
     try:

@@ -42,7 +42,7 @@ def shape_for(world: int) -> dict[str, int]:
 
 def build(method: str, sizes: dict[str, int]):
     """Build the mesh, its root DeviceMesh and the FLATTEN dims on the initialised default group;
-    returns (groups seconds, calls made). The caller times the whole."""
+    returns (groups seconds, total seconds, calls made); checks run after the timing."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -54,7 +54,8 @@ def build(method: str, sizes: dict[str, int]):
         mesh = init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes))
         for dims in FLATTEN:
             mesh[dims]._flatten("_".join(dims))
-        return time.perf_counter() - t0, c10d._world.group_count - before
+        seconds = time.perf_counter() - t0
+        return seconds, seconds, c10d._world.group_count - before
     from meshgroups import GroupCache, Layout, init_mesh
 
     cache = GroupCache()
@@ -63,10 +64,11 @@ def build(method: str, sizes: dict[str, int]):
     mg = init_mesh(Layout(sizes), flatten=FLATTEN, strategy=strategy, cache=cache)
     groups_seconds = time.perf_counter() - t0
     root = mg.mesh  # the root DeviceMesh, every declared flattened dim registered on it
+    seconds = time.perf_counter() - t0
     for dims in FLATTEN:
         assert root["_".join(dims)].get_coordinate() == (mg.local_rank(*dims),)
     assert dist.get_rank(mg.group("dp", "cp")) == mg.local_rank("dp", "cp")
-    return groups_seconds, cache.calls
+    return groups_seconds, seconds, cache.calls
 
 
 def _timed(owner: object, name: str, spent: list[float]) -> None:
@@ -95,9 +97,7 @@ def one_fake(method: str, world: int) -> dict[str, float]:
     in_torch = [0.0]
     _timed(dist, "new_group", in_torch)
     _timed(DeviceMesh, "__init__", in_torch)
-    t0 = time.perf_counter()
-    groups_seconds, calls = build(method, shape_for(world))
-    seconds = time.perf_counter() - t0
+    groups_seconds, seconds, calls = build(method, shape_for(world))
     return {"seconds": seconds, "groups": groups_seconds, "calls": calls, "torch": in_torch[0]}
 
 
@@ -155,9 +155,7 @@ def _gloo_worker(rank: int, world: int, port: int, method: str, queue) -> None:
         timeout=timedelta(seconds=60),
     )
     dist.barrier()
-    t0 = time.perf_counter()
-    build(method, {"pp": 2, "dp": 2, "cp": 1, "tp": 2})
-    seconds = time.perf_counter() - t0
+    seconds = build(method, {"pp": 2, "dp": 2, "cp": 1, "tp": 2})[1]
     dist.barrier()
     queue.put(seconds)
     dist.destroy_process_group()

@@ -37,6 +37,7 @@ from torch.distributed import ProcessGroup
 
 from meshgroups import GroupCache, Layout, Strategy, init_mesh
 from meshgroups.checks import MAX_WORLD_SIZE, check_int, short_repr
+from meshgroups.collective import collective_entry
 
 __all__ = [
     "CommMode",
@@ -226,6 +227,7 @@ class ProcessGroupInitializer(ABC):
             Tuple of (local_rank, group_world_size, process_group, ranks_in_group, mode).
         """
 
+    @collective_entry("_new_and_update_group_info", method=True)
     def _new_and_update_group_info(
         self, ranks: list[int], use_cpu: bool = False, backend: str = "nccl"
     ) -> None:
@@ -273,6 +275,7 @@ class ProcessGroupInitializer(ABC):
 class _LayoutInitializer(ProcessGroupInitializer):
     """An initializer whose groups are the ``group_dims`` groups of its ``layout``."""
 
+    @collective_entry("init_dist_group", method=True)  # numbered first: an error on one rank reaches all
     def init_dist_group(self, backend: str = "nccl", use_cpu: bool = False) -> InitResult:
         """Create this initializer's groups (a collective call: every rank makes it).
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from meshgroups import Layout, LayoutError
-from meshgroups._torch_seam import set_group_timeout
+from meshgroups.mesh import set_group_timeout
 
 from ._errors import MegatronAssertionError, MegatronRuntimeError
 from .megatron_layout import hybrid_sizes

@@ -37,6 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from meshgroups import GroupCache, MeshGroups, Strategy, init_mesh
+from meshgroups.collective import collective_entry
 
 from ._errors import (
     AlreadyInitializedError,
@@ -44,6 +45,7 @@ from ._errors import (
     MegatronRuntimeError,
     NotInitializedError,
 )
+from ._generated import make_function
 from .megatron_api import API, FIELD_WHAT, GLOBALS, OVERRIDES
 from .megatron_layout import MegatronPlan, megatron_plan
 
@@ -172,6 +174,7 @@ def megatron_config(
     )
 
 
+@collective_entry("initialize_model_parallel")  # numbered first: an error on one rank reaches all
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -346,63 +349,9 @@ def local_rank_of(name: str) -> int:
 
 
 # ------------------------------------------------------------------ table-driven functions
-def _override(name: str | None) -> Any:
-    return None if name is None else _MODULE.__dict__[name]
-
-
-def _make(api_name: str) -> Callable[..., Any]:
-    api = API[api_name]
-    name, over = api.field or "", api.override
-    if api.kind == "group":
-
-        def getter(check_initialized: bool = True) -> Any:
-            return lookup(name, check_initialized)
-
-        fn: Callable[..., Any] = getter
-    elif api.kind in ("size", "size0"):
-
-        def fn() -> int:
-            value = _override(over)
-            if value is not None:
-                return value
-            if api.kind == "size0" and not dist.is_initialized():
-                return 0
-            return len(ranks_of(name))
-
-    elif api.kind in ("rank", "rank0"):
-
-        def fn() -> int:
-            value = _override(over)
-            if value is not None:
-                return value
-            if api.kind == "rank0" and not dist.is_initialized():
-                return 0
-            return local_rank_of(name)
-
-    elif api.kind == "src":
-
-        def fn() -> int:
-            return ranks_of(name)[0]
-
-    elif over is not None and over.endswith("WORLD_SIZE"):
-
-        def fn(world_size: int | None) -> None:
-            setattr(_MODULE, over, world_size)
-
-    else:
-
-        def fn(rank: int | None) -> None:
-            setattr(_MODULE, over, rank)  # type: ignore[arg-type]
-
-    fn.__name__ = fn.__qualname__ = api_name
-    fn.__module__ = __name__
-    fn.__doc__ = f"megatron-core's ``{api_name}`` ({api.kind} of the {FIELD_WHAT.get(name, name)})."
-    return fn
-
-
 for _api_name, _api in API.items():
     if _api.kind != "custom":
-        setattr(_MODULE, _api_name, _make(_api_name))
+        setattr(_MODULE, _api_name, make_function(_api_name, _MODULE))
 
 
 # ------------------------------------------------------------------ module state, Megatron's way

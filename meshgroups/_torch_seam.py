@@ -13,7 +13,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 
 import numpy as np
@@ -56,14 +56,22 @@ def creation_store_prefix(prefix: str) -> Iterator[None]:
     torch derives a new group's store as ``PrefixStore(name, default store)``; hashed names
     repeat once a group is destroyed and rebuilt, and gloo would then read the old group's
     addresses. Swapping the default store's entry for a prefixed one while creating gives each
-    call a namespace of its own; the groups keep a reference to their own store afterwards."""
+    call a namespace of its own; the groups keep a reference to their own store afterwards.
+
+    Hashed group names (``use_local_synchronization``, ``split_group``) get the prefix mixed in
+    too, so a group rebuilt after ``close()`` never takes the name of a destroyed one: an old
+    DeviceMesh slice holding that name then fails to resolve instead of silently resolving to
+    the new mesh's group. The prefix is the same on every rank of the call."""
     default_pg = _c10d._get_default_group()
     backend, store = _c10d._world.pg_map[default_pg]
+    hash_ranks = _c10d._hash_ranks_to_str
     _c10d._world.pg_map[default_pg] = (backend, dist.PrefixStore(prefix, store))
+    _c10d._hash_ranks_to_str = lambda ranks: hash_ranks([*ranks, prefix])  # type: ignore[list-item]
     try:
         yield
     finally:
         _c10d._world.pg_map[default_pg] = (backend, store)
+        _c10d._hash_ranks_to_str = hash_ranks
 
 
 def default_timeout() -> timedelta:
@@ -134,6 +142,16 @@ def _lookup(token: tuple[int, int] | None) -> GroupBuilder | None:
         return None
     ref = _BUILDERS.get(token[1])
     return None if ref is None else ref()
+
+
+#: ``call(operation)``: the collective call (``meshgroups.collective``) that ``_flatten`` and
+#: ``_unflatten`` run in, numbered before they check anything; set by ``use_collective_calls``.
+CallFactory = Callable[[str], AbstractContextManager[object]]
+_CALLS: list[CallFactory] = []
+
+
+def use_collective_calls(factory: CallFactory) -> None:
+    _CALLS[:] = [factory]
 
 
 class RootedMesh(DeviceMesh):
@@ -211,7 +229,14 @@ class RootedMesh(DeviceMesh):
             "keep the MeshGroups open (or a reference to its mesh) while you _flatten/_unflatten"
         )
 
+    def _collective(self, operation: str) -> AbstractContextManager[object]:
+        return _CALLS[0](operation) if _CALLS else nullcontext()
+
     def _flatten(self, mesh_dim_name: str | None = None, backend_override: object = None) -> DeviceMesh:
+        with self._collective("_flatten"):  # numbered before anything is checked
+            return self._flatten_in_call(mesh_dim_name, backend_override)
+
+    def _flatten_in_call(self, mesh_dim_name: str | None, backend_override: object) -> DeviceMesh:
         names = tuple(self._mesh_dim_names or ())
         if not names:
             raise RuntimeError("Cannot flatten a DeviceMesh without mesh_dim_names!")
@@ -246,6 +271,16 @@ class RootedMesh(DeviceMesh):
         mesh_sizes: tuple[int, ...],
         mesh_dim_names: tuple[str, ...],
         backend_override: dict[str, object] | None = None,
+    ) -> DeviceMesh:
+        with self._collective("_unflatten"):  # numbered before anything is checked
+            return self._unflatten_in_call(dim, mesh_sizes, mesh_dim_names, backend_override)
+
+    def _unflatten_in_call(
+        self,
+        dim: int | str,
+        mesh_sizes: tuple[int, ...],
+        mesh_dim_names: tuple[str, ...],
+        backend_override: dict[str, object] | None,
     ) -> DeviceMesh:
         names = tuple(self._mesh_dim_names or ())
         if isinstance(dim, int) and dim >= self.ndim:

@@ -1,17 +1,16 @@
 """One collective build: validate on this rank, meet the other ranks, create the groups.
 
 ``init_mesh`` runs it once; ``MeshGroups.flatten`` and torch's ``_flatten``/``_unflatten`` on a
-meshgroups mesh run it again for the families they add. Each run takes the next generation
-number the moment it starts (see ``rendezvous``), so every rank must make the same runs in the
-same order, like any collective, from one thread.
+meshgroups mesh run it again for the families they add. Each runs inside a collective call
+(``meshgroups.collective``): the call number is taken before anything is validated, a local
+error reaches every rank, and a failed call is closed before the next one starts.
 """
 
 from __future__ import annotations
 
+import keyword
 import os
-import threading
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -23,36 +22,19 @@ from ._torch_seam import (
     advance_group_count,
     creation_store_prefix,
     default_backend_name,
-    default_store,
     default_timeout,
     group_count,
     held_group_count,
     is_backend_options,
 )
-from .errors import ConcurrentInitError, DeviceTypeError, MeshConfigError, WorldSizeError
+from .collective import Call, collective_call
+from .errors import DeviceTypeError, MeshConfigError, WorldSizeError
 from .groups import GroupCache, GroupHandle
 from .layout import Layout
 from .plan import BackendConfig, Plan, SubsetSpec, as_timedelta, make_plan
-from .rendezvous import Rendezvous, next_generation
 from .strategies import Builder, CreationStrategy, build_families, make_strategy
 
-_lock = threading.Lock()
 _COUNTERS = ("group_count", "held")
-
-
-@contextmanager
-def one_at_a_time() -> Any:
-    """Collective builds of this process, one thread at a time; a second is refused at once."""
-    if not _lock.acquire(blocking=False):
-        raise ConcurrentInitError(
-            f"init_mesh (or a flatten of a meshgroups mesh) is already running in another thread of this "
-            f"process (rank {dist.get_rank()}); these calls are collective: make them one at a time, from "
-            "one thread"
-        )
-    try:
-        yield
-    finally:
-        _lock.release()
 
 
 @dataclass
@@ -81,20 +63,24 @@ def build(
     check: bool | None,
     backend_override: Mapping[Any, Any] | None = None,
     labels: Mapping[Hashable, str] | None = None,
+    operation: str = "init_mesh",
 ) -> Built:
-    """Validate (every error before any collective, and told to the other ranks), then run the
-    collective build. Call with ``one_at_a_time()`` held."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    # Taken first, so a call that fails below still uses up its number on this rank.
-    generation = next_generation(dist.group.WORLD)
-    if check is not None and not isinstance(check, bool):
-        raise TypeError(f"check must be True, False or None, got {check!r}")
-    do_check = check if check is not None else default_backend_name() != "fake"
-    default = default_timeout()
-    rdzv = Rendezvous(default_store(), rank, world_size, generation, default) if do_check else None
-    try:
-        timeout_td = as_timedelta(timeout, default)
-        check_options(device_type, backend, gloo_twins, cache)
+    """One collective call of ``operation`` (or a part of the call already running on this
+    thread): validate, meet, create the groups."""
+    with collective_call(operation) as call:
+        world_size = dist.get_world_size()
+        fake = default_backend_name() == "fake"
+        if check is not None and not isinstance(check, bool):
+            raise TypeError(f"check must be True, False or None, got {check!r}")
+        if check is False and not fake:
+            # A rank that skipped the meeting would leave the others waiting (or pair with their
+            # next call): every call meets, so the check cannot be turned off on a real backend.
+            raise MeshConfigError(
+                "check=False is only allowed on torch's 'fake' backend: on a real backend every call "
+                "meets the other ranks (that is what keeps calls in step); leave check at None or True"
+            )
+        timeout_td = as_timedelta(timeout, default_timeout())
+        check_options(device_type, backend, gloo_twins, cache, fake)
         overrides = normalize_overrides(backend_override)
         creator = make_strategy(strategy)
         plan = make_plan(
@@ -113,11 +99,7 @@ def build(
         for spec in plan.specs:
             check_in_world(spec.layout, world_size, spec.key)
         creator.validate(plan.specs)
-    except Exception as exc:
-        if rdzv is not None:
-            rdzv.publish_failure(exc)
-        raise
-    return run(plan, creator, cache if cache is not None else GroupCache(), rdzv, generation, do_check)
+        return run(plan, creator, cache if cache is not None else GroupCache(), call, not fake)
 
 
 def build_more(
@@ -130,24 +112,24 @@ def build_more(
     backend_override: Mapping[str, BackendConfig] | None = None,
 ) -> Built:
     """A later collective build of families over ``layout`` with the options of an earlier
-    ``plan`` (a mesh's ``init_mesh``) and its cache; ``labels`` name the families (their group
-    description, torch's ``mesh_<name>``), ``backend_override`` is keyed by those names."""
-    with one_at_a_time():
-        return build(
-            layout,
-            device_type=plan.device_type,
-            flatten=(),
-            subsets=None,
-            only=only,
-            backend=plan.backend,
-            timeout=plan.timeout,
-            gloo_twins=plan.gloo_twins,
-            strategy=plan.strategy,
-            cache=cache,
-            check=check,
-            backend_override=backend_override,
-            labels=labels,
-        )
+    ``plan`` (a mesh's ``init_mesh``) and its cache, as part of the call running on this thread;
+    ``labels`` name the families (their group description, torch's ``mesh_<name>``),
+    ``backend_override`` is keyed by those names."""
+    return build(
+        layout,
+        device_type=plan.device_type,
+        flatten=(),
+        subsets=None,
+        only=only,
+        backend=plan.backend,
+        timeout=plan.timeout,
+        gloo_twins=plan.gloo_twins,
+        strategy=plan.strategy,
+        cache=cache,
+        check=None,
+        backend_override=backend_override,
+        labels=labels,
+    )
 
 
 def normalize_overrides(value: object) -> dict[int | str, BackendConfig]:
@@ -184,43 +166,42 @@ def normalize_overrides(value: object) -> dict[int | str, BackendConfig]:
     return out
 
 
-def run(
-    plan: Plan,
-    creator: CreationStrategy,
-    cache: GroupCache,
-    rdzv: Rendezvous | None,
-    generation: int,
-    check: bool,
-) -> Built:
-    """Meet (if checking), level torch's counters, create every family, report, clean the store."""
-    agreed = {"group_count": group_count(), "held": held_group_count()}
-    if rdzv is not None:
-        rdzv.timeout = plan.timeout
-        agreed = rdzv.agree(plan.digests(), plan.shown(), agreed)
-        # After a failed call torch's counters can differ between ranks; sequential group names
-        # stay unique when every rank jumps to the largest, so the next groups pair up again.
-        advance_group_count(agreed["group_count"])
+def cache_state(cache: GroupCache) -> str:
+    """What every rank's cache must agree on: new, or in use since the same call."""
+    return "new" if cache.since is None else f"in use since call #{cache.since} ({cache.strategy})"
+
+
+def run(plan: Plan, creator: CreationStrategy, cache: GroupCache, call: Call, check: bool) -> Built:
+    """Meet, level torch's counters, create every family, report, clean the store."""
+    counters = {"group_count": group_count(), "held": held_group_count()}
+    digests = {**plan.digests(), "cache": cache_state(cache)}
+    shown = {**plan.shown(), "cache": cache_state(cache)}
+    agreed = call.agree(digests, shown, counters, plan.timeout)
+    # After a failed call torch's counters can differ between ranks; sequential group names
+    # stay unique when every rank jumps to the largest, so the next groups pair up again.
+    advance_group_count(agreed["group_count"])
     builder = Builder(cache, backend=plan.backend, timeout=plan.timeout, gloo_twins=plan.gloo_twins)
-    prefix = f"meshgroups/g{generation}"
+    prefix = call.creation_prefix()
     try:
         with creation_store_prefix(prefix):
-            if rdzv is not None and creator.name == "local":
+            if call.enabled and creator.name == "local":
                 for _ in range(agreed["held"] - held_group_count()):
                     builder.pad()  # level the held-group counts that hashed names depend on
             handles = build_families(creator, builder, plan.specs, plan.layout, plan.gloo_twins)
     except BaseException as exc:
         cache.release(builder.keys, builder.pads)
-        if rdzv is not None:
-            rdzv.finish(exc)
+        call.finish(exc)
         raise
-    if rdzv is not None:
-        try:
-            rdzv.finish(None)
-        except BaseException:
-            cache.release(builder.keys, builder.pads)
-            raise
-        rdzv.leave(_COUNTERS, (prefix + "/",) if eager_gloo(plan.backend) else ())
-    return Built(handles, builder, plan, generation, check)
+    try:
+        call.finish(None)
+    except BaseException:
+        cache.release(builder.keys, builder.pads)
+        raise
+    if cache.since is None and (builder.keys or builder.pads):
+        cache.since = call.number
+    if call.enabled and eager_gloo(plan.backend):
+        call.sweep_prefixes.append(prefix + "/")
+    return Built(handles, builder, plan, call.number, check)
 
 
 def eager_gloo(backend: str | None) -> bool:
@@ -232,7 +213,9 @@ def eager_gloo(backend: str | None) -> bool:
     return all(part.rsplit(":", 1)[-1].strip() == "gloo" for part in spec.split(","))
 
 
-def check_options(device_type: object, backend: object, gloo_twins: object, cache: object) -> None:
+def check_options(
+    device_type: object, backend: object, gloo_twins: object, cache: object, fake: bool = False
+) -> None:
     if not isinstance(device_type, str):
         raise TypeError(f"device_type must be a str such as 'cpu' or 'cuda', got {device_type!r}")
     if ":" in device_type:
@@ -243,6 +226,13 @@ def check_options(device_type: object, backend: object, gloo_twins: object, cach
         raise DeviceTypeError(
             f"device_type={device_type!r} is not a torch device type (e.g. 'cpu', 'cuda', 'xpu')"
         ) from None
+    if device_type not in ("cpu", "meta") and not fake:
+        available = getattr(getattr(torch, device_type, None), "is_available", None)
+        if not callable(available) or not available():
+            raise DeviceTypeError(
+                f"device_type={device_type!r}: this torch ({torch.__version__}) cannot run on "
+                f"{device_type!r} here (torch.{device_type}.is_available() is not True); use 'cpu'"
+            )
     if backend is not None:
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str such as 'gloo' or 'cpu:gloo,cuda:nccl', got {backend!r}")
@@ -269,4 +259,18 @@ def check_in_world(layout: Layout, world_size: int, key: Any) -> None:
         raise WorldSizeError(
             f"group {key!r} uses rank {top}, outside the default group's world (ranks 0..{world_size - 1}); "
             "a layout may cover part of the world but not more"
+        )
+
+
+def check_new_name(name: object, taken: Iterable[str], what: str = "") -> None:
+    """A new (flattened or unflattened) dim's name: an identifier naming no existing dim (torch
+    refuses a flattened name that shadows a dim too)."""
+    what = what or "the flattened dim's name"
+    if not isinstance(name, str):
+        raise TypeError(f"{what} must be a str, got {name!r} ({type(name).__name__})")
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise MeshConfigError(f"{what} {name!r} is not a Python identifier (or is a keyword)")
+    if name in taken:
+        raise MeshConfigError(
+            f"{what} {name!r} names an existing dim (or subset) of this mesh; pick another name"
         )

@@ -68,6 +68,8 @@ def _from_json(parser: argparse.ArgumentParser, path: str) -> Layout:
             return Layout.from_dict(data)  # a layout written by show --json --full or to_dict()
         if isinstance(data, dict) and isinstance(data.get("groups"), dict):
             data = data["groups"]  # show --json output: its groups
+        elif isinstance(data, dict) and isinstance(data.get("layout"), dict) and "format" in data["layout"]:
+            return Layout.from_dict(data["layout"])  # place --json output
         return Layout.infer(data)  # {"tp": [[0, 1], ...], "dp": [...], ...}: read the job back
     except (ValueError, TypeError) as exc:
         parser.error(f"--from-json {path}: {exc}")
@@ -399,6 +401,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(words)
     try:
         return int(args.run(args.parser, args))
+    except BrokenPipeError:
+        # The reader left (``| head``): stop quietly, as other command-line tools do, with no
+        # traceback from the interpreter flushing stdout at exit either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by the signal
     except (ValueError, TypeError) as exc:
         # The last net: every check above names its option; a value error from deeper in the
         # library is still a usage error (exit 2, one message), never a traceback.

@@ -23,7 +23,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from .checks import check_positive
+from .checks import check_positive, short_repr
 from .layout import Layout
 from .render import text as render_text
 
@@ -77,7 +77,27 @@ def run_checks(layout: Layout, device: str, strategy: str, timeout: float) -> di
                 f"group {'×'.join(dims)} {ranks}: all_reduce gave {value.item():g}, expected {expected:g} "
                 f"(group rank {dist.get_rank(group)}, position {ranks.index(rank)})"
             )
+    mg.close()  # destroy the groups now (see _shut_down)
     return {"rank": rank, "build_seconds": build_seconds, "checks": checks, "failures": failures}
+
+
+def _shut_down() -> None:
+    """Destroy every process group, then release the group objects while Python is alive.
+
+    gloo's worker threads drop their reference to a finished collective (and its tensors) after
+    the caller's ``wait()`` returns; releasing a tensor made in Python takes the GIL. A group
+    still referenced at interpreter exit (by a reference cycle, e.g. a DeviceMesh and its
+    flattened dims) keeps its worker threads alive into finalization, where such a thread
+    taking the GIL is killed mid-C++ and the process aborts ("terminate called without an active
+    exception", exit status -6 under torchrun after every check passed). Destroying the
+    groups' last Python references here joins those threads (torch releases the GIL for that).
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def report(
@@ -127,7 +147,7 @@ def _join_torchrun(layout: Layout, strategy: str, timeout: float) -> int:
             per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
             print(report(layout, results, per_node, f"torchrun, {backend}")[0], flush=True)
     finally:
-        dist.destroy_process_group()
+        _shut_down()
     return 0 if ok else 1
 
 
@@ -147,7 +167,7 @@ def _spawned_rank(
         try:
             queue.put(run_checks(layout, "cpu", strategy, timeout))
         finally:
-            dist.destroy_process_group()
+            _shut_down()
     except Exception as exc:  # reported by the parent, which exits non-zero
         queue.put({"rank": rank, "build_seconds": 0.0, "checks": 0, "failures": [f"rank {rank}: {exc!r}"]})
 
@@ -217,8 +237,8 @@ def check_args(layout: Layout, nproc: int, strategy: str, timeout: float) -> Non
             "the demo runs one process per rank 0..nproc-1"
         )
     if strategy not in ("global", "local"):
-        raise ValueError(f"strategy={strategy!r} is not one of 'global', 'local'")
+        raise ValueError(f"strategy={short_repr(strategy)} is not one of 'global', 'local'")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+        raise TypeError(f"timeout must be a number of seconds, got {short_repr(timeout)}")
     if not 1.0 <= timeout <= MAX_TIMEOUT:
         raise ValueError(f"timeout={timeout!r} must be between 1 and {MAX_TIMEOUT:g} seconds")

@@ -41,9 +41,13 @@ class GroupCache:
         calls: ``new_group``/``split_group`` calls this rank made (members and non-members).
         created: groups this rank is a member of that were created through this cache.
         pads: one-rank groups still alive that kept torch's group counts aligned.
+        since: the number of the collective call that first filled the cache since it was last
+            empty (``None`` while empty); compared across ranks, so a rank passing another cache
+            is told rather than left creating different groups.
     """
 
     strategy: str | None = None
+    since: int | None = None
     calls: int = 0
     created: int = 0
     _groups: dict[GroupKey, dist.ProcessGroup | None] = field(default_factory=dict)
@@ -89,7 +93,7 @@ class GroupCache:
                 dist.destroy_process_group(pad)
                 destroyed += 1
         if not self._groups and not self.pads:
-            self.strategy = None
+            self.strategy = self.since = None
         return destroyed
 
     def destroy(self) -> None:
@@ -99,4 +103,4 @@ class GroupCache:
         self._groups.clear()
         self._refs.clear()
         self.pads.clear()
-        self.strategy = None
+        self.strategy = self.since = None

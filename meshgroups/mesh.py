@@ -34,13 +34,19 @@ from ._torch_seam import (
     make_group_mesh,
     make_root,
     register_builder,
+    set_group_timeout,
     unregister_builder,
+    use_collective_calls,
 )
-from .build import Built, build, build_more, one_at_a_time
+from .build import Built, build, build_more, check_new_name
+from .collective import collective_call
 from .errors import MeshConfigError
 from .groups import GroupCache, GroupHandle
 from .layout import Layout
 from .plan import GroupSpec, SubsetSpec
+
+# Public here (compat uses it): changing a live group's timeout has no public torch API.
+__all__ = ["GroupCache", "MeshGroups", "init_mesh", "layout_of", "set_group_timeout"]
 from .strategies import Strategy
 
 
@@ -187,6 +193,8 @@ class MeshGroups:
         new dim's groups (rows in mesh order; ``backends``: torch's normalised
         ``backend_override``), reusing equal groups. ``None`` where this rank is in no row."""
         self._check_open()
+        for name in names:
+            check_new_name(name, ())
         groups = []
         for i, (rows, name) in enumerate(zip(rows_per_dim, names)):
             grid = np.asarray(rows.cpu().numpy(), dtype=np.int64)
@@ -216,20 +224,31 @@ class MeshGroups:
         it, like torch's ``_flatten`` — and register it on the root as ``name`` (default: the
         dims joined by ``_``). Returns the flattened 1-D mesh (coordinate ``None`` off the
         layout); an already built set is reused."""
-        self._check_open()
-        if not dims:
-            raise MeshConfigError("flatten needs at least one dim, e.g. mg.flatten('dp', 'cp')")
-        owner = self.layout.resolve(*dims)
-        key = tuple(d for d in owner.names if d in dims)
-        label = name if name is not None else "_".join(key)
-        if key not in self._handles:
-            self._handles[key] = self._build_family(owner, key, label)
-        root = self._root_of(owner)
-        if len(key) == 1:
-            return root[key[0]]
-        rank = dist.get_rank()
-        coords = owner.coords(rank) if rank in owner else None
-        return flatten_on_root(root, key, label, self._handles[key].group, _flat_position(owner, key, coords))
+        with collective_call("flatten") as call:  # numbered before anything is checked
+            self._check_open()
+            if not dims:
+                raise MeshConfigError("flatten needs at least one dim, e.g. mg.flatten('dp', 'cp')")
+            owner = self.layout.resolve(*dims)
+            key = tuple(d for d in owner.names if d in dims)
+            label = name if name is not None else "_".join(key)
+            if len(key) > 1:
+                check_new_name(label, self._dim_names(), "flatten(name=)" if name is not None else "")
+            call.compare(dims=key, name=label)
+            if key not in self._handles:
+                self._handles[key] = self._build_family(owner, key, label)
+            root = self._root_of(owner)
+            if len(key) == 1:
+                return root[key[0]]
+            rank = dist.get_rank()
+            coords = owner.coords(rank) if rank in owner else None
+            return flatten_on_root(
+                root, key, label, self._handles[key].group, _flat_position(owner, key, coords)
+            )
+
+    def _dim_names(self) -> set[str]:
+        """Every name a flattened dim must not take: dims of the layout and its views, subsets."""
+        names = set(self.layout.names).union(*(v.names for v in self.layout.views.values()))
+        return names | set(self._subsets)
 
     def submesh(self, *dims: str, flatten: bool = False) -> DeviceMesh:
         """A slice of the root: ``mg.mesh[dims]`` (any dims, n-D, no declaration needed), or
@@ -405,8 +424,9 @@ def init_mesh(
             untested in CI).
         cache: share groups across ``init_mesh`` calls (one strategy per cache); a group stays
             alive while any ``MeshGroups`` built through the cache uses it.
-        check: run the cross-rank rendezvous (default: on, except on the single-process
-            ``"fake"`` backend). Off, nothing verifies that ranks agree.
+        check: ``None``/``True``: the cross-rank rendezvous runs (always, on a real backend:
+            it is what keeps calls in step); ``False`` is accepted only on torch's
+            single-process ``"fake"`` backend, where there is no store to meet through.
         backend_override: torch's per-dim backend choice (``init_device_mesh``'s argument):
             ``{dim name or index: backend name | backend options | (name, options)}``, e.g.
             ``{"tp": "gloo", 0: ("gloo", opts)}``; keys may also be a view's dim, a declared
@@ -414,13 +434,14 @@ def init_mesh(
 
     Raises:
         RuntimeError: the default process group is not initialised.
-        ConcurrentInitError: another thread of this process is inside ``init_mesh``.
+        ConcurrentInitError: another thread of this process is inside a collective call.
         TypeError / MeshConfigError / LayoutError: bad arguments on this rank — raised before
-            any collective, and (with ``check``) raised on every other rank too, same class.
+            any group is created, and raised on every other rank too, same class, naming it.
             Where torch raises ``RuntimeError`` for the same misuse the error is also one
             (``DeviceTypeError`` for ``"cpu:0"``, ``DuplicateNameError``, ``WorldSizeError``,
             ``BackendOverrideError``; see ``meshgroups.errors``).
-        MismatchError: ranks passed different arguments (names the argument and the ranks).
+        MismatchError: ranks passed different arguments, or made different calls at this call
+            number (``argument`` is then ``"operation"`` or ``"call_site"``), named with the ranks.
         RendezvousTimeout: a rank never arrived, or arrived after the others gave up.
         StoreConnectionError: the connection to the store was lost (e.g. rank 0 died).
         MeshBuildError: a rank failed while creating groups; every rank destroyed what the call
@@ -430,22 +451,26 @@ def init_mesh(
         raise RuntimeError(
             "init_mesh needs an initialised default process group: call dist.init_process_group first"
         )
-    with one_at_a_time():
-        built = build(
-            layout,
-            device_type=device_type,
-            flatten=flatten,
-            subsets=subsets,
-            only=only,
-            backend=backend,
-            timeout=timeout,
-            gloo_twins=gloo_twins,
-            strategy=strategy,
-            cache=cache,
-            check=check,
-            backend_override=backend_override,
-        )
+    # build() opens the collective call: numbered first, errors published, a failed call closed
+    built = build(
+        layout,
+        device_type=device_type,
+        flatten=flatten,
+        subsets=subsets,
+        only=only,
+        backend=backend,
+        timeout=timeout,
+        gloo_twins=gloo_twins,
+        strategy=strategy,
+        cache=cache,
+        check=check,
+        backend_override=backend_override,
+    )
     return MeshGroups(layout, built)
+
+
+# torch's _flatten/_unflatten on a meshgroups mesh run inside the same protocol as init_mesh.
+use_collective_calls(collective_call)
 
 
 def layout_of(device_mesh: DeviceMesh) -> Layout:

@@ -137,13 +137,22 @@ def as_timedelta(timeout: timedelta | float | None, default: timedelta) -> timed
     return value
 
 
+def _refuse_unordered(value: object, what: str, wanted: str) -> None:
+    """Sets (and mappings) have no defined order, and their iteration order differs between
+    processes (string hashing is salted per process): ranks would build in different orders."""
+    if isinstance(value, (set, frozenset, Mapping)):
+        raise TypeError(f"{what} takes {wanted}, not a {type(value).__name__} (no defined order): {value!r}")
+
+
 def _dim_sets(value: Iterable[Sequence[str]] | None, what: str) -> tuple[tuple[str, ...], ...] | None:
     if value is None:
         return None
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(f"{what} takes a list of dim sets like [('dp', 'cp')], got {value!r}")
+    _refuse_unordered(value, what, "a list of dim sets like [('dp', 'cp')]")
     out = []
     for dims in value:
+        _refuse_unordered(dims, what, "dim sets in order, like ('dp', 'cp')")
         if isinstance(dims, str):
             raise TypeError(f"flatten/only take dim sets like [('dp', 'cp')], got the string {dims!r}")
         if not isinstance(dims, Iterable):
@@ -211,6 +220,7 @@ def make_plan(
                 f"subset {name!r} must be (Layout, dims), e.g. (layout.select('pp', [0, -1]), 'pp')"
             )
         sub, sub_dims = value
+        _refuse_unordered(sub_dims, f"subset {name!r}", "its dims in order, like ('dp', 'cp')")
         dims_t = (sub_dims,) if isinstance(sub_dims, str) else tuple(sub_dims)
         sub.resolve(*dims_t)  # validates
         spec = GroupSpec(name, sub, tuple(d for d in sub.names if d in dims_t))

@@ -218,14 +218,14 @@ def span_table(layout: Layout, topology: Topology, dims: Sequence[Sequence[str]]
     header = ("dim", "size", "span", "groups", *tuple(f"leave {name}" for name in topology.names))
     table = [header]
     for label, owner, group in families:
-        rows = owner.groups(*group)
-        crossing = topology.crossings(rows)
+        lows, highs = _extents(owner, group)
+        crossing = topology.crossings_of_extents(lows, highs)
         table.append(
             (
                 label,
-                str(rows.shape[1]),
-                topology.span(rows),
-                str(len(rows)),
+                str(owner.size(*group)),
+                topology.span_of_extents(lows, highs),
+                str(len(lows)),
                 *tuple(str(crossing[name]) for name in topology.names),
             )
         )
@@ -236,6 +236,49 @@ def span_table(layout: Layout, topology: Topology, dims: Sequence[Sequence[str]]
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _extents(owner: Layout, dims: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Each group's smallest and largest rank, in ``groups(*dims)`` row order. For an affine
+    layout the smallest is the member at coordinate 0 of ``dims`` and the largest adds each
+    dim's (size - 1) · stride: O(W / group size), no group array."""
+    if owner.strides is None:
+        rows = owner.groups(*dims)
+        return rows.min(axis=1), rows.max(axis=1)
+    lows = np.full((1,) * owner.ndim, owner.rank_offset, dtype=np.int64)
+    reach = 0
+    for axis, (name, size, stride) in enumerate(zip(owner.names, owner.shape, owner.strides)):
+        if name in dims:
+            reach += (size - 1) * stride
+        elif size > 1:
+            step = np.arange(size, dtype=np.int64) * stride
+            lows = lows + step.reshape([size if i == axis else 1 for i in range(owner.ndim)])
+    lows = lows.ravel()
+    return lows, lows + reach
+
+
+def _first_groups(owner: Layout, dim: str, count: int, members: int | None) -> str:
+    """The first ``count`` groups of ``dim`` as ``short_list`` strings, each built from at most
+    ``members`` ranks (O(count × members × ndim), whatever the world size)."""
+    size = owner.size(dim)
+    n_groups = owner.world_size // size
+    others = [(n, s) for n, s in zip(owner.names, owner.shape) if n != dim]
+    shown = []
+    for k in range(min(count, n_groups)):
+        coords: dict[str, int] = {}
+        rest = k
+        for name, extent in reversed(others):  # row k: the other dims' coordinates, row-major
+            rest, coords[name] = divmod(rest, extent)
+        if members is None or size <= members:
+            picks = list(range(size))
+        else:
+            picks = [*range(max(members - 1, 1)), size - 1]
+        ranks = [owner.rank_at(**coords, **{dim: i}) for i in picks]
+        if members is None or size <= members:
+            shown.append(str(ranks))
+        else:
+            shown.append(f"[{', '.join(map(str, ranks[:-1]))}, …, {ranks[-1]}] ({size} ranks)")
+    return ", ".join(shown) + (", …" if n_groups > count else "")
 
 
 def text(
@@ -275,11 +318,9 @@ def text(
         for dim in owner.names:
             if prefix and dim in layout.names:
                 continue  # a shared dim: identical groups, shown once
-            rows_d = owner.groups(dim)
-            first = ", ".join(short_list(r, max_members) for r in rows_d[:max_groups].tolist())
-            if len(rows_d) > max_groups:
-                first += ", …"
-            entry: tuple[str, ...] = (f"{prefix}{dim}", str(owner.size(dim)), str(len(rows_d)), first)
+            first = _first_groups(owner, dim, max_groups, max_members)
+            n_groups = owner.world_size // owner.size(dim)
+            entry: tuple[str, ...] = (f"{prefix}{dim}", str(owner.size(dim)), str(n_groups), first)
             if ranks_per_node:
                 entry += (owner.node_locality(dim, ranks_per_node=ranks_per_node),)
             table.append(entry)

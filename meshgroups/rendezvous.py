@@ -1,191 +1,226 @@
-"""The cross-rank rendezvous of ``init_mesh``: a numbered meeting through the default store.
+"""One meeting of the ranks inside a collective call, through the default store.
 
-Every ``init_mesh`` call on a process takes the next *generation* number the moment it starts,
-even if it fails before meeting anyone, so ranks that all called ``init_mesh`` N times agree on
-N. Keys live under ``meshgroups/rdzv/<generation>/`` and the last rank to leave deletes them.
-
-One meeting has three phases, each a barrier whose outcome is decided exactly once, by
+A collective call (``meshgroups.collective``) has a number agreed by counting; its meetings
+are numbered within it, and a meeting's keys live under ``meshgroups/rdzv/<call>/<meeting>/``.
+A meeting has three phases, each a barrier whose outcome is decided exactly once, by
 ``compare_set`` on a state key (first writer wins):
 
 1. *arrive* — rank 0 publishes its argument digests, every rank raises torch's group counters to
    the common maximum and counts itself in; the last arrival sets ``arrived``. A rank that gave
    up waiting sets ``abandoned`` instead, so a rank arriving later raises rather than passing
-   alone; a rank that failed before the meeting sets ``failed`` so the others stop waiting.
+   alone; a rank that failed sets ``failed`` so the others stop waiting.
 2. *verify* — every rank compares its digests with rank 0's and records what differs; the last
    sets ``verified``, and then every rank raises the same ``MismatchError`` naming the argument
    and the ranks, or goes on.
-3. *built* — after creating its groups every rank counts itself in again (or records why it
-   failed), so a failure anywhere is an error everywhere, never a half-built mesh.
+3. *built* — after creating its groups every rank reports (``ok``, or why it failed); the state
+   is decided once every rank reported or when the wait ends, so every rank raises the same
+   error: the first failure that was not merely waiting on a peer, else the first failure, else
+   the ranks that never reported (dead or hung: a peer stuck in gloo's connect reports when its
+   own timeout ends, so this wait lasts a grace period longer).
 
-Every wait is bounded by the call's timeout; a timeout names the ranks that never arrived and
-the real time waited; a lost store connection is a ``StoreConnectionError``. O(1) store
-operations per rank on the success path.
+Every wait is bounded; a timeout names the ranks that never arrived and what each last
+published; a lost store connection is a ``StoreConnectionError``. O(1) store operations per
+rank on the success path.
 """
 
 from __future__ import annotations
 
+import builtins
 import json
-import threading
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from . import errors
 from .errors import MeshBuildError, MismatchError, RendezvousTimeout, StoreConnectionError
 
 PREFIX = "meshgroups/rdzv"
 PHASES = ("state", "verify", "built")
 #: Worlds up to this size get the exact list of missing ranks in a timeout message.
 NAME_MISSING_UP_TO = 4096
-
-_generation_lock = threading.Lock()
-_generation: dict[str, Any] = {"group": None, "n": 0}
-
-
-def next_generation(default_group: object) -> int:
-    """The number of this ``init_mesh`` call on this process (restarts with a new default group)."""
-    with _generation_lock:
-        if _generation["group"] is not default_group:
-            _generation["group"] = default_group
-            _generation["n"] = 0
-        _generation["n"] += 1
-        return int(_generation["n"])
+#: Words of torch's errors that mean "waited on a peer" rather than "went wrong here".
+_WAITING_WORDS = ("timeout", "timed out", "connection", "connect", "broken pipe", "recv", "send")
 
 
-class _Failed(Exception):
-    def __init__(self, record: str) -> None:
-        super().__init__(record)
-        self.record = record
+E = TypeVar("E", bound=BaseException)
 
 
-def _error_class(name: str) -> type[Exception]:
-    ours = getattr(errors, name, None)
-    if isinstance(ours, type) and issubclass(ours, Exception):
-        return ours
-    return {"ValueError": ValueError, "TypeError": TypeError, "TimeoutError": TimeoutError}.get(
-        name, RuntimeError
-    )
+def shared(exc: E) -> E:
+    """Mark ``exc`` as an outcome every rank of the call raises (nothing left to publish)."""
+    exc._mg_shared = True  # type: ignore[attr-defined]
+    return exc
+
+
+def is_shared(exc: BaseException) -> bool:
+    return bool(getattr(exc, "_mg_shared", False))
+
+
+def waiting_on_peer(exc: BaseException) -> bool:
+    """Whether a failure in group creation looks like waiting on another rank (a timeout or a
+    lost connection inside torch) rather than a cause of its own."""
+    if isinstance(exc, (dist.DistStoreError, dist.DistNetworkError, TimeoutError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _WAITING_WORDS)
 
 
 def failure_record(rank: int, exc: BaseException) -> str:
-    return f"failed\n{rank}\n{type(exc).__name__}\n{exc}"
+    cls = type(exc)
+    return f"failed\n{rank}\n{cls.__module__}:{cls.__qualname__}\n{exc}"
 
 
-def raise_failure(record: str, rank: int, generation: int, phase: str) -> None:
-    """Raise, on a rank that did not fail itself, the error another rank recorded."""
-    _, failed_rank, cls_name, message = record.split("\n", 3)
-    cls = _error_class(cls_name)
-    text = f"rank {failed_rank} failed {phase} of init_mesh call #{generation} ({cls_name}: {message}); this is rank {rank}"
-    if issubclass(cls, MismatchError):
-        raise cls(text, argument=message)
-    raise cls(text)
+def _error_class(path: str) -> type[Exception]:
+    """The class a failure record names, from a module this process has already imported
+    (builtins, torch, meshgroups, compat: never an import on another rank's word);
+    ``RuntimeError`` otherwise."""
+    module, _, qualname = path.partition(":")
+    owner: Any = builtins if module == "builtins" else sys.modules.get(module)
+    cls = owner
+    for part in qualname.split("."):
+        cls = getattr(cls, part, None)
+    return cls if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError
 
 
-class Rendezvous:
-    """One ``init_mesh`` call's meeting; see the module docstring."""
+def rebuild(record: str, text: Callable[[str, str, str], str]) -> Exception:
+    """The exception a failure record describes, ``text(rank, class name, message)`` its message."""
+    _, failed_rank, path, message = record.split("\n", 3)
+    cls = _error_class(path)
+    message_out = text(failed_rank, path.partition(":")[2], message)
+    try:
+        exc = cls(message_out, argument=message) if issubclass(cls, MismatchError) else cls(message_out)
+    except Exception:  # a class that wants other arguments
+        exc = RuntimeError(message_out)
+    return shared(exc)
+
+
+class Meeting:
+    """One meeting of a collective call; see the module docstring."""
 
     def __init__(
-        self, store: dist.Store, rank: int, world_size: int, generation: int, timeout: timedelta
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        what: str,
+        base: str,
+        timeout: timedelta,
+        last_words: Callable[[list[int]], str] = lambda ranks: "",
     ) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
-        self.generation = generation
+        self.what = what  # e.g. "flatten call #7"
+        self.base = base
         self.timeout = timeout
-        self.base = f"{PREFIX}/{generation}"
+        self.last_words = last_words  # what the named ranks last published
 
     def _key(self, name: str) -> str:
         return f"{self.base}/{name}"
 
     # ------------------------------------------------------------------ store access
-    def _lost(self, exc: BaseException, where: str = "during") -> StoreConnectionError:
-        return StoreConnectionError(
-            f"rank {self.rank} lost the connection to the rendezvous store {where} init_mesh call "
-            f"#{self.generation} (the store is hosted by rank 0 under torchrun/tcp://; did it die?): {exc}"
+    def lost(self, exc: BaseException, where: str = "during") -> StoreConnectionError:
+        return shared(
+            StoreConnectionError(
+                f"rank {self.rank} lost the connection to the rendezvous store {where} {self.what} "
+                f"(the store is hosted by rank 0 under torchrun/tcp://; did it die?): {exc}"
+            )
         )
 
-    def _op(self, method: str, *args: Any) -> Any:
+    def op(self, method: str, *args: Any) -> Any:
         """``store.<method>(*args)``, a lost connection reported as such."""
         try:
             return getattr(self.store, method)(*args)
         except (RuntimeError, dist.DistError) as exc:  # DistStoreError is both
-            raise self._lost(exc) from None
+            raise self.lost(exc) from None
 
-    def publish_failure(self, exc: BaseException, phase: str = "state") -> str:
-        """Best effort: tell the other ranks this rank failed, so they stop waiting. Returns the
-        failure that counts: the first one recorded for ``phase`` (this rank's if the store is gone)."""
+    def publish_failure(self, exc: BaseException, phases: tuple[str, ...] = PHASES) -> str:
+        """Tell the other ranks this rank failed, so they stop waiting (first writer of each
+        phase wins). Returns the failure that counts for the first phase. A store that is gone
+        is a ``StoreConnectionError``."""
         mine = failure_record(self.rank, exc)
-        try:
-            first = self.store.compare_set(self._key(phase), "", mine).decode()
-        except Exception:
-            return mine  # the store itself is gone; the others will time out or lose it too
+        first = ""
+        for phase in phases:
+            state = self.op("compare_set", self._key(phase), "", mine).decode()
+            first = first or state
         return first if first.startswith("failed") else mine
 
-    def _wait_state(self, phase: str, done: str, what: str, started: float, late: bool = False) -> None:
+    def _wait(self, key: str, seconds: float, where: str) -> bool:
+        """Wait for ``key``; False when the wait timed out."""
+        try:
+            self.store.wait([key], timedelta(seconds=max(seconds, 0.001)))
+            return True
+        except (RuntimeError, dist.DistError) as exc:
+            if "timeout" not in str(exc).lower():
+                raise self.lost(exc, f"at {where} of") from None
+            return False
+
+    def _wait_state(self, phase: str, done: str, where: str, started: float, late: bool = False) -> None:
         """Wait for ``phase``'s state key; return if it says ``done``, raise otherwise."""
         key = self._key(phase)
-        remaining = self.timeout.total_seconds() - (time.monotonic() - started)
         state = None
-        if not late:
-            try:
-                self.store.wait([key], timedelta(seconds=max(remaining, 0.001)))
-            except (RuntimeError, dist.DistError) as exc:
-                if "timeout" not in str(exc).lower():
-                    raise self._lost(exc, f"at {what} of") from None
-                elapsed = time.monotonic() - started
-                abandon = f"abandoned\n{self.rank}\n{elapsed:.1f}"
-                state = self._op("compare_set", key, "", abandon).decode()
+        if not late and not self._wait(
+            key, self.timeout.total_seconds() - (time.monotonic() - started), where
+        ):
+            elapsed = time.monotonic() - started
+            state = self.op("compare_set", key, "", f"abandoned\n{self.rank}\n{elapsed:.1f}").decode()
         if state is None:
-            state = self._op("get", key).decode()
+            state = self.op("get", key).decode()
         if state == done:
             return  # (also when the last rank arrived just as this one gave up)
         if state.startswith("failed"):
-            raise _Failed(state)
-        _, who, after = state.split("\n")
-        elapsed = time.monotonic() - started
-        if late:
-            raise RendezvousTimeout(
-                f"rank {self.rank} reached {what} of init_mesh call #{self.generation} after rank {who} "
-                f"gave up waiting ({after}s); every rank raises, none builds groups alone"
+            raise rebuild(
+                state,
+                lambda r, cls, msg: (
+                    f"rank {r} failed before {where} of {self.what} ({cls}: {msg}); this is rank {self.rank}"
+                ),
             )
-        raise RendezvousTimeout(
-            f"rank {self.rank}: {self._missing(phase)} at {what} of init_mesh call #{self.generation} "
-            f"(rank {who} gave up after {after}s; this rank waited {elapsed:.1f}s, timeout "
-            f"{self.timeout.total_seconds():g}s); is init_mesh called on every rank, with the same timeout?"
+        _, who, after = state.split("\n")
+        if late:
+            raise shared(
+                RendezvousTimeout(
+                    f"rank {self.rank} reached {where} of {self.what} after rank {who} gave up waiting "
+                    f"({after}s); every rank raises, none builds groups alone"
+                )
+            )
+        raise shared(
+            RendezvousTimeout(
+                f"rank {self.rank}: {self._missing(phase)} at {where} of {self.what} (rank {who} gave up "
+                f"after {after}s; this rank waited {time.monotonic() - started:.1f}s, timeout "
+                f"{self.timeout.total_seconds():g}s); is it called on every rank, with the same timeout?"
+            )
         )
+
+    def _absent(self, phase: str) -> list[int] | None:
+        if self.world_size > NAME_MISSING_UP_TO:
+            return None
+        return [r for r in range(self.world_size) if not self.op("check", [self._key(f"{phase}/here/{r}")])]
 
     def _missing(self, phase: str) -> str:
-        arrived = int(self._op("add", self._key(f"{phase}/count"), 0))
-        if self.world_size > NAME_MISSING_UP_TO:
+        arrived = int(self.op("add", self._key(f"{phase}/count"), 0))
+        absent = self._absent(phase)
+        if absent is None:
             return f"{self.world_size - arrived} of {self.world_size} ranks never arrived"
-        absent = [
-            r for r in range(self.world_size) if not self._op("check", [self._key(f"{phase}/here/{r}")])
-        ]
         if not absent:
             return "every rank arrived, but too late"
-        names = ", ".join(map(str, absent[:16])) + (", …" if len(absent) > 16 else "")
-        return (
-            f"rank{'s' if len(absent) > 1 else ''} {names} never arrived ({arrived} of {self.world_size} did)"
-        )
+        return f"{_ranks(absent)} never arrived ({arrived} of {self.world_size} did{self.last_words(absent)})"
 
-    def _barrier(self, phase: str, done: str, what: str, started: float) -> None:
-        if self._op("check", [self._key(phase)]):
-            self._wait_state(phase, done, what, started, late=True)  # decided without this rank
+    def _barrier(self, phase: str, done: str, where: str, started: float) -> None:
+        if self.op("check", [self._key(phase)]):
+            self._wait_state(phase, done, where, started, late=True)  # decided without this rank
             return
-        self._op("set", self._key(f"{phase}/here/{self.rank}"), "1")
-        if self._op("add", self._key(f"{phase}/count"), 1) == self.world_size:
-            self._op("compare_set", self._key(phase), "", done)
-        self._wait_state(phase, done, what, started)
+        self.op("set", self._key(f"{phase}/here/{self.rank}"), "1")
+        if self.op("add", self._key(f"{phase}/count"), 1) == self.world_size:
+            self.op("compare_set", self._key(phase), "", done)
+        self._wait_state(phase, done, where, started)
 
     def _raise_up_to_max(self, name: str, value: int) -> None:
         key = self._key(f"max/{name}")
-        current = self._op("compare_set", key, "", str(value)).decode()
+        current = self.op("compare_set", key, "", str(value)).decode()
         while int(current) < value:
             seen = current
-            current = self._op("compare_set", key, seen, str(value)).decode()
+            current = self.op("compare_set", key, seen, str(value)).decode()
 
     # ------------------------------------------------------------------ phases
     def agree(
@@ -193,36 +228,37 @@ class Rendezvous:
     ) -> dict[str, int]:
         """Phases 1 and 2. Returns the maximum of each counter over all ranks; raises the same
         error on every rank if any argument differs from rank 0's (``shown`` is what the
-        message prints for each argument)."""
+        message prints for each argument; ``call_site`` is compared only between ranks that run
+        the same ``program``)."""
         started = time.monotonic()
-        try:
-            if self.rank == 0:
-                self._op("set", self._key("ref"), json.dumps(digests))
-                self._op("set", self._key("mine/0"), json.dumps(shown))
-            for name, value in counters.items():
-                self._raise_up_to_max(name, value)
-            self._barrier("state", "arrived", "the cross-rank check", started)
-            reference = json.loads(self._op("get", self._key("ref")))
-            differing = [arg for arg, digest in digests.items() if reference.get(arg) != digest]
-            if differing:
-                entry = ",".join(f"{arg}={digests[arg]}" for arg in differing)
-                self._op("append", self._key("bad"), f"{self.rank}:{entry};")
-                self._op("set", self._key(f"mine/{self.rank}"), json.dumps(shown))
-            self._barrier("verify", "verified", "the comparison", started)
-            if self._op("check", [self._key("bad")]):
-                self._raise_mismatch(digests, reference)
-            return {name: int(self._op("get", self._key(f"max/{name}"))) for name in counters}
-        except _Failed as failed:
-            raise_failure(failed.record, self.rank, self.generation, "before the cross-rank check")
-            raise  # unreachable
+        if self.rank == 0:
+            self.op("set", self._key("ref"), json.dumps(digests))
+            self.op("set", self._key("mine/0"), json.dumps(shown))
+        for name, value in counters.items():
+            self._raise_up_to_max(name, value)
+        self._barrier("state", "arrived", "the cross-rank check", started)
+        reference = json.loads(self.op("get", self._key("ref")))
+        differing = [
+            arg
+            for arg, digest in digests.items()
+            if reference.get(arg) != digest
+            and arg != "program"
+            and not (arg == "call_site" and reference.get("program") != digests.get("program"))
+        ]
+        if differing:
+            entry = json.dumps([self.rank, {arg: digests[arg] for arg in differing}])
+            self.op("append", self._key("bad"), entry + "\n")
+            self.op("set", self._key(f"mine/{self.rank}"), json.dumps(shown))
+        self._barrier("verify", "verified", "the comparison", started)
+        if self.op("check", [self._key("bad")]):
+            self._raise_mismatch(reference)
+        return {name: int(self.op("get", self._key(f"max/{name}"))) for name in counters}
 
-    def _raise_mismatch(self, digests: Mapping[str, str], reference: Mapping[str, str]) -> None:
-        entries = self._op("get", self._key("bad")).decode().strip(";").split(";")
+    def _raise_mismatch(self, reference: Mapping[str, str]) -> None:
         by_arg: dict[str, dict[int, str]] = {}
-        for entry in entries:
-            r, args = entry.split(":", 1)
-            for pair in args.split(","):
-                arg, digest = pair.split("=", 1)
+        for line in self.op("get", self._key("bad")).decode().splitlines():
+            r, args = json.loads(line)
+            for arg, digest in args.items():
                 by_arg.setdefault(arg, {})[int(r)] = digest
         order = list(reference)
         first = min(by_arg, key=lambda a: order.index(a) if a in order else len(order))
@@ -231,53 +267,104 @@ class Rendezvous:
         if len(ranks) > self.world_size // 2 and len(set(by_arg[first].values())) == 1:
             # Most ranks agree with each other, not with rank 0: rank 0 is the odd one out.
             odd, usual, ranks = 0, ranks[0], [0]
-        odd_shown = json.loads(self._op("get", self._key(f"mine/{odd}")))
-        usual_shown = json.loads(self._op("get", self._key(f"mine/{usual}")))
+        odd_shown = json.loads(self.op("get", self._key(f"mine/{odd}")))
+        usual_shown = json.loads(self.op("get", self._key(f"mine/{usual}")))
         others = [a for a in by_arg if a != first]
-        raise MismatchError(
-            f"init_mesh call #{self.generation} was made with a different {first!r} on rank"
-            f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:16]))}"
-            f"{', …' if len(ranks) > 16 else ''}: rank {odd} has {first}={odd_shown.get(first)} but rank "
-            f"{usual} has {first}={usual_shown.get(first)}"
-            + (f" (also differing: {', '.join(others)})" if others else "")
-            + f"; this is rank {self.rank}. Every rank must call init_mesh with the same arguments",
-            argument=first,
-            ranks=tuple(ranks),
+        if first in ("operation", "call_site"):
+            advice = (
+                "every rank must make the same collective calls in the same order; did a rank skip a "
+                "call, or make one the others did not?"
+            )
+        else:
+            advice = "every rank must make this call with the same arguments"
+        raise shared(
+            MismatchError(
+                f"{self.what} was made with a different {first!r} on {_ranks(ranks)}: rank {odd} has "
+                f"{first}={odd_shown.get(first)} but rank {usual} has {first}={usual_shown.get(first)}"
+                + (f" (also differing: {', '.join(others)})" if others else "")
+                + f"; this is rank {self.rank}. {advice[0].upper()}{advice[1:]}",
+                argument=first,
+                ranks=tuple(ranks),
+            )
         )
 
-    def finish(self, error: BaseException | None) -> None:
-        """Phase 3: every rank reports its build; ``MeshBuildError`` on every rank if any failed
-        (the caller has already released what this rank created)."""
+    def finish(self, error: BaseException | None, grace: float) -> None:
+        """Phase 3: report this rank's build (``None``: success) and wait for every rank's; the
+        same ``MeshBuildError`` on every rank if any failed or never reported (the caller has
+        already released what this rank created)."""
         started = time.monotonic()
+        record = "ok" if error is None else failure_record(self.rank, error)
         if error is not None:
-            self._raise_build_failure(self.publish_failure(error, "built"))
-        try:
-            self._barrier("built", "built", "the end of group creation", started)
-        except _Failed as failed:
-            self._raise_build_failure(failed.record)
+            # The first failure of its kind is kept; a peer's timeout is not the cause.
+            kind = "second" if waiting_on_peer(error) else "first"
+            self.op("compare_set", self._key(f"fail/{kind}"), "", record)
+        if self.op("check", [self._key("built")]):
+            self._decide_built(started)  # decided without this rank (it was too slow)
+            return
+        self.op("set", self._key(f"built/here/{self.rank}"), record)
+        if self.op("add", self._key("built/count"), 1) == self.world_size:
+            self.op("compare_set", self._key("built"), "", "reported")
+        if not self._wait(
+            self._key("built"), self.timeout.total_seconds() + grace, "the end of group creation"
+        ):
+            absent = self._absent("built")
+            count = int(self.op("add", self._key("built/count"), 0))
+            verdict = f"silent\n{json.dumps(absent)}\n{self.world_size - count}"
+            self.op("compare_set", self._key("built"), "", verdict)
+        self._decide_built(started)
 
-    def _raise_build_failure(self, record: str) -> None:
-        _, failed_rank, cls_name, message = record.split("\n", 3)
-        raise MeshBuildError(
-            f"init_mesh call #{self.generation} failed on rank {failed_rank} while creating groups "
-            f"({cls_name}: {message}). This is rank {self.rank}: every group this call created here has "
-            "been destroyed and torch's group counters are re-aligned by the next call, so calling "
-            "init_mesh again on every rank is safe"
+    def _decide_built(self, started: float) -> None:
+        # A failure of its own comes first, then ranks that never reported (a dead rank leaves its
+        # peers timing out in gloo: their failures are the symptom), then a peer's timeout.
+        state = self.op("get", self._key("built")).decode()
+        if state.startswith("failed"):  # a rank failed outside group creation, after the check
+            raise rebuild(
+                state,
+                lambda r, cls, msg: f"{self.what} failed on rank {r} ({cls}: {msg}). {self._after_failure()}",
+            )
+        self._raise_recorded("first")
+        if state.startswith("silent"):
+            _, absent_json, n_absent = state.split("\n")
+            absent = json.loads(absent_json)
+            who = _ranks(absent) if absent is not None else f"{n_absent} of {self.world_size} ranks"
+            error = MeshBuildError(
+                f"{who} never reported the end of group creation of {self.what} (dead or hung"
+                f"{self.last_words(absent or [])}; this rank waited {time.monotonic() - started:.1f}s). "
+                + self._after_failure()
+            )
+            error._mg_gone = int(n_absent)  # type: ignore[attr-defined]  # not waited for at the close
+            raise shared(error)
+        self._raise_recorded("second")
+
+    def _raise_recorded(self, kind: str) -> None:
+        if not self.op("check", [self._key(f"fail/{kind}")]):
+            return
+        _, failed_rank, path, message = self.op("get", self._key(f"fail/{kind}")).decode().split("\n", 3)
+        raise shared(
+            MeshBuildError(
+                f"{self.what} failed on rank {failed_rank} while creating groups "
+                f"({path.partition(':')[2]}: {message}). {self._after_failure()}"
+            )
         )
 
-    def leave(self, counters: tuple[str, ...], extra_prefixes: tuple[str, ...] = ()) -> None:
-        """Delete this meeting's keys: each rank its own, the last rank out the shared ones (and,
-        with ``extra_prefixes``, every key under them: one ``list_keys`` call)."""
-        mine = [f"{phase}/here/{self.rank}" for phase in PHASES] + [f"mine/{self.rank}"]
-        for name in mine:
-            self._op("delete_key", self._key(name))
-        if self._op("add", self._key("left"), 1) != self.world_size:
-            return
-        shared = ["ref", "bad", "left"] + [f"max/{c}" for c in counters]
-        shared += [f"{phase}{suffix}" for phase in PHASES for suffix in ("", "/count")]
-        for name in shared:
-            self._op("delete_key", self._key(name))
-        if extra_prefixes:
-            for key in self._op("list_keys"):
-                if key.startswith(extra_prefixes):
-                    self.store.delete_key(key)
+    def _after_failure(self) -> str:
+        return (
+            f"This is rank {self.rank}: every group this call created here has been destroyed and "
+            "torch's group counters are re-aligned by the next call, so making the same call again on "
+            "every rank is safe"
+        )
+
+    def own_keys(self) -> list[str]:
+        """This rank's keys in this meeting (each rank deletes its own)."""
+        return [self._key(f"{p}/here/{self.rank}") for p in PHASES] + [self._key(f"mine/{self.rank}")]
+
+    def shared_keys(self, counters: tuple[str, ...]) -> list[str]:
+        """The meeting's shared keys (deleted by the last rank out of the call)."""
+        names = ["ref", "bad", "fail/first", "fail/second"] + [f"max/{c}" for c in counters]
+        names += [f"{phase}{suffix}" for phase in PHASES for suffix in ("", "/count")]
+        return [self._key(n) for n in names]
+
+
+def _ranks(ranks: list[int]) -> str:
+    names = ", ".join(map(str, ranks[:16])) + (", …" if len(ranks) > 16 else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {names}"

@@ -110,19 +110,25 @@ class Topology:
         """The smallest level whose units each hold a whole group of ``rows`` (an array of groups,
         one per row, or one group as a flat list), or ``"world"``."""
         groups = group_rows(rows)
-        for name, size in self._levels:
-            units = groups // size
-            if (units == units[:, :1]).all():
-                return name
-        return WORLD
+        return self.span_of_extents(groups.min(axis=1), groups.max(axis=1))
 
     def crossings(self, rows: object) -> dict[str, int]:
         """For every level, how many groups of ``rows`` leave a unit of it."""
         groups = group_rows(rows)
-        return {
-            name: int((groups // size != (groups // size)[:, :1]).any(axis=1).sum())
-            for name, size in self._levels
-        }
+        return self.crossings_of_extents(groups.min(axis=1), groups.max(axis=1))
+
+    # Units are intervals of consecutive ranks, so a group stays in one unit exactly when its
+    # smallest and largest rank do: each level costs O(groups), not O(ranks).
+    def span_of_extents(self, lows: np.ndarray, highs: np.ndarray) -> str:
+        """:meth:`span` from each group's smallest and largest rank."""
+        for name, size in self._levels:
+            if (lows // size == highs // size).all():
+                return name
+        return WORLD
+
+    def crossings_of_extents(self, lows: np.ndarray, highs: np.ndarray) -> dict[str, int]:
+        """:meth:`crossings` from each group's smallest and largest rank."""
+        return {name: int((lows // size != highs // size).sum()) for name, size in self._levels}
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Topology) and self._levels == other.levels

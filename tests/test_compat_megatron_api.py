@@ -207,3 +207,14 @@ def test_rank_generator_equals_megatron_core():
     cfgs: dict = {}
     ps.overwrite_nccl_comm_cfgs(cfgs, "dp", ("max_ctas", 4))
     assert cfgs == {"dp": {"max_ctas": 4}} and ps.get_nccl_options("tp", cfgs) is None
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import torch
+    from meshgroups.compat import _errors, _generated, megatron_api, megatron_buffers, megatron_helpers
+
+    for module in (_errors, megatron_api, megatron_buffers, megatron_helpers, _generated):
+        result = doctest.testmod(module, extraglobs={"torch": torch, "ps": ps})
+        assert result.failed == 0, module.__name__

@@ -8,6 +8,7 @@ against the independent oracle, and side by side with megatron-core when it is i
 from __future__ import annotations
 
 import importlib.util
+import os
 import warnings
 
 import pytest
@@ -16,8 +17,11 @@ from ._dist import run
 from .megatron_oracle import megatron_expected, row_of
 from .megatron_style import CONFIGS, INVALID, ORDERS, scenario
 
+# MESHGROUPS_NO_MEGATRON_REF=1 runs the compat half alone (what CI runs, megatron-core absent).
 HAVE_MCORE = (
-    importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+    importlib.util.find_spec("megatron") is not None
+    and importlib.util.find_spec("megatron.core") is not None
+    and not os.environ.get("MESHGROUPS_NO_MEGATRON_REF")
 )
 
 
@@ -90,20 +94,29 @@ def _oracle_checks(out: dict, rank: int) -> int:
     return checks + 5
 
 
-def worker(rank: int, world: int) -> dict:
+def worker(rank: int, world: int, with_megatron: bool) -> dict:
     import meshgroups.compat.parallel_state as ps
     from meshgroups.compat.process_groups_config import ProcessGroupCollection
 
     warnings.simplefilter("ignore")
     ours = scenario(ps, ProcessGroupCollection)
     result = {"checks": _oracle_checks(ours, rank), "compared": 0}
-    if HAVE_MCORE:
+    if with_megatron:
         from megatron.core import parallel_state as mcore
         from megatron.core.process_groups_config import ProcessGroupCollection as Theirs
 
-        theirs = scenario(mcore, Theirs)
-        diffs = _differences(ours, theirs)
-        assert not diffs, diffs[:10]
+        theirs = scenario(mcore, Theirs, light=True)  # megatron-core: fewer configurations (slow)
+        diffs = [
+            d
+            for d in _differences({k: v for k, v in ours.items() if k in theirs}, theirs)
+            # megatron-core's repr calls .size() on the hcp list and raises; compat prints sizes
+            if not (
+                d[0].startswith("/7:")
+                and d[0].endswith("/collection")
+                and d[2] == ("raised", "AttributeError")
+            )
+        ]
+        assert not diffs, (sorted({path.split("/")[-1] for path, _, _ in diffs}), diffs[:5])
         result["compared"] = sum(len(v) if isinstance(v, dict) else 1 for v in theirs.values())
     return result
 
@@ -117,9 +130,9 @@ def _differences(ours: dict, theirs: dict, path: str = "") -> list:
     return [] if ours == theirs else [(path, ours, theirs)]
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_megatron_style_world8():
-    results = run(worker, 8, timeout=800)
+    results = run(worker, 8, HAVE_MCORE, timeout=1700)
     assert all(r["checks"] > 200 for r in results)
     if HAVE_MCORE:
-        assert all(r["compared"] > 2000 for r in results)
+        assert all(r["compared"] > 1000 for r in results)

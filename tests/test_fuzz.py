@@ -434,3 +434,38 @@ def test_core_entry_points_with_random_values(label, value):
         CORE[label](value)
     except (TypeError, ValueError):
         pass
+
+
+DEMO_WORDS = st.sampled_from(
+    ["dp=-1", "tp=2", "pp=3", "a=16777216", "tp=0", "dp=1_0", "--nproc", "4", "8", "64", "65", "--timeout",
+     "1e-300", "1e308", "5", "--order", "tp-dp", "--any-names", "--strategy", "local", "x", ""]
+)  # fmt: skip
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(DEMO_WORDS, max_size=6))
+def test_cli_demo_random_words_start_only_what_the_layout_needs(words):
+    """Whatever the words, the demo either refuses them (exit 2, one message) or starts exactly
+    one process per rank of the layout, at most MAX_PROCESSES, with a timeout in range."""
+    import os
+
+    from meshgroups import demo
+
+    started = []
+    saved = demo.main, os.environ.pop("RANK", None), os.environ.pop("WORLD_SIZE", None)
+    demo.main = lambda layout, nproc, **kw: started.append((layout, nproc, kw)) or 0  # type: ignore[assignment]
+    try:
+        code, _, err = run_cli(["demo", *words])
+    finally:
+        demo.main = saved[0]  # type: ignore[assignment]
+        for key, value in zip(("RANK", "WORLD_SIZE"), saved[1:]):
+            if value is not None:
+                os.environ[key] = value
+    assert "Traceback" not in err
+    if code == 2:
+        assert not started and len([line for line in err.splitlines() if "error:" in line]) == 1, err
+    else:
+        assert code == 0 and len(started) == 1, (words, err)
+        layout, nproc, kw = started[0]
+        assert layout.world_size == nproc <= demo.MAX_PROCESSES and layout.rank_offset == 0
+        assert 1 <= kw["timeout"] <= demo.MAX_TIMEOUT

@@ -222,3 +222,41 @@ def test_console_script_is_installed():
     assert script.exists(), "pip install should create the meshgroups command"
     out = subprocess.run([str(script), "show", "tp=2"], capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 0 and "Layout(tp=2)" in out.stdout
+
+
+def test_cli_place_json_reads_back_and_names_the_megatron_order(tmp_path, capsys):
+    assert (
+        main(
+            [
+                "place",
+                "tp=4",
+                "dp=2",
+                "pp=2",
+                "--topology",
+                "node=4,domain=8",
+                "--fast-first",
+                "tp,dp",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["megatron_order"] == "tp-dp-pp" and data["span"]["tp"] == "node"
+    (tmp_path / "placed.json").write_text(json.dumps(data))
+    assert main(["show", "--from-json", str(tmp_path / "placed.json")]) == 0
+    assert "Layout(tp=4, dp=2, pp=2, strides=(1, 4, 8))" in capsys.readouterr().out
+
+
+def test_cli_output_cut_by_a_closed_pipe_prints_no_traceback():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshgroups", "show", "a=4096", "b=16", "--any-names", "--full"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith("Layout(a=4096, b=16)")
+    proc.stdout.close()  # the reader leaves, as `| head -1` does
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err

@@ -107,7 +107,9 @@ def _fsdp_tp(rank):
     full = {k: v.detach().clone() for k, v in model.state_dict().items()}
     with init_job({"trainer": trainer, "rollout": rollout}) as job:
         assert job.roles() == (("trainer",) if rank < 4 else ("rollout",))
-        assert (job["trainer"].mesh is None) == (rank >= 4) and (job["rollout"].mesh is None) == (rank < 4)
+        assert (job["trainer"].mesh.get_coordinate() is None) == (rank >= 4)
+        assert (job["rollout"].mesh.get_coordinate() is None) == (rank < 4)
+        assert (job["trainer"].group("tp") is None) == (rank >= 4)
         if rank < 4:
             mesh = job["trainer"].mesh
             parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})

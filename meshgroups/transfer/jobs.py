@@ -6,7 +6,7 @@ shared ``GroupCache``) — after refusing layouts that overlap when they were de
 
     >>> dist.init_process_group("gloo")  # 8 ranks                       # doctest: +SKIP
     >>> job = init_job({"trainer": Layout(dp=2, tp=2), "rollout": Layout(tp=4, rank_offset=4)})  # doctest: +SKIP
-    >>> job.roles(5), job["trainer"].mesh is None                         # doctest: +SKIP
+    >>> job.roles(5), job["trainer"].mesh.get_coordinate() is None        # doctest: +SKIP
     (('rollout',), True)
     >>> job.close()  # or leave a ``with job:`` block                      # doctest: +SKIP
 
@@ -73,7 +73,7 @@ def check_sharing(layouts: Mapping[str, Layout], sharing: str) -> None:
 
 class Job:
     """Every layout of a job built on this rank: ``job[name]`` is that layout's ``MeshGroups``
-    (``mesh is None`` and ``None`` groups on ranks outside it). All share ``cache``, so a group
+    (a mesh whose ``get_coordinate()`` is ``None``, and ``None`` groups, on ranks outside it). All share ``cache``, so a group
     two layouts both need (colocated ``tp`` groups of equal ranks) exists once. ``close()`` (or
     leaving ``with job:``) releases the meshes and every ``TransferGroups`` made from the job."""
 
@@ -148,7 +148,8 @@ def init_job(
 
     Args:
         layouts: ``{"trainer": Layout(...), "rollout": Layout(...)}``, built in this order, each
-            its own root mesh; ranks outside a layout get ``None`` meshes and groups for it.
+            its own root mesh; ranks outside a layout get its mesh with coordinate ``None``
+            and ``None`` groups.
         sharing: ``"disjoint"`` (no rank in two layouts), ``"colocated"`` (every layout over the
             same ranks) or ``"any"``; checked before anything is built.
         flatten: per layout name, the flattened dim sets to build (``{"trainer": [("dp", "cp")]}``).
