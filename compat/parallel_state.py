@@ -169,9 +169,29 @@ def megatron_config(
         virtual_pipeline_model_parallel_size,
         bool(options["create_gloo_process_groups"]),
         bool(options["create_all_gather_group"]),
-        timedelta(minutes=options["distributed_timeout_minutes"]),
+        _timeout(options["distributed_timeout_minutes"]),
         options["strategy"] or _DEFAULT_STRATEGY[0],
     )
+
+
+#: A week: what any real job waits at most (timedelta overflows far beyond it).
+_MAX_TIMEOUT_MINUTES = 7 * 24 * 60
+
+
+def _timeout(minutes: object) -> timedelta:
+    """``distributed_timeout_minutes`` as a timedelta: a positive number of minutes, at most a week.
+
+    >>> _timeout(30)
+    datetime.timedelta(seconds=1800)
+    """
+    if isinstance(minutes, bool) or not isinstance(minutes, (int, float)):
+        raise TypeError(f"distributed_timeout_minutes must be a number, got {minutes!r}")
+    if not 0 < minutes <= _MAX_TIMEOUT_MINUTES:
+        raise MegatronAssertionError(
+            f"distributed_timeout_minutes={minutes!r} must be positive and at most "
+            f"{_MAX_TIMEOUT_MINUTES} (a week)"
+        )
+    return timedelta(minutes=minutes)
 
 
 @collective_entry("initialize_model_parallel")  # numbered first: an error on one rank reaches all

@@ -24,6 +24,8 @@ from torch.distributed import distributed_c10d as _c10d
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh, _normalize_backend_override
 
+from .errors import UnknownDimError
+
 
 def default_store() -> dist.Store:
     """The store the default process group was initialised with (TCPStore under torchrun)."""
@@ -180,7 +182,16 @@ class RootedMesh(DeviceMesh):
     def __getitem__(self, mesh_dim_names: str | tuple[str, ...]) -> DeviceMesh:
         if not self._mesh_dim_names:
             raise RuntimeError("Cannot slice a DeviceMesh without mesh_dim_names!")
-        names = (mesh_dim_names,) if isinstance(mesh_dim_names, str) else tuple(mesh_dim_names)
+        if isinstance(mesh_dim_names, str):
+            names: tuple[str, ...] = (mesh_dim_names,)
+        elif isinstance(mesh_dim_names, tuple) and all(isinstance(n, str) for n in mesh_dim_names):
+            names = mesh_dim_names
+        else:
+            # torch would iterate b"2" into (50,) and raise KeyError: a KeyError that also says why
+            raise UnknownDimError(
+                f"mesh dim names must be a str or a tuple of str, got {mesh_dim_names!r}; "
+                f"dims of this mesh are {', '.join(self._mesh_dim_names)}"
+            )
         if names == self._mesh_dim_names:
             return self
         root = self._get_root_mesh()
