@@ -244,8 +244,28 @@ class RootedMesh(DeviceMesh):
         return _CALLS[0](operation) if _CALLS else nullcontext()
 
     def _flatten(self, mesh_dim_name: str | None = None, backend_override: object = None) -> DeviceMesh:
-        with self._collective("_flatten"):  # numbered before anything is checked
+        try:
+            self._builder()
+        except RuntimeError:  # it can build nothing here (unpickled elsewhere, closed): answer locally
+            registered = self._registered(mesh_dim_name)
+            if registered is not None:  # a registered dim needs no build, as in torch
+                return registered
+            raise
+        with self._collective("_flatten"):  # numbered before anything else is checked
             return self._flatten_in_call(mesh_dim_name, backend_override)
+
+    def _registered(self, mesh_dim_name: object) -> DeviceMesh | None:
+        """The mesh ``_flatten(mesh_dim_name)`` returns without building anything, if any."""
+        names = tuple(self._mesh_dim_names or ())
+        if not names or not isinstance(mesh_dim_name, (str, type(None))):
+            return None
+        name = mesh_dim_name or "_".join(names)
+        if self.ndim == 1 and name in names:
+            return self
+        existing = self._get_root_mesh()._flatten_mapping.get(name)
+        if existing is not None and existing._layout == _MeshLayout([self._layout.collapse()]):
+            return existing
+        return None
 
     def _flatten_in_call(self, mesh_dim_name: str | None, backend_override: object) -> DeviceMesh:
         names = tuple(self._mesh_dim_names or ())
@@ -283,7 +303,8 @@ class RootedMesh(DeviceMesh):
         mesh_dim_names: tuple[str, ...],
         backend_override: dict[str, object] | None = None,
     ) -> DeviceMesh:
-        with self._collective("_unflatten"):  # numbered before anything is checked
+        self._builder()  # a mesh that can build nothing here (unpickled elsewhere, closed) says so, locally
+        with self._collective("_unflatten"):  # numbered before anything else is checked
             return self._unflatten_in_call(dim, mesh_sizes, mesh_dim_names, backend_override)
 
     def _unflatten_in_call(
