@@ -17,7 +17,7 @@ node ``k`` of the pair's ``K`` cross nodes (in node order) gets the piece from t
 
     >>> hs, hd = np.array([0, 8]), np.array([1, 4, 5, 12])  # nodes of 4: S on 0, 2; D on 0, 1, 3
     >>> r = PairRoute.build(hs, ByNode.of(hs, 4), ByNode.of(hd, 4), 4, True)
-    >>> one = Senders(1, np.zeros(0, np.int64))  # K = 2 = 1·h: holder k mod 2 sends unit k
+    >>> one = Senders(start=0)  # K = 2 units dealt from holder 0: holder k sends unit k
     >>> src, dst, step, part = r.messages(one, turn=0, rep_turn=0)
     >>> list(zip(src.tolist(), dst.tolist(), step.tolist()))
     [(0, 1, 0), (0, 4, 0), (8, 12, 0), (4, 5, 1)]
@@ -53,32 +53,34 @@ def _runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
 @dataclass(frozen=True)
 class Senders:
     """Which of a pair's ``h`` source holders sends each of its cross-node units (unit
-    ``u = part·K + k``: that part of the piece to the ``k``-th of the ``K`` nodes lacking it):
-    with ``K·parts = q·h + r``, unit ``u < q·h``
-    comes from holder ``u mod h`` (every holder sends ``q``), unit ``q·h + i`` from holder
-    ``extra[i]`` (the ``r`` left over go to the least-loaded holders; see ``Planner``)::
+    ``u = part·K + k``: that part of the piece to the ``k``-th of the ``K`` nodes lacking it).
 
-        >>> s = Senders(1, np.array([2]))
-        >>> s.holder_of(np.arange(4), h=3).tolist(), s.units_of(2, h=3)
-        ([0, 1, 2, 2], [2, 3])
+    The units are dealt round the holders: the first ``n_big`` (the larger parts', when the
+    piece is cut into parts one row longer than the others) from holder ``start_big`` on, the
+    rest from holder ``start`` on, one holder after the other (mod ``h``). Where each deal
+    starts is fixed by the planner's replay (see :mod:`~meshgroups.transfer.choose`), so both
+    lookups are arithmetic, O(1) per unit::
+
+        >>> s = Senders(start=2, parts=2, n_big=1, start_big=0)  # K = 2: 4 units over h = 3
+        >>> s.holder_of(np.arange(4), h=3).tolist(), s.units_of(2, h=3, n_units=4)
+        ([0, 2, 0, 1], [1])
     """
 
-    q: int
-    extra: np.ndarray
+    start: int = 0
     parts: int = 1  # the piece is cut in this many parts, each a unit per node (see Planner)
+    n_big: int = 0
+    start_big: int = 0
 
     def holder_of(self, units: np.ndarray, h: int) -> np.ndarray:
         """Holder index (into the pair's holders) of each unit."""
-        full = self.q * h
-        out = units % h
-        late = units >= full
-        out[late] = self.extra[units[late] - full]
-        return out
+        big = units < self.n_big
+        return np.where(big, self.start_big + units, self.start + units - self.n_big) % h
 
-    def units_of(self, j: int, h: int) -> list[int]:
-        """The units holder ``j`` sends, ascending."""
-        full = self.q * h
-        return [j + m * h for m in range(self.q)] + [full + int(i) for i in np.flatnonzero(self.extra == j)]
+    def units_of(self, j: int, h: int, n_units: int) -> list[int]:
+        """The units holder ``j`` sends, ascending: O(its units)."""
+        big = range((j - self.start_big) % h, self.n_big, h)
+        rest = range((j - self.start) % h, n_units - self.n_big, h)
+        return [*big, *(self.n_big + i for i in rest)]
 
 
 @dataclass(frozen=True)
@@ -271,7 +273,7 @@ class PairRoute:
             for i in range(int(lo), int(hi)):
                 if self._intra_src(i, turn) == rank:
                     found.append((1, -1, i, rank, int(self.intra_dst[i]), 0, -1))
-            for u in senders.units_of(j, h):
+            for u in senders.units_of(j, h, n_cross * senders.parts):
                 part, k = divmod(u, n_cross)
                 rep = int(self.cross_dst[self._cross_start[k] + rep_turn % self.cross_count[k]])
                 found.append((2, part, k, rank, rep, 0, part))

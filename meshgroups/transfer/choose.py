@@ -2,11 +2,11 @@
 
 Every choice is a function of the weights and layouts alone (never of messages exchanged), so
 each rank makes the same choice for the pieces it takes part in:
-- cross-node senders (:meth:`Choices._replay`): per set of source holders, over the weights in
-  order, each piece's ``K = q·h + r`` units (a piece, or a part of it, to one node lacking it)
-  give every holder ``q`` and the ``r`` left over to the holders with the fewest bytes so far;
+- cross-node senders (:meth:`Choices._replay`): per set of source holders, the units of all its
+  pieces (a piece, or a part of it, to one node lacking it) are dealt round the holders in
+  ascending order of bytes, so the holders' bytes differ by at most the largest unit;
 - parts (:meth:`Choices._parts`): a piece with more holders than nodes to reach is cut so every
-  holder can send one part;
+  holder can send one part, the parts near-equal (lengths differ by at most one);
 - representatives (:meth:`Choices._rep_table`): per destination block key, the holder position
   with the fewest bytes so far represents the nodes for the next weight's block;
 - intra-node senders rotate with the weight and the source block (:meth:`Choices._turn`).
@@ -57,34 +57,54 @@ class Choices:
         ) -> list[tuple[tuple[int, ...], Box, PairRoute]]: ...
 
     def _replay(self, key: BlockKey, free_dims: tuple[str, ...]) -> None:
-        """Choose the cross-node senders of every pair whose source block has holders ``key``:
-        over the weights in order, each pair's ``K = q·h + r`` units give every holder ``q`` and
-        the ``r`` left over to the holders with the fewest bytes so far (ties: holder order).
-        A function of the weights alone, so every rank replays the same choices."""
-        loads: np.ndarray | None = None
+        """Choose the cross-node senders of every pair whose source block has holders ``key``.
+
+        The units of all those pairs (every weight with that holder set) are dealt round the
+        ``h`` holders, one after the other, in ascending order of their bytes (ties: weight,
+        pair, larger parts first) — the order only fixes who sends, the messages keep the
+        weights' order. Dealt so, the holders' loads in bytes, read round the circle from the
+        next holder to deal to, never decrease and differ by at most the unit last dealt: each
+        deal of units of ``c`` bytes (``c`` no smaller than any before) raises a run starting
+        at the least-loaded holder. So the holders of one set send cross-node bytes that
+        differ by at most their largest unit — what a greedy "least-loaded takes the next
+        unit" gives, with one counter of state instead of one load per holder: O(pairs log
+        pairs), independent of ``h``. A function of the weights alone, so every rank replays
+        the same choices."""
         fixed = dict(key)
         stages = self._by_signature.get((free_dims, frozenset(fixed)), {})
         candidates = sorted(
             w for stage, ws in stages.items() if stage is None or fixed.get(stage[0]) == stage[1] for w in ws
         )
+        deals: list[tuple[int, int, int, int, int]] = []  # (unit bytes, w, pair, class, units)
+        shapes: dict[tuple[int, int], tuple[int, int]] = {}  # (w, pair) -> (parts, big units)
+        blocks: dict[int, tuple[int, ...]] = {}
         for w in candidates:
             s_block = self._block_for(w, key)
             if s_block is None:
                 continue
-            if loads is None:
-                hs = self._holders_of(0, self.sides[w][0], key)[0]
-                loads = np.zeros(hs.size, np.float64)
-            h = loads.size
+            blocks[w] = s_block
+            for i, (_, box, route) in enumerate(self._listed(w, s_block)):
+                k, h = route.n_cross, route.src_holders.size
+                parts = self._parts(w, box, k, h)
+                big, small = self._part_bytes(w, box, parts)
+                n_big = k * (parts - small[1])
+                shapes[(w, i)] = (parts, n_big)
+                if n_big:
+                    deals.append((big, w, i, 0, n_big))
+                if k * small[1]:
+                    deals.append((small[0], w, i, 1, k * small[1]))
+        starts: dict[tuple[int, int, int], int] = {}
+        dealt = 0
+        for _, w, i, cls, n in sorted(deals):
+            starts[(w, i, cls)] = dealt
+            dealt += n
+        for w, s_block in blocks.items():
             out = []
-            for _, box, route in self._listed(w, s_block):
-                parts = self._parts(w, box, route.n_cross, h)
-                q, r = divmod(route.n_cross * parts, h)
-                unit = self._nbytes(w, box) / parts
-                if q:
-                    loads += q * unit
-                extra = np.argsort(loads, kind="stable")[:r] if r else np.zeros(0, np.int64)
-                loads[extra] += unit
-                out.append(Senders(q, extra, parts))
+            for i, (_, _, route) in enumerate(self._listed(w, s_block)):
+                h = max(route.src_holders.size, 1)
+                parts, n_big = shapes[(w, i)]
+                first = starts.get((w, i, 1), 0) % h
+                out.append(Senders(first, parts, n_big, starts.get((w, i, 0), 0) % h))
             self._senders[(w, s_block)] = out
 
     def _block_for(self, w: int, key: BlockKey) -> tuple[int, ...] | None:
@@ -106,14 +126,27 @@ class Choices:
 
     def _parts(self, w: int, box: Box, n_cross: int, h: int) -> int:
         """How many parts a piece is cut into for its cross-node sends: when it has more
-        holders than nodes to reach, enough parts for every holder to send one (at most the
-        longest axis, each part at least ``min_part_bytes``), so the load spreads."""
+        holders than nodes to reach, enough parts for every holder to send one (at most
+        ``h // n_cross``), cut along the longest axis into near-equal parts (lengths differ by
+        at most one, see :func:`~meshgroups.transfer.routes.part_box`), none smaller than
+        ``min_part_bytes``."""
         if n_cross == 0 or h <= n_cross or not box:
             return 1
         longest = max(b - a for a, b in box)
-        parts = max(1, min(h // n_cross, longest, self._nbytes(w, box) // self.min_part_bytes))
-        size = -(-longest // parts)
-        return -(-longest // size)  # chunks of ceil(n / parts) leave no empty part
+        row = self._nbytes(w, box) // max(longest, 1)  # bytes per index of the longest axis
+        rows = max(1, -(-self.min_part_bytes // max(row, 1)))  # a part's fewest indices
+        return max(1, min(h // n_cross, longest // rows))
+
+    def _part_bytes(self, w: int, box: Box, parts: int) -> tuple[int, tuple[int, int]]:
+        """``(bytes of a larger part, (bytes of a smaller part, how many smaller parts))``:
+        ``n`` indices in ``parts`` parts are ``n mod parts`` parts one index longer than the
+        others."""
+        if parts == 1:
+            return 0, (self._nbytes(w, box), 1)
+        longest = max(b - a for a, b in box)
+        row = self._nbytes(w, box) // longest
+        base, extra = divmod(longest, parts)
+        return (base + 1) * row, (base * row, parts - extra)
 
     @staticmethod
     def _flat(intervals: tuple[np.ndarray, ...], block: tuple[int, ...]) -> int:

@@ -35,7 +35,7 @@ from ..layout import Layout
 from ..topology import Topology
 from .routes import Chunk, Planner
 from .spec import Box, Weight
-from .stats import RankStats, Tally
+from .stats import HolderSets, RankStats, Tally
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,24 @@ class Plan:
         busiest_send_bytes: the most any source holder sends at step 0 (local copies excluded).
         ideal_send_bytes: the bytes sent at step 0 over the ranks holding distinct data (source
             ranks with a non-empty shard of a moved weight): what the busiest sender would send
-            if every holder sent alike; ``nan`` for a rank's plan.
+            if every holder sent alike (the issue's ideal); ``nan`` for a rank's plan.
+        send_lower_bound: the achievable bound: max over groups of source ranks (each set of
+            holders of one block, and each union of such sets that share ranks, e.g. one
+            pipeline stage) of the step-0 bytes only that group holds, over its ranks. No
+            choice of senders does better; below ``ideal_send_bytes`` is out of reach when
+            the groups hold unequal bytes (stages of unequal size). ``nan`` for a rank's plan.
+        busiest_send_bound: what the planner guarantees (``nan`` for a rank's plan): the
+            busiest step-0 sender sends at most this, the max over source ranks ``r`` of
+            ``intra(r) + Σ_{H ∋ r} (X_H / |H| + U_H · (1 - 1/|H|))`` — ``intra(r)``: its
+            intra-node sends (the node's holders take turns), ``H``: the holder sets ``r`` is
+            in, ``X_H``: their cross-node bytes, ``U_H``: their largest unit (a piece or a
+            part of it to one node). Proof: per holder set, the units are dealt round the
+            holders in ascending order of bytes, which keeps their loads within the unit last
+            dealt (see :mod:`~meshgroups.transfer.choose`); a set's busiest member is then at
+            most ``U_H · (1 - 1/|H|)`` above its mean. When no source node holds a destination
+            rank (``intra = 0``) and the holder sets a rank is in carry their group's mean
+            (even shards, as in ``bench_transfer``), this is ``send_lower_bound`` plus the
+            granularity ``Σ U_H``: cut pieces finer (``min_part_bytes``) to come closer.
         busiest_forward_bytes: the most any rank forwards inside its node (step 1).
         n_messages: messages including local copies; ``n_local`` of them are local copies.
         stats: per-rank arrays (bytes and messages by step and node crossing), see
@@ -118,6 +135,7 @@ class Plan:
         tally: Tally,
         bound: int | None,
         n_holders: int,
+        send_bounds: tuple[float, float] = (float("nan"), float("nan")),
     ) -> None:
         self._planner = planner
         self.rank = rank
@@ -126,10 +144,14 @@ class Plan:
         self._send, self._recv = self.stats.send, self.stats.recv
         self.cross_node_bytes = tally.cross_bytes
         self.cross_node_lower_bound = bound
-        step0 = self.stats.send_step0
+        # A rank's plan touches few ranks: read those only (the arrays span the world).
+        self._touched = tally.touched
+        pick = (lambda a: a) if self._touched is None else (lambda a: a[self._touched])
+        step0, send = pick(self.stats.send_step0), pick(self._send)
         self.busiest_send_bytes = int(step0.max()) if step0.size else 0
-        forwards = self._send - step0
+        forwards = send - step0
         self.busiest_forward_bytes = int(forwards.max()) if forwards.size else 0
+        self.send_lower_bound, self.busiest_send_bound = send_bounds
         # n_holders < 0: a rank's plan, which cannot know the ideal; 0: nothing to send.
         self.ideal_send_bytes = (
             float(step0.sum()) / n_holders if n_holders > 0 else float("nan") if n_holders else 0.0
@@ -153,13 +175,17 @@ class Plan:
         """``(source weight, destination weight)`` per moved weight, in destination order."""
         return list(self._planner.pairs)
 
+    def _nonzero(self, a: np.ndarray) -> dict[int, int]:
+        ranks = np.flatnonzero(a) if self._touched is None else self._touched[a[self._touched] != 0]
+        return {int(r): int(a[r]) for r in ranks}
+
     @property
     def send_bytes(self) -> Mapping[int, int]:
-        return {int(r): int(self._send[r]) for r in np.flatnonzero(self._send)}
+        return self._nonzero(self._send)
 
     @property
     def recv_bytes(self) -> Mapping[int, int]:
-        return {int(r): int(self._recv[r]) for r in np.flatnonzero(self._recv)}
+        return self._nonzero(self._recv)
 
     def send_array(self) -> np.ndarray:
         """Bytes sent per rank as an int64 array indexed by rank (a copy)."""
@@ -198,7 +224,9 @@ class Plan:
                 "-" if self.cross_node_lower_bound is None else f"{self.cross_node_lower_bound:,}",
             ),
             ("busiest sender bytes", f"{self.busiest_send_bytes:,}"),
-            ("ideal sender bytes", f"{self.ideal_send_bytes:,.0f}"),
+            ("ideal sender bytes", _num(self.ideal_send_bytes)),
+            ("sender lower bound", _num(self.send_lower_bound)),
+            ("busiest sender bound", _num(self.busiest_send_bound)),
             ("busiest forwarder bytes", f"{self.busiest_forward_bytes:,}"),
             ("busiest receiver bytes", f"{int(self._recv.max()) if self._recv.size else 0:,}"),
             ("ranks per node", str(self.node_size)),
@@ -209,6 +237,10 @@ class Plan:
     def __repr__(self) -> str:
         who = "whole" if self.rank is None else f"rank {self.rank}"
         return f"<Plan {who}: {self.n_messages} messages, {self.cross_node_bytes:,} cross-node bytes>"
+
+
+def _num(x: float) -> str:
+    return "-" if x != x else f"{x:,.0f}"  # nan: a rank's plan cannot know it
 
 
 def _rank_chunks(planner: Planner, rank: int) -> Iterator[Chunk]:
@@ -310,14 +342,20 @@ def _whole(planner: Planner, src: Layout, dst: Layout) -> Plan:
     holds = np.zeros(size, bool)
     counts = np.zeros(len(planner.weights), np.int64)
     bound = 0
+    sets = HolderSets()
     for w in range(len(planner.weights)):
         for c in planner.weight_chunks(w):
             tally.add(c.src, c.dst, np.full(c.src.size, c.nbytes, np.int64), c.step)
             counts[w] += c.src.size
             if c.piece_nbytes:  # once per pair
-                bound += c.route.lower_bound_nodes * c.piece_nbytes
-                holds[c.route.src_holders] = True
-    return Plan(planner, None, _LazyMessages(planner, counts), tally, bound, int(holds.sum()))
+                r = c.route
+                bound += r.lower_bound_nodes * c.piece_nbytes
+                holds[r.src_holders] = True
+                step0 = (r.intra_dst.size + r.n_cross) * c.piece_nbytes
+                sets.add(r.src_holders, step0, r.n_cross * c.piece_nbytes, c.unit_nbytes)
+    s = tally.result()
+    send_bounds = sets.bounds(s.send_step0, s.send_cross)
+    return Plan(planner, None, _LazyMessages(planner, counts), tally, bound, int(holds.sum()), send_bounds)
 
 
 __all__ = ["Message", "Plan", "plan_transfer"]

@@ -32,14 +32,21 @@ from ..layout import Layout
 from .assign import ByNode, PairRoute, PlanError, Senders
 from .choose import Choices
 from .shards import BlockKey, Side, axis_pairs, holders
-from .spec import Box, Weight, chunk
+from .spec import Box, Weight
 
 
 def part_box(box: Box, parts: int, i: int) -> Box:
-    """Part ``i`` of ``parts`` of ``box``: its longest axis (the first of equals) cut as torch
-    chunks it."""
+    """Part ``i`` of ``parts`` of ``box``: its longest axis (the first of equals) cut into
+    near-equal parts, the first ``n mod parts`` one index longer (as ``numpy.array_split``)::
+
+        >>> [part_box(((0, 2), (0, 7)), 3, i)[1] for i in range(3)]
+        [(0, 3), (3, 5), (5, 7)]
+    """
     axis = max(range(len(box)), key=lambda a: (box[a][1] - box[a][0], -a))
-    lo, hi = chunk(box[axis][0], box[axis][1], parts, i)
+    start, stop = box[axis]
+    base, extra = divmod(stop - start, parts)
+    lo = start + i * base + min(i, extra)
+    hi = lo + base + (1 if i < extra else 0)
     return (*box[:axis], (lo, hi), *box[axis + 1 :])
 
 
@@ -56,6 +63,7 @@ class Chunk:
     route: PairRoute
     forward: bool = False  # a merged forward of a whole destination block (see the module doc)
     piece_nbytes: int = 0  # set on the first chunk of a pair: the bytes of its whole piece
+    unit_nbytes: int = 0  # ... and of its largest cross-node unit (a part, or the piece)
 
 
 class Planner(Choices):
@@ -248,7 +256,9 @@ class Planner(Choices):
         merged = {d: self._merged_nodes(routes) for d, routes in by_d.items()}
         for s_block, d_block, box, route, senders in pairs:
             out = self.chunks(w, s_block, d_block, box, route, senders, merged[d_block])
-            out[0] = dataclasses.replace(out[0], piece_nbytes=self._nbytes(w, box))
+            big, small = self._part_bytes(w, box, senders.parts)
+            unit = big if senders.n_big else small[0]
+            out[0] = dataclasses.replace(out[0], piece_nbytes=self._nbytes(w, box), unit_nbytes=unit)
             yield from out
         for d_block in sorted(merged):
             if merged[d_block].size:

@@ -13,6 +13,7 @@ plan of tens of millions of messages never holds them all::
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 
@@ -36,18 +37,30 @@ class RankStats:
 
 
 class Tally:
-    """Accumulates :class:`RankStats` from batches of messages; see the module docstring."""
+    """Accumulates :class:`RankStats` from batches of messages; see the module docstring.
+
+    A batch much smaller than the world (a rank's own part) is tallied over the ranks it
+    names only, into arrays that are allocated but never swept, so a rank's plan costs
+    O(its messages) here, not O(world); :attr:`touched` then lists those ranks."""
 
     _FLUSH = 1 << 22  # messages buffered before one bincount pass over the world
 
     def __init__(self, size: int, node_size: int) -> None:
         self.size, self.node_size = size, node_size
-        self._acc = {f.name: np.zeros(size, np.float64) for f in fields(RankStats)}
+        # np.zeros maps zero pages lazily: only the ranks written to cost memory and time.
+        self._acc = {f.name: np.zeros(size, np.int64) for f in fields(RankStats)}
         self._buf: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         self._buffered = 0
+        self._touched: np.ndarray | None = np.zeros(0, np.int64)
         self.n_local = 0
         self.n_messages = 0
         self.cross_bytes = 0
+
+    @property
+    def touched(self) -> np.ndarray | None:
+        """Sorted ranks with any traffic when every batch was tallied sparsely, else ``None``."""
+        self._flush()
+        return self._touched
 
     def add(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, step: np.ndarray) -> None:
         self.n_messages += int(src.size)
@@ -63,26 +76,107 @@ class Tally:
             return
         s, d, b, t = (np.concatenate(col) for col in zip(*self._buf))
         self._buf, self._buffered = [], 0
-        n = self.size
+        if s.size * 16 < self.size:  # sparse: count over the ranks named only
+            ranks = np.unique(np.concatenate([s, d]))
+            s, d, n = np.searchsorted(ranks, s), np.searchsorted(ranks, d), ranks.size
+            if self._touched is not None:
+                self._touched = np.union1d(self._touched, ranks)
+        else:
+            ranks, n, self._touched = None, self.size, None
         bf = b.astype(np.float64)
-        cross = s // self.node_size != d // self.node_size
+        gs, gd = (s, d) if ranks is None else (ranks[s], ranks[d])  # global ranks: node test
+        cross = gs // self.node_size != gd // self.node_size
         fwd = t == 1
-        acc = self._acc
-        acc["send"] += np.bincount(s, weights=bf, minlength=n)
-        acc["recv"] += np.bincount(d, weights=bf, minlength=n)
-        acc["send_step0"] += np.bincount(s[~fwd], weights=bf[~fwd], minlength=n)
-        acc["send_cross"] += np.bincount(s[cross], weights=bf[cross], minlength=n)
-        acc["recv_cross"] += np.bincount(d[cross], weights=bf[cross], minlength=n)
-        acc["n_send"] += np.bincount(s, minlength=n)
-        acc["n_recv"] += np.bincount(d, minlength=n)
-        acc["n_send_step1"] += np.bincount(s[fwd], minlength=n)
-        acc["n_recv_step1"] += np.bincount(d[fwd], minlength=n)
+        sums = {
+            "send": np.bincount(s, weights=bf, minlength=n),
+            "recv": np.bincount(d, weights=bf, minlength=n),
+            "send_step0": np.bincount(s[~fwd], weights=bf[~fwd], minlength=n),
+            "send_cross": np.bincount(s[cross], weights=bf[cross], minlength=n),
+            "recv_cross": np.bincount(d[cross], weights=bf[cross], minlength=n),
+            "n_send": np.bincount(s, minlength=n),
+            "n_recv": np.bincount(d, minlength=n),
+            "n_send_step1": np.bincount(s[fwd], minlength=n),
+            "n_recv_step1": np.bincount(d[fwd], minlength=n),
+        }
+        # Bytes below 2**53 per rank and batch are exact in bincount's float64 sums.
+        for name, got in sums.items():
+            if ranks is None:
+                self._acc[name] += got.astype(np.int64)
+            else:
+                self._acc[name][ranks] += got.astype(np.int64)
         self.cross_bytes += int(b[cross].sum())
 
     def result(self) -> RankStats:
-        """The totals so far (bytes below 2**53 per rank are exact in the float64 tallies)."""
+        """The totals so far (the arrays themselves, indexed by rank)."""
         self._flush()
-        return RankStats(**{k: v.astype(np.int64) for k, v in self._acc.items()})
+        return RankStats(**self._acc)
 
 
-__all__ = ["RankStats", "Tally"]
+class HolderSets:
+    """Step-0 bytes per set of source holders (the ranks holding one distinct block), for the
+    plan's balance bounds; see :meth:`bounds`::
+
+        >>> hs = HolderSets()
+        >>> a, b = np.array([0, 1]), np.array([1, 2, 3])  # two sets sharing rank 1
+        >>> hs.add(a, step0=80, cross=80, unit=10); hs.add(b, step0=30, cross=30, unit=10)
+        >>> sent = np.array([40, 50, 10, 10])  # step-0 bytes, all of them cross-node
+        >>> lower, bound = hs.bounds(sent, sent)
+        >>> lower, round(bound, 2)  # 80 over a's 2 ranks; rank 1: 80/2 + 10/2 + 30/3 + 10·2/3
+        (40.0, 61.67)
+    """
+
+    def __init__(self) -> None:
+        # id of the planner's cached holder array -> [holders, step-0 bytes, cross bytes, unit]
+        self._sets: dict[int, list[Any]] = {}
+
+    def add(self, holders: np.ndarray, step0: int, cross: int, unit: int) -> None:
+        """One pair's bytes: ``holders`` is the planner's cached array of its source holders."""
+        if not step0:  # local copies only: the set sends nothing, it joins no group
+            return
+        e = self._sets.setdefault(id(holders), [holders, 0, 0, 0])
+        e[1] += step0
+        e[2] += cross
+        if cross:
+            e[3] = max(e[3], unit)
+
+    def bounds(self, send_step0: np.ndarray, send_cross: np.ndarray) -> tuple[float, float]:
+        """``(lower, upper)`` on the busiest step-0 sender.
+
+        ``lower``: max over groups G (each holder set, and each union of holder sets that
+        share ranks) of the step-0 bytes of the pieces only G holds, over G's ranks — no
+        choice of senders among the holders does better. ``upper``: what the planner
+        guarantees: per rank, its intra-node step-0 bytes plus, per holder set H it is in,
+        ``X_H / h + U_H·(1 - 1/h)`` (``X_H``: H's cross-node bytes, ``U_H`` its largest unit;
+        the deal keeps H's members within ``U_H`` of each other)."""
+        sets = list(self._sets.values())
+        if not sets:
+            return 0.0, 0.0
+        size = send_step0.size
+        guarantee = (send_step0 - send_cross).astype(np.float64)  # intra-node step-0 bytes
+        owner = np.full(size, -1, np.int64)
+        parent = list(range(len(sets)))
+
+        def find(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        lower = 0.0
+        for i, (hs, step0, cross, unit) in enumerate(sets):
+            h = hs.size
+            lower = max(lower, step0 / h)
+            guarantee[hs] += cross / h + unit * (1 - 1 / h)
+            for j in np.unique(owner[hs]).tolist():
+                if j >= 0:
+                    parent[find(j)] = find(i)
+            owner[hs] = i
+        roots = np.array([find(i) for i in range(len(sets))], np.int64)
+        members = np.bincount(roots[owner[owner >= 0]], minlength=len(sets))
+        total = np.bincount(roots, weights=[e[1] for e in sets], minlength=len(sets))
+        busy = members > 0
+        lower = max(lower, float((total[busy] / members[busy]).max()))
+        return lower, float(guarantee.max())
+
+
+__all__ = ["HolderSets", "RankStats", "Tally"]
