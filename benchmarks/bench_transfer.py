@@ -19,8 +19,15 @@ Schemes (their data movement modelled in closed form; the plan's is the real pla
   no regard to nodes.
 - ``plan``: :func:`meshgroups.transfer.plan_transfer` with ``Topology(node=8)``.
 
-A last table feeds a small rollout (4 nodes) from the same trainers: the plan's send balance
-with whole pieces and with pieces cut into parts.
+A table feeds a small rollout (4 nodes) from the same trainers: the plan's send balance with
+whole pieces and with pieces cut into parts of at least 1 MiB (the default) and 64 KiB, each
+against the issue's ideal (step-0 bytes over the ranks holding data) and against the achievable
+bound (``Plan.send_lower_bound``: a pipeline stage's bytes can only leave from its ranks).
+
+A last table times one rank's part (``plan_transfer(..., rank=r)``), each in a fresh process
+(cold caches, as a rank computes it), for trainer rank 0 and rollout rank 0 from 8k to 1M
+ranks, in this setup and in one with many replicas per block and no pipeline (trainer
+``dp × tp=8``, rollout ``dp × tp=4``: 8,192 holders of each trainer block at 131k ranks).
 
 Link model (printed): per rank an NVLink port (intra-node) and a NIC (inter-node), full
 bisection. A rank's time is its busiest port (bytes in or out over that bandwidth) plus its
@@ -32,6 +39,8 @@ measurement.
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -133,6 +142,31 @@ def plan_row(plan: Plan) -> Row:
     return Row("plan", plan.cross_node_bytes, int(s.send.max()), sent, seconds)
 
 
+def layouts(world: int, setup: str) -> tuple[Layout, list[Weight], Layout, list[Weight]]:
+    """``bench``: the pipeline trainer of the tables above; ``replicas``: no pipeline, trainer
+    ``dp × tp=8`` and rollout ``dp × tp=4`` (every trainer block held by world / 16 ranks)."""
+    half = world // 2
+    if setup == "bench":
+        trainer = Layout(pp=PP, dp=half // (PP * TP_TRAIN), tp=TP_TRAIN)
+        return trainer, llama(PP), Layout(dp=half // TP_ROLL, tp=TP_ROLL, rank_offset=half), llama(None)
+    trainer = Layout(dp=half // TP_TRAIN, tp=TP_TRAIN)
+    return trainer, llama(None), Layout(dp=half // TP_ROLL, tp=TP_ROLL, rank_offset=half), llama(None)
+
+
+def rank_part(world: int, setup: str, rank: int) -> None:
+    """Print the CPU seconds of ``rank``'s part (run in a fresh process by :func:`fresh`)."""
+    src, src_w, dst, dst_w = layouts(world, setup)
+    c0 = time.process_time()
+    plan_transfer(src, src_w, dst, dst_w, topology=Topology(node=NODE), rank=rank)
+    print(time.process_time() - c0)
+
+
+def fresh(world: int, setup: str, rank: int) -> float:
+    """CPU seconds of one rank's part, planned in a new process (nothing cached)."""
+    args = [sys.executable, __file__, "--rank-part", f"{world},{setup},{rank}"]
+    return float(subprocess.run(args, check=True, capture_output=True, text=True).stdout)
+
+
 def timed(fn: Callable[[], T]) -> tuple[T, tuple[float, float]]:
     """``(result, (wall seconds, CPU seconds))``: the planner is single-threaded, so its CPU time
     is what it costs on an idle core even when this shared machine is oversubscribed."""
@@ -148,7 +182,13 @@ def fmt(t: tuple[float, float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="1024,16384,131072")
+    parser.add_argument("--rank-worlds", default="8192,32768,131072,1048576")
+    parser.add_argument("--rank-part", help=argparse.SUPPRESS)  # world,setup,rank: one timing
     args = parser.parse_args()
+    if args.rank_part:
+        world, setup, rank = args.rank_part.split(",")
+        rank_part(int(world), setup, int(rank))
+        return
     print(
         f"Link model: intra-node {INTRA_BW / 1e9:.0f} GB/s, inter-node {INTER_BW / 1e9:.0f} GB/s per rank, "
         f"{INTER_LAT * 1e6:.0f} us per message or ring hop; {NODE} ranks per node.\n"
@@ -166,13 +206,13 @@ def main() -> None:
         assert plan.cross_node_bytes == plan.cross_node_lower_bound
         local = {}
         for who, rank in (("trainer rank 0", 0), ("rollout rank 0", half)):
-            part, local[who] = timed(
-                lambda k=rank, t=trainer, r=rollout: plan_transfer(t, src_w, r, dst_w, topology=topo, rank=k)
-            )
+            part = plan_transfer(trainer, src_w, rollout, dst_w, topology=topo, rank=rank)
             assert part.messages == plan.for_rank(rank)
-        timing.append(
-            (world, t_whole, local, plan.n_messages, plan.busiest_send_bytes / plan.ideal_send_bytes)
-        )
+            local[who] = fresh(world, "bench", rank)
+        busiest = plan.busiest_send_bytes
+        assert plan.send_lower_bound <= busiest <= plan.busiest_send_bound
+        ratios = (busiest / plan.ideal_send_bytes, busiest / plan.send_lower_bound)
+        timing.append((world, t_whole, local, plan.n_messages, ratios))
         mine = plan_row(plan)
         for row in [*baselines(trainer, rollout, src_w), mine]:
             print(
@@ -180,32 +220,57 @@ def main() -> None:
                 f"| {row.seconds:,.2f} | {row.seconds / mine.seconds:,.1f}× |"
             )
     print()
-    print("Planning time, CPU seconds (wall seconds in brackets):\n")
+    print("Planning time, CPU seconds (the whole plan's wall seconds in brackets; a rank's part in a")
+    print("fresh process), and the busiest sender against the ideal and the achievable bound:\n")
     print(
-        "| ranks | messages | whole plan | trainer rank 0's part | rollout rank 0's part | busiest / ideal sender |"
+        "| ranks | messages | whole plan | trainer rank 0's part | rollout rank 0's part "
+        "| busiest / ideal | busiest / achievable |"
     )
-    print("|---|---|---|---|---|---|")
-    for world, t_whole, local, n, ratio in timing:
+    print("|---|---|---|---|---|---|---|")
+    for world, t_whole, local, n, (ideal, achievable) in timing:
         print(
-            f"| {world:,} | {n:,} | {fmt(t_whole)} | {fmt(local['trainer rank 0'])} "
-            f"| {fmt(local['rollout rank 0'])} | {ratio:.3f} |"
+            f"| {world:,} | {n:,} | {fmt(t_whole)} | {local['trainer rank 0']:.3f} "
+            f"| {local['rollout rank 0']:.3f} | {ideal:.3f} | {achievable:.3f} |"
         )
     print()
     print("A small rollout (4 nodes, `dp=4 × tp=8`) fed by the same trainers: each piece has many")
-    print("more holders than nodes to reach; whole pieces vs pieces cut into parts (`min_part_bytes`):\n")
+    print("more holders than nodes to reach; whole pieces vs pieces cut into parts (`min_part_bytes`")
+    print("1 MiB, the default, and 64 KiB): busiest sender / ideal (/ achievable bound), messages and")
+    print("the estimated time (ms) under the link model:\n")
     print(
-        "| trainer ranks | busiest / ideal, whole pieces | busiest / ideal, parts | messages, whole | messages, parts |"
+        "| trainer ranks | whole pieces | parts ≥ 1 MiB | parts ≥ 64 KiB "
+        "| messages: whole, 1 MiB, 64 KiB | est. ms: whole, 1 MiB, 64 KiB |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for world in (int(x) for x in args.worlds.split(",")):
         half = world // 2
         trainer = Layout(pp=PP, dp=half // (PP * TP_TRAIN), tp=TP_TRAIN)
         small = Layout(dp=4, tp=TP_TRAIN, rank_offset=half)
         small_w = [Weight(w.name, w.shape, w.dtype, {"tp": w.placements["tp"]}) for w in dst_w]
-        whole = plan_transfer(trainer, src_w, small, small_w, topology=topo, min_part_bytes=1 << 62)
-        parts = plan_transfer(trainer, src_w, small, small_w, topology=topo)
-        ratio = [p.busiest_send_bytes / p.ideal_send_bytes for p in (whole, parts)]
-        print(f"| {half:,} | {ratio[0]:.2f} | {ratio[1]:.3f} | {whole.n_messages:,} | {parts.n_messages:,} |")
+        plans = [
+            plan_transfer(trainer, src_w, small, small_w, topology=topo, min_part_bytes=mpb)
+            for mpb in (1 << 62, 1 << 20, 1 << 16)
+        ]
+        cells = []
+        for p in plans:
+            assert p.send_lower_bound <= p.busiest_send_bytes <= p.busiest_send_bound
+            b = p.busiest_send_bytes
+            cells.append(f"{b / p.ideal_send_bytes:.3f} ({b / p.send_lower_bound:.3f})")
+        counts = ", ".join(f"{p.n_messages:,}" for p in plans)
+        ms = ", ".join(f"{plan_row(p).seconds * 1e3:.2f}" for p in plans)
+        print(f"| {half:,} | {' | '.join(cells)} | {counts} | {ms} |")
+    print()
+    print("One rank's part alone, CPU seconds, each in a fresh process (`bench`: the setup above;")
+    print("`replicas`: trainer `dp × tp=8`, rollout `dp × tp=4`, no pipeline):\n")
+    print(
+        "| ranks | bench: trainer rank 0 | bench: rollout rank 0 | replicas: trainer rank 0 | replicas: rollout rank 0 |"
+    )
+    print("|---|---|---|---|---|")
+    for world in (int(x) for x in args.rank_worlds.split(",")):
+        cells = [
+            f"{fresh(world, setup, rank):.3f}" for setup in ("bench", "replicas") for rank in (0, world // 2)
+        ]
+        print(f"| {world:,} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":

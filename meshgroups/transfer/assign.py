@@ -41,13 +41,25 @@ class PlanError(LayoutError):
 
 def _runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For ``keys`` sorted: (unique values, start of each run, length of each run, position of
-    every element inside its run)."""
+    every element inside its run). O(len) — no sort."""
     if keys.size == 0:
         e = np.zeros(0, dtype=np.int64)
         return e, e, e, e
-    values, starts, counts = np.unique(keys, return_index=True, return_counts=True)
+    new = np.empty(keys.size, bool)
+    new[0] = True
+    np.not_equal(keys[1:], keys[:-1], out=new[1:])
+    starts = np.flatnonzero(new)
+    counts = np.diff(np.append(starts, keys.size))
     pos = np.arange(keys.size, dtype=np.int64) - np.repeat(starts, counts)
-    return values, starts.astype(np.int64), counts.astype(np.int64), pos
+    return keys[starts], starts.astype(np.int64), counts.astype(np.int64), pos
+
+
+def _member(values: np.ndarray, sorted_unique: np.ndarray) -> np.ndarray:
+    """``np.isin`` for a sorted array of unique values, by binary search (no sort)."""
+    if sorted_unique.size == 0 or values.size == 0:
+        return np.zeros(values.size, bool)
+    i = np.minimum(np.searchsorted(sorted_unique, values), sorted_unique.size - 1)
+    return sorted_unique[i] == values
 
 
 @dataclass(frozen=True)
@@ -134,7 +146,13 @@ class PairRoute:
         """Route a pair from its holders grouped by node (``s``, ``d``: see :class:`ByNode`).
         ``full_check`` also compares the covered ranks with the holders (O(Q log Q))."""
         hs = src_holders
-        in_src = np.isin(d.nodes, s.nodes)  # per destination node: does it hold S?
+        in_src = _member(d.nodes, s.nodes)  # per destination node: does it hold S?
+        if not in_src.any():  # no node holds both (disjoint layouts): every node is a cross node
+            e = np.zeros(0, np.int64)
+            cross_k = np.repeat(np.arange(d.count.size, dtype=np.int64), d.count)
+            route = cls(hs, e, e, s.ranks, e, e, e, d.ranks, cross_k, d.pos, d.count, d.nodes.size, node_size)
+            route._check(d.ranks, full_check)
+            return route
         member_in = np.repeat(in_src, d.count)
         on = d.ranks[member_in]
         # Only a destination holder on a node holding S can hold S itself.
@@ -157,8 +175,15 @@ class PairRoute:
 
     def _check(self, dst_holders: np.ndarray, full: bool) -> None:
         """Every destination holder gets the piece exactly once (raise ``PlanError`` if not)."""
-        got = np.concatenate([self.local, self.intra_dst, self.cross_dst])
-        if got.size != dst_holders.size or (full and not np.array_equal(np.sort(got), np.sort(dst_holders))):
+        n = self.local.size + self.intra_dst.size + self.cross_dst.size
+        got = (
+            np.concatenate([self.local, self.intra_dst, self.cross_dst])
+            if full or n != dst_holders.size
+            else None
+        )
+        if got is not None and (
+            got.size != dst_holders.size or not np.array_equal(np.sort(got), np.sort(dst_holders))
+        ):
             raise PlanError(f"plan bug: destination holders {dst_holders.tolist()} covered as {got.tolist()}")
         if self.n_cross != self.lower_bound_nodes:
             raise PlanError(
@@ -222,10 +247,12 @@ class PairRoute:
 
     # ------------------------------------------------------------ one rank's messages
     @cached_property
-    def _index(self) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    def _index(self) -> tuple[tuple[np.ndarray, np.ndarray | None], ...]:
         """(sorted values, position) of the arrays a rank is looked up in."""
 
-        def by_value(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        def by_value(a: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+            if a.size < 2 or bool((a[1:] > a[:-1]).all()):
+                return a, None  # already sorted (regular layouts): no O(h log h) sort
             order = np.argsort(a, kind="stable")
             return a[order], order
 
@@ -245,10 +272,12 @@ class PairRoute:
         return self.intra_dst // self.node_size
 
     @staticmethod
-    def _find(index: tuple[np.ndarray, np.ndarray], rank: int) -> int | None:
+    def _find(index: tuple[np.ndarray, np.ndarray | None], rank: int) -> int | None:
         values, where = index
         i = int(np.searchsorted(values, rank))
-        return int(where[i]) if i < values.size and int(values[i]) == rank else None
+        if i < values.size and int(values[i]) == rank:
+            return i if where is None else int(where[i])
+        return None
 
     def _intra_src(self, i: int, turn: int) -> int:
         return int(self.intra_cand[self.intra_start[i] + (self.intra_pos[i] + turn) % self.intra_count[i]])

@@ -5,8 +5,8 @@ source block ``S`` it lists the destination blocks ``D`` that intersect ``S`` (p
 binary search in the two tilings, then their product) and routes each pair with
 :class:`~meshgroups.transfer.assign.PairRoute`, cached by the blocks' keys (stage and sharding
 coordinates), so weights placed alike share one routing. The cross-node senders of a piece are
-chosen by bytes: over the weights in order, per set of holders, each pair's units go round the
-holders and the remainder to the least-loaded ones (see :mod:`~meshgroups.transfer.choose`).
+chosen by bytes: per set of holders, the units of all its pairs are dealt round the holders in
+ascending order of bytes (see :mod:`~meshgroups.transfer.choose`).
 Both the whole plan and a rank's part call :meth:`Planner.pairs_of` for the same ``(w, S)``, so
 they agree message for message. A node that receives *every* piece of a destination block from
 outside gets them all on one representative, which forwards the whole block in one message::
