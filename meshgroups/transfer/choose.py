@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import zlib
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -94,7 +95,9 @@ class Choices:
                 if k * small[1]:
                     deals.append((small[0], w, i, 1, k * small[1]))
         starts: dict[tuple[int, int, int], int] = {}
-        dealt = 0
+        # Each set starts its deal at its own holder (a checksum of its key: the same in every
+        # process), so a rank in several sets is not the first dealt to in all of them.
+        dealt = zlib.crc32(repr((key, free_dims)).encode())
         for _, w, i, cls, n in sorted(deals):
             starts[(w, i, cls)] = dealt
             dealt += n

@@ -118,9 +118,11 @@ class Plan:
             holders in ascending order of bytes, which keeps their loads within the unit last
             dealt (see :mod:`~meshgroups.transfer.choose`); a set's busiest member is then at
             most ``U_H · (1 - 1/|H|)`` above its mean. When no source node holds a destination
-            rank (``intra = 0``) and the holder sets a rank is in carry their group's mean
-            (even shards, as in ``bench_transfer``), this is ``send_lower_bound`` plus the
-            granularity ``Σ U_H``: cut pieces finer (``min_part_bytes``) to come closer.
+            rank (``intra = 0``) and the holder sets of one kind (the same sharding dims: one
+            set per coordinate, together covering their group) carry equal bytes, as with even
+            shards in ``bench_transfer``, ``Σ_{H ∋ r} X_H / |H|`` is the group's mean, so the
+            busiest sender sends at most ``send_lower_bound + Σ_{H ∋ r} U_H``: the rest is
+            granularity, and finer parts (``min_part_bytes``) come closer.
         busiest_forward_bytes: the most any rank forwards inside its node (step 1).
         n_messages: messages including local copies; ``n_local`` of them are local copies.
         stats: per-rank arrays (bytes and messages by step and node crossing), see
