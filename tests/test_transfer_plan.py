@@ -566,6 +566,30 @@ def test_ten_percent_when_stages_differ() -> None:
     assert plan.busiest_send_bytes <= 1.1 * plan.send_lower_bound
 
 
+def test_rank_plan_figures_over_its_own_ranks() -> None:
+    """A rank's plan in a world much larger than its messages is tallied over the ranks it
+    names only; its figures and its world-wide arrays agree with its messages."""
+    trainer, rollout = Layout(dp=64, tp=2), Layout(dp=2, tp=2, rank_offset=128)
+    whole = plan_transfer(trainer, _layers(2), rollout, _layers(2), topology=T4)
+    for r in (0, 1, 128, 131):
+        mine = plan_transfer(trainer, _layers(2), rollout, _layers(2), topology=T4, rank=r)
+        sent: dict[int, int] = {}
+        got: dict[int, int] = {}
+        step0: dict[int, int] = {}
+        for m in mine.messages:
+            if m.src != m.dst:
+                sent[m.src] = sent.get(m.src, 0) + m.nbytes
+                got[m.dst] = got.get(m.dst, 0) + m.nbytes
+                if m.step == 0:
+                    step0[m.src] = step0.get(m.src, 0) + m.nbytes
+        assert mine._touched is not None  # the sparse tally was used
+        assert dict(mine.send_bytes) == sent and dict(mine.recv_bytes) == got
+        assert mine.busiest_send_bytes == max(step0.values(), default=0)
+        arr = mine.send_array()
+        assert arr.size == 132 and {i: int(v) for i, v in enumerate(arr) if v} == sent
+        assert mine.stats.recv[r] == whole.stats.recv[r] and mine.stats.send[r] == whole.stats.send[r]
+
+
 def test_message_is_value() -> None:
     m = Message("w", 0, 1, ((0, 2),), 8, 0)
     assert m == Message("w", 0, 1, ((0, 2),), 8, 0) and math.isfinite(m.nbytes)

@@ -39,9 +39,9 @@ class PlanError(LayoutError):
     """The plan breaks one of its guarantees (coverage exactly once); a bug, never silent."""
 
 
-def _runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _runs(keys: np.ndarray, positions: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For ``keys`` sorted: (unique values, start of each run, length of each run, position of
-    every element inside its run). O(len) — no sort."""
+    every element inside its run — empty unless ``positions``). O(len) — no sort."""
     if keys.size == 0:
         e = np.zeros(0, dtype=np.int64)
         return e, e, e, e
@@ -50,7 +50,7 @@ def _runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
     np.not_equal(keys[1:], keys[:-1], out=new[1:])
     starts = np.flatnonzero(new)
     counts = np.diff(np.append(starts, keys.size))
-    pos = np.arange(keys.size, dtype=np.int64) - np.repeat(starts, counts)
+    pos = np.arange(keys.size, dtype=np.int64) - np.repeat(starts, counts) if positions else starts[:0]
     return keys[starts], starts.astype(np.int64), counts.astype(np.int64), pos
 
 
@@ -98,14 +98,13 @@ class Senders:
 @dataclass(frozen=True)
 class ByNode:
     """Holders of one block grouped by node: ``ranks`` sorted by node (stable, so the holders'
-    own order inside a node), the node ids, where each node's run starts, its length, and each
-    rank's position in its run. Shared by every pair the block takes part in."""
+    own order inside a node), the node ids, where each node's run starts and its length. Shared
+    by every pair the block takes part in."""
 
     ranks: np.ndarray
     nodes: np.ndarray
     start: np.ndarray
     count: np.ndarray
-    pos: np.ndarray
 
     @classmethod
     def of(cls, holders: np.ndarray, node_size: int) -> ByNode:
@@ -113,8 +112,8 @@ class ByNode:
         if nodes.size > 1 and not (nodes[1:] >= nodes[:-1]).all():
             order = np.argsort(nodes, kind="stable")
             holders, nodes = holders[order], nodes[order]
-        values, start, count, pos = _runs(nodes)
-        return cls(holders, values, start, count, pos)
+        values, start, count, _ = _runs(nodes, positions=False)
+        return cls(holders, values, start, count)
 
 
 @dataclass(frozen=True)
@@ -129,8 +128,6 @@ class PairRoute:
     intra_count: np.ndarray  # per intra_dst: how many candidates its node has
     intra_pos: np.ndarray  # per intra_dst: its index among its node's intra receivers
     cross_dst: np.ndarray  # destination holders on nodes without S, sorted by node
-    cross_k: np.ndarray  # per cross_dst: index of its node among the K cross nodes
-    cross_pos: np.ndarray  # per cross_dst: index inside its node
     cross_count: np.ndarray  # per cross node: how many holders of D it has
     lower_bound_nodes: int  # nodes that need S ∩ D and hold none of S, counted apart
     node_size: int
@@ -149,8 +146,7 @@ class PairRoute:
         in_src = _member(d.nodes, s.nodes)  # per destination node: does it hold S?
         if not in_src.any():  # no node holds both (disjoint layouts): every node is a cross node
             e = np.zeros(0, np.int64)
-            cross_k = np.repeat(np.arange(d.count.size, dtype=np.int64), d.count)
-            route = cls(hs, e, e, s.ranks, e, e, e, d.ranks, cross_k, d.pos, d.count, d.nodes.size, node_size)
+            route = cls(hs, e, e, s.ranks, e, e, e, d.ranks, d.count, d.nodes.size, node_size)
             route._check(d.ranks, full_check)
             return route
         member_in = np.repeat(in_src, d.count)
@@ -163,12 +159,11 @@ class PairRoute:
         where = np.searchsorted(s.nodes, i_nodes)
         cross = d.ranks[~member_in]
         c_count = d.count[~in_src]
-        cross_k = np.repeat(np.arange(c_count.size, dtype=np.int64), c_count)
         # The bound is computed from the node sets alone, not from the routing above.
         bound = np.setdiff1d(d.nodes, s.nodes, assume_unique=True).size
         route = cls(
             hs, on[is_local], intra, s.ranks, s.start[where], s.count[where], intra_pos,
-            cross, cross_k, d.pos[~member_in], c_count, int(bound), node_size,
+            cross, c_count, int(bound), node_size,
         )  # fmt: skip
         route._check(d.ranks, full_check)
         return route
@@ -264,6 +259,16 @@ class PairRoute:
         )
 
     @cached_property
+    def cross_k(self) -> np.ndarray:
+        """Per ``cross_dst``: the index of its node among the ``K`` cross nodes."""
+        return np.repeat(np.arange(self.cross_count.size, dtype=np.int64), self.cross_count)
+
+    @cached_property
+    def cross_pos(self) -> np.ndarray:
+        """Per ``cross_dst``: its index inside its node."""
+        return np.arange(self.cross_dst.size, dtype=np.int64) - np.repeat(self._cross_start, self.cross_count)
+
+    @cached_property
     def _cross_start(self) -> np.ndarray:
         return np.cumsum(self.cross_count) - self.cross_count
 
@@ -307,7 +312,7 @@ class PairRoute:
                 rep = int(self.cross_dst[self._cross_start[k] + rep_turn % self.cross_count[k]])
                 found.append((2, part, k, rank, rep, 0, part))
         if (i := self._find(i_cross, rank)) is not None:
-            k = int(self.cross_k[i])
+            k = int(np.searchsorted(self._cross_start, i, side="right")) - 1
             start, count = int(self._cross_start[k]), int(self.cross_count[k])
             rep_i = start + rep_turn % count
             if i == rep_i:

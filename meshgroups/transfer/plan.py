@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import overload
 
 import numpy as np
@@ -142,16 +143,16 @@ class Plan:
         self._planner = planner
         self.rank = rank
         self.messages = messages
-        self.stats: RankStats = tally.result()
-        self._send, self._recv = self.stats.send, self.stats.recv
+        self._tally = tally
         self.cross_node_bytes = tally.cross_bytes
         self.cross_node_lower_bound = bound
-        # A rank's plan touches few ranks: read those only (the arrays span the world).
+        # A rank's plan is tallied over the ranks it names only (``_touched``); the whole
+        # plan's over the world (``_touched`` None). The figures come from those values.
         self._touched = tally.touched
-        pick = (lambda a: a) if self._touched is None else (lambda a: a[self._touched])
-        step0, send = pick(self.stats.send_step0), pick(self._send)
+        self._send, self._recv = tally.values("send"), tally.values("recv")
+        step0 = tally.values("send_step0")
         self.busiest_send_bytes = int(step0.max()) if step0.size else 0
-        forwards = send - step0
+        forwards = self._send - step0
         self.busiest_forward_bytes = int(forwards.max()) if forwards.size else 0
         self.send_lower_bound, self.busiest_send_bound = send_bounds
         # n_holders < 0: a rank's plan, which cannot know the ideal; 0: nothing to send.
@@ -177,9 +178,16 @@ class Plan:
         """``(source weight, destination weight)`` per moved weight, in destination order."""
         return list(self._planner.pairs)
 
-    def _nonzero(self, a: np.ndarray) -> dict[int, int]:
-        ranks = np.flatnonzero(a) if self._touched is None else self._touched[a[self._touched] != 0]
-        return {int(r): int(a[r]) for r in ranks}
+    @cached_property
+    def stats(self) -> RankStats:
+        """Per-rank arrays over the whole world (see
+        :class:`~meshgroups.transfer.stats.RankStats`); for a rank's plan built on first use."""
+        return self._tally.result()
+
+    def _nonzero(self, values: np.ndarray) -> dict[int, int]:
+        idx = np.flatnonzero(values)
+        ranks = idx if self._touched is None else self._touched[idx]
+        return {int(r): int(v) for r, v in zip(ranks.tolist(), values[idx].tolist())}
 
     @property
     def send_bytes(self) -> Mapping[int, int]:
@@ -191,11 +199,11 @@ class Plan:
 
     def send_array(self) -> np.ndarray:
         """Bytes sent per rank as an int64 array indexed by rank (a copy)."""
-        return self._send.copy()
+        return self.stats.send.copy()
 
     def recv_array(self) -> np.ndarray:
         """Bytes received per rank as an int64 array indexed by rank (a copy)."""
-        return self._recv.copy()
+        return self.stats.recv.copy()
 
     def per_node(self) -> dict[str, np.ndarray]:
         """:attr:`stats` summed per node (index = node id = rank // ranks per node)."""

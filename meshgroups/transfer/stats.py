@@ -39,28 +39,34 @@ class RankStats:
 class Tally:
     """Accumulates :class:`RankStats` from batches of messages; see the module docstring.
 
-    A batch much smaller than the world (a rank's own part) is tallied over the ranks it
-    names only, into arrays that are allocated but never swept, so a rank's plan costs
-    O(its messages) here, not O(world); :attr:`touched` then lists those ranks."""
+    Batches much smaller than the world (a rank's own part) are tallied over the ranks they
+    name only (:attr:`touched`, with :meth:`values` aligned to it), so a rank's plan costs
+    O(its messages) here; the arrays over the whole world are built only when asked for
+    (:meth:`result`). A large batch switches to arrays over the world."""
 
     _FLUSH = 1 << 22  # messages buffered before one bincount pass over the world
+    _NAMES = tuple(f.name for f in fields(RankStats))
 
     def __init__(self, size: int, node_size: int) -> None:
         self.size, self.node_size = size, node_size
-        # np.zeros maps zero pages lazily: only the ranks written to cost memory and time.
-        self._acc = {f.name: np.zeros(size, np.int64) for f in fields(RankStats)}
+        self._ranks: np.ndarray | None = np.zeros(0, np.int64)  # None: arrays span the world
+        self._acc = {name: np.zeros(0, np.int64) for name in self._NAMES}
         self._buf: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         self._buffered = 0
-        self._touched: np.ndarray | None = np.zeros(0, np.int64)
         self.n_local = 0
         self.n_messages = 0
         self.cross_bytes = 0
 
     @property
     def touched(self) -> np.ndarray | None:
-        """Sorted ranks with any traffic when every batch was tallied sparsely, else ``None``."""
+        """Sorted ranks with any traffic while tallied sparsely, else ``None``."""
         self._flush()
-        return self._touched
+        return self._ranks
+
+    def values(self, name: str) -> np.ndarray:
+        """One :class:`RankStats` field over :attr:`touched` (or over the world when ``None``)."""
+        self._flush()
+        return self._acc[name]
 
     def add(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, step: np.ndarray) -> None:
         self.n_messages += int(src.size)
@@ -71,20 +77,32 @@ class Tally:
         if self._buffered >= self._FLUSH:
             self._flush()
 
+    def _widen(self, old: np.ndarray, ranks: np.ndarray | None) -> None:
+        """Re-index the accumulators from ``old`` ranks to ``ranks`` (a superset; ``None``: the
+        whole world)."""
+        n = self.size if ranks is None else ranks.size
+        at = old if ranks is None else np.searchsorted(ranks, old)
+        for name in self._NAMES:
+            grown = np.zeros(n, np.int64)
+            grown[at] = self._acc[name]
+            self._acc[name] = grown
+        self._ranks = ranks
+
     def _flush(self) -> None:
         if not self._buf:
             return
         s, d, b, t = (np.concatenate(col) for col in zip(*self._buf))
         self._buf, self._buffered = [], 0
-        if s.size * 16 < self.size:  # sparse: count over the ranks named only
-            ranks = np.unique(np.concatenate([s, d]))
-            s, d, n = np.searchsorted(ranks, s), np.searchsorted(ranks, d), ranks.size
-            if self._touched is not None:
-                self._touched = np.union1d(self._touched, ranks)
-        else:
-            ranks, n, self._touched = None, self.size, None
+        gs, gd = s, d  # global ranks (the node test needs them)
+        old = self._ranks
+        if old is not None and s.size * 16 < self.size:  # sparse: the ranks named only
+            wider = np.union1d(old, np.concatenate([s, d]))
+            self._widen(old, wider)
+            s, d = np.searchsorted(wider, s), np.searchsorted(wider, d)
+        elif old is not None:
+            self._widen(old, None)
+        n = self._acc["send"].size
         bf = b.astype(np.float64)
-        gs, gd = (s, d) if ranks is None else (ranks[s], ranks[d])  # global ranks: node test
         cross = gs // self.node_size != gd // self.node_size
         fwd = t == 1
         sums = {
@@ -100,16 +118,19 @@ class Tally:
         }
         # Bytes below 2**53 per rank and batch are exact in bincount's float64 sums.
         for name, got in sums.items():
-            if ranks is None:
-                self._acc[name] += got.astype(np.int64)
-            else:
-                self._acc[name][ranks] += got.astype(np.int64)
+            self._acc[name] += got.astype(np.int64)
         self.cross_bytes += int(b[cross].sum())
 
     def result(self) -> RankStats:
-        """The totals so far (the arrays themselves, indexed by rank)."""
+        """The totals so far as arrays indexed by rank over the whole world (built now, O(world),
+        when tallied sparsely)."""
         self._flush()
-        return RankStats(**self._acc)
+        if self._ranks is None:
+            return RankStats(**self._acc)
+        out = {name: np.zeros(self.size, np.int64) for name in self._NAMES}
+        for name, v in out.items():
+            v[self._ranks] = self._acc[name]
+        return RankStats(**out)
 
 
 class HolderSets:
