@@ -434,7 +434,7 @@ def worlds(draw: st.DrawFn) -> tuple[Layout, list[Weight], Layout, list[Weight],
     return src, sws, dst, dws, topo
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(worlds(), st.sampled_from([1 << 20, 2, 6]))
 def test_plan_against_brute_force(
     world: tuple[Layout, list[Weight], Layout, list[Weight], Topology | None], min_part_bytes: int
@@ -588,6 +588,32 @@ def test_rank_plan_figures_over_its_own_ranks() -> None:
         arr = mine.send_array()
         assert arr.size == 132 and {i: int(v) for i, v in enumerate(arr) if v} == sent
         assert mine.stats.recv[r] == whole.stats.recv[r] and mine.stats.send[r] == whole.stats.send[r]
+
+
+def test_rank_part_is_the_same_in_another_process() -> None:
+    """Sender and receiver plan in different processes (another hash seed): the choices are
+    functions of the weights alone, so both compute the same messages."""
+    import subprocess
+    import sys
+
+    code = (
+        "from meshgroups import Layout, Topology\n"
+        "from meshgroups.transfer import Shard, Weight, plan_transfer\n"
+        "ws = [Weight(f'w{i}', (8, 4 + i), 'bfloat16', {'tp': Shard(i % 2)}) for i in range(6)]\n"
+        "t, r = Layout(pp=1, dp=6, tp=2), Layout(tp=2, rank_offset=12)\n"
+        "for k in (0, 5, 12):\n"
+        "    p = plan_transfer(t, ws, r, ws, topology=Topology(node=4), rank=k, min_part_bytes=4)\n"
+        "    print([(m.weight, m.src, m.dst, m.box, m.step) for m in p.messages])\n"
+    )
+    env = {"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin"}
+    there = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    here: list[str] = []
+    ws = [Weight(f"w{i}", (8, 4 + i), "bfloat16", {"tp": Shard(i % 2)}) for i in range(6)]
+    t, r = Layout(pp=1, dp=6, tp=2), Layout(tp=2, rank_offset=12)
+    for k in (0, 5, 12):
+        p = plan_transfer(t, ws, r, ws, topology=T4, rank=k, min_part_bytes=4)
+        here.append(str([(m.weight, m.src, m.dst, m.box, m.step) for m in p.messages]))
+    assert there.stdout.splitlines() == here and any(len(line) > 2 for line in here)
 
 
 def test_message_is_value() -> None:

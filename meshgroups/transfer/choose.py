@@ -96,8 +96,10 @@ class Choices:
                     deals.append((small[0], w, i, 1, k * small[1]))
         starts: dict[tuple[int, int, int], int] = {}
         # Each set starts its deal at its own holder (a checksum of its key: the same in every
-        # process), so a rank in several sets is not the first dealt to in all of them.
-        dealt = zlib.crc32(repr((key, free_dims)).encode())
+        # process, ints normalised so numpy and Python ints read alike), so a rank in several
+        # sets is not the first dealt to in all of them.
+        canonical = (tuple((str(d), int(c)) for d, c in key), tuple(str(d) for d in free_dims))
+        dealt = zlib.crc32(repr(canonical).encode())
         for _, w, i, cls, n in sorted(deals):
             starts[(w, i, cls)] = dealt
             dealt += n
