@@ -8,9 +8,9 @@ import json
 import pytest
 
 from meshgroups import Layout, Topology
-from meshgroups._cli_transfer import model_weights
 from meshgroups.cli import main
 from meshgroups.transfer import Shard, Weight, plan_transfer
+from meshgroups.transfer.presets import model_weights
 
 
 def _json(capsys, *argv):
