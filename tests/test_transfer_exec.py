@@ -14,7 +14,7 @@ import pytest
 
 from meshgroups import Layout, LayoutError
 
-from ._dist import run
+from ._dist import run, scaled
 
 
 def _full(weights, seed=0):
@@ -343,6 +343,45 @@ def worker_colocated(rank, world):
         execute(plan, srcs, dsts, bucket_bytes=56, groups=transfer)
         _check(rollout, dst_w, dsts, full, rank, "retry")
 
+        # mid-transfer: rank 2 posts the sends of its first point-to-point batch with receives
+        # but never those receives, and fails; its peers' sends to it stay pending and time out (on gloo that
+        # closes every connection of the transfer's p2p group; the default group reports it)
+        real, dropped = dist.batch_isend_irecv, []
+
+        def sends_only(ops):
+            receives = [op for op in ops if op.op is dist.irecv]
+            if not receives:
+                return real(ops)
+            dist.batch_isend_irecv = real
+            dropped.extend(receives)
+            sends = [op for op in ops if op.op is not dist.irecv]
+            if sends:
+                real(sends)
+            raise RuntimeError("injected: receives never posted")
+
+        if rank == 2:
+            dist.batch_isend_irecv = sends_only
+        dsts = _buffers(rollout, dst_w, rank)
+        with pytest.raises(TransferError, match="rank 2: RuntimeError: injected") as err:
+            execute(plan, srcs, dsts, bucket_bytes=56, groups=transfer, timeout=scaled(2))
+        dist.batch_isend_irecv = real
+        assert err.value.stage == "transfer" and 2 in err.value.ranks, err.value
+        assert rank != 2 or dropped, "rank 2 had receives to drop"
+        out["timed_out"] = rank in err.value.ranks  # a peer whose sends to rank 2 timed out
+        # its broadcast groups may be out of step: refused, on every rank
+        with pytest.raises(TransferError, match="TransferGroups cannot be used"):
+            execute(plan, srcs, dsts, bucket_bytes=56, groups=transfer)
+        # the retry at once, with new groups and new source values (the next training step):
+        # no receive may get a stale send of the failed call; every element checked
+        transfer.close()
+        transfer = job.transfer_groups(plan)
+        full = _full(src_w, seed=7)
+        srcs = _shards(trainer, src_w, full, rank)
+        dsts = _buffers(rollout, dst_w, rank)
+        report = execute(plan, srcs, dsts, bucket_bytes=56, groups=transfer, timeout=60)
+        out["retried_received"] = report.bytes_received
+        _check(rollout, dst_w, dsts, full, rank, "retry after a mid-transfer failure")
+
     # legacy WeightTransferGroupInitializer: one group of the sender and every receiver is the
     # plan's single fan-out when trainer rank 0 alone holds the weights (rank 7: in neither
     # layout, it takes part in the collective calls with nothing to move; bf16 weights)
@@ -387,6 +426,8 @@ def test_colocated_failures_and_legacy_world8():
     # 4 rows of 6 B bf16, 12 B buckets: 2 buckets, one broadcast each; rank 7 in none
     assert [r["legacy_broadcasts"] for r in results] == [2] * 7 + [0]
     assert sum(r["forwards_received"] for r in results) > 0  # receivers derived their routes
+    assert sum(r["timed_out"] for r in results) > 1  # rank 2 and a peer left waiting on it
+    assert results[2]["retried_received"] > 0
 
 
 # ------------------------------------------------------------------------------- no processes

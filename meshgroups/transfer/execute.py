@@ -169,6 +169,8 @@ def _prepare(parts: Sequence[Part], local: _Local, groups: TransferGroups | None
             raise MeshConfigError(
                 f"rank {me} has no transfer group over ranks {ranks}; rebuild TransferGroups"
             )
+        if ranks is None and p.src != p.dst and groups is not None and groups.p2p is None:
+            raise MeshConfigError(f"rank {me} is outside the TransferGroups' point-to-point group")
         if p.src == me and p.dst == me:
             step.copies.append((local.view("dst", p.w, p.box), local.view("src", p.w, p.box)))
             report.bytes_copied += p.nbytes
@@ -204,7 +206,8 @@ def _run(step: _Step, groups: TransferGroups | None, timeout: timedelta, tag: in
             dst_view.copy_(src_view)
         for staging, view in step.fills:
             staging.copy_(view)
-    ops = [dist.P2POp(dist.isend if send else dist.irecv, t, peer, tag=tag) for send, t, peer in step.p2p]
+    p2p = groups.p2p if groups is not None else None  # None: the default group
+    ops = [dist.P2POp(dist.isend if send else dist.irecv, t, peer, p2p, tag) for send, t, peer in step.p2p]
     works = list(dist.batch_isend_irecv(ops)) if ops else []
     for ranks, _, _, src, data in sorted(step.casts, key=lambda c: (c[0], c[1], c[2])):
         group = groups.group(ranks) if groups is not None else None
@@ -311,8 +314,8 @@ def execute(
             # A peer may spend up to `wait` in each of its two steps before it reports.
             agree(status, error, digest, b, "transfer", done, timeout=3 * wait)
         except TransferError:
-            if groups is not None and groups.sets:  # broadcasts may be out of step now
-                groups.broken = f"a transfer failed in bucket {b} while they carried broadcasts"
+            if groups is not None:  # a timed-out p2p closes its group; broadcasts may be out of step
+                groups.broken = f"a transfer failed in bucket {b} while they carried it"
             raise
         report.buckets += 1
         finished = tuple(d.name for w, (_, d) in enumerate(pairs) if buckets.last_bucket(w) == b)

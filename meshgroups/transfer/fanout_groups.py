@@ -16,7 +16,9 @@ default group). Building the groups is one collective call (``collective_call("T
    own messages from that sender;
 5. the groups are created through ``init_mesh`` (equal-sized disjoint sets share one call),
    which joins this call: checked, deduplicated through the ``GroupCache``, released by
-   ``close()``.
+   ``close()``; plus one group over every rank of the plan's layouts for the point-to-point
+   messages (``p2p``), so that a failed transfer takes down these groups only, never the
+   default group that reports the failure to every rank.
 
 Per rank: O(its own messages) to list its fan-outs; O(Σ distinct sets × their sizes) received
 by the gather (the list every rank needs to create the groups anyway); and, as a receiver of
@@ -33,7 +35,7 @@ from datetime import timedelta
 import numpy as np
 import torch.distributed as dist
 
-from .._torch_seam import default_timeout
+from .._torch_seam import default_backend_name, default_timeout
 from ..collective import collective_call
 from ..errors import MeshConfigError
 from ..groups import GroupCache
@@ -136,8 +138,11 @@ class TransferGroups:
             every rank.
         routes: the fan-outs this rank takes part in (as sender or receiver):
             ``{(weight, sender, box, step): ranks}``.
-        broken: ``None``, or why the groups may no longer be used (a transfer failed while
-            ranks were inside their broadcasts: their collective sequence may be out of step).
+        p2p: this rank's group for the point-to-point messages: every rank of the plan's
+            layouts, a communicator of its own (never the default group), or ``None``.
+        broken: ``None``, or why the groups may no longer be used (a transfer failed in its
+            transfer stage: a timed-out send or receive takes the communicator down, and
+            broadcasts may be out of step); ``execute`` refuses broken groups.
 
     The legacy ``WeightTransferGroupInitializer`` (one group of trainer rank 0 and every
     rollout rank) is the special case of a plan where one rank sends everything to all.
@@ -167,6 +172,8 @@ class TransferGroups:
         self.sets: list[tuple[int, ...]] = []
         self.routes: dict[RouteKey, tuple[int, ...]] = {}
         self.broken: str | None = None
+        #: this rank's group for point-to-point messages (``None`` outside the plan's layouts)
+        self.p2p: dist.ProcessGroup | None = None
         self._meshes: list[MeshGroups] = []
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         with collective_call("TransferGroups") as call:  # numbered before anything is checked
@@ -183,6 +190,7 @@ class TransferGroups:
             self.sets = sorted({tuple(s) for part in gathered for s in part or ()})
             self.routes = {**own, **received_routes(plan, me, mine, self.sets)}
             try:
+                self.p2p = self._p2p_group(plan, device_type, backend, timeout, strategy, check)
                 for rows in _layers(self.sets):  # each init_mesh joins this call (and meets)
                     layout = Layout.from_grid(np.array(rows, dtype=np.int64), ("group", "member"))
                     mg = init_mesh(
@@ -202,6 +210,40 @@ class TransferGroups:
             except BaseException:
                 self.close()
                 raise
+
+    def _p2p_group(
+        self,
+        plan: Plan,
+        device_type: str,
+        backend: str | None,
+        timeout: timedelta | float | None,
+        strategy: Strategy,
+        check: bool | None,
+    ) -> dist.ProcessGroup | None:
+        """A group over every rank of the plan's layouts for the point-to-point messages, never
+        the default group (a backend override gives it a communicator of its own even when it
+        spans the world): a send or receive that times out takes its communicator down (gloo
+        closes every connection of its context, NCCL aborts), and the default group must
+        survive that to tell every rank what failed."""
+        ranks = np.union1d(plan.src.grid.ravel(), plan.dst.grid.ravel())
+        if ranks.size < 2:
+            return None
+        mg = init_mesh(
+            Layout.from_grid(ranks.reshape(1, -1), ("group", "member")),
+            device_type,
+            only=[("member",)],
+            backend=backend,
+            timeout=timeout,
+            strategy=strategy,
+            cache=self.cache,
+            check=check,
+            backend_override={"member": backend or default_backend_name()},
+        )
+        self._meshes.append(mg)
+        group = mg.group("member")
+        if group is not None:  # its first call is every member's (NCCL asks that of p2p batches)
+            dist.barrier(group=group)
+        return group
 
     def group(self, ranks: Sequence[int]) -> dist.ProcessGroup | None:
         """This rank's group over ``ranks`` (sender first, receivers sorted), or ``None``."""
