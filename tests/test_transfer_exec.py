@@ -260,6 +260,7 @@ def worker_colocated(rank, world):
     from meshgroups.transfer import Replicate, Shard, Weight, plan_transfer
     from meshgroups.transfer.execute import TransferError, execute
     from meshgroups.transfer.jobs import init_job
+    from meshgroups.transfer.status import next_tag
 
     out = {}
     held = held_group_count()
@@ -408,6 +409,39 @@ def worker_colocated(rank, world):
         out["legacy_broadcasts"] = report.broadcasts
         reset_group_cache()
 
+    # tags on a live group (the default one: no groups): rank 5 fails before it posts its
+    # receive of bucket 0, rank 2 posts its send and fails before waiting on it. Nobody waits,
+    # nothing times out, the group stays healthy, and rank 2's send of the failed call stays
+    # pending; the retry (new values) must not receive it
+    out["tags"] = [next_tag()]
+    from_2, to_5 = Layout.from_grid([2], ("tp",)), Layout.from_grid([5], ("tp",))
+    vs = [Weight("v", (6,))]
+    plan = plan_transfer(from_2, vs, to_5, vs)
+    real = dist.batch_isend_irecv
+
+    def post_then_fail(ops):
+        dist.batch_isend_irecv = real
+        real(ops)
+        raise RuntimeError("injected after posting")
+
+    def fail_before_posting(ops):
+        dist.batch_isend_irecv = real
+        raise RuntimeError("injected before posting")
+
+    dist.batch_isend_irecv = {2: post_then_fail, 5: fail_before_posting}.get(rank, real)
+    stale = {"v": torch.arange(6.0)} if rank == 2 else {}
+    buf = {"v": torch.full((6,), float("nan"))} if rank == 5 else {}
+    with pytest.raises(TransferError, match="rank 2: RuntimeError: injected after posting") as err:
+        execute(plan, stale, buf, timeout=60)
+    dist.batch_isend_irecv = real
+    assert err.value.ranks == (2, 5) and err.value.bucket == 0 and err.value.stage == "transfer"
+    out["tags"].append(next_tag())
+    fresh = {"v": torch.arange(6.0) + 100} if rank == 2 else {}
+    execute(plan, fresh, buf, timeout=60)
+    out["tags"].append(next_tag())
+    if rank == 5:
+        assert torch.equal(buf["v"], torch.arange(6.0) + 100), buf  # not the stale send's values
+
     # a rank that never arrives: the others fail after the timeout instead of hanging (last:
     # their unanswered status exchange stays pending on the default group)
     if rank == 7:
@@ -428,6 +462,9 @@ def test_colocated_failures_and_legacy_world8():
     assert sum(r["forwards_received"] for r in results) > 0  # receivers derived their routes
     assert sum(r["timed_out"] for r in results) > 1  # rank 2 and a peer left waiting on it
     assert results[2]["retried_received"] > 0
+    tags = [r["tags"] for r in results]
+    assert all(t == tags[0] for t in tags), tags  # agreed: the same next tag on every rank
+    assert tags[0] == sorted(set(tags[0])), tags  # and only growing, failed calls included
 
 
 # ------------------------------------------------------------------------------- no processes
