@@ -378,7 +378,8 @@ def worker_colocated(rank, world):
         transfer = job.transfer_groups(plan)
         full = _full(src_w, seed=7)
         srcs = _shards(trainer, src_w, full, rank)
-        dsts = _buffers(rollout, dst_w, rank)
+        # the rollout's own parameters as buffers (leaves that require grad: written in place)
+        dsts = {n: torch.nn.Parameter(t) for n, t in _buffers(rollout, dst_w, rank).items()}
         report = execute(plan, srcs, dsts, bucket_bytes=56, groups=transfer, timeout=60)
         out["retried_received"] = report.bytes_received
         _check(rollout, dst_w, dsts, full, rank, "retry after a mid-transfer failure")
@@ -400,8 +401,11 @@ def worker_colocated(rank, world):
             assert transfer.sets == [tuple(legacy_ranks)], (transfer.sets, legacy_ranks)
             assert dist.get_process_group_ranks(legacy_group) == legacy_ranks
             assert dist.get_process_group_ranks(transfer.group(legacy_ranks)) == legacy_ranks
+            # the point-to-point group: exactly the ranks that talk (rank 7 moves nothing)
+            assert dist.get_process_group_ranks(transfer.p2p) == list(range(7))
         else:
             assert legacy_group is None and transfer.group(range(7)) is None and job.roles() == ()
+            assert transfer.p2p is None
         dsts = _buffers(many, ws, rank)
         report = execute(plan, _shards(one, ws, full, rank), dsts, bucket_bytes=12, groups=transfer)
         assert report.buckets == 2

@@ -16,13 +16,15 @@ default group). Building the groups is one collective call (``collective_call("T
    own messages from that sender;
 5. the groups are created through ``init_mesh`` (equal-sized disjoint sets share one call),
    which joins this call: checked, deduplicated through the ``GroupCache``, released by
-   ``close()``; plus one group over every rank of the plan's layouts for the point-to-point
-   messages (``p2p``), so that a failed transfer takes down these groups only, never the
-   default group that reports the failure to every rank.
+   ``close()``; plus one group over every rank that sends or receives anything, for the
+   point-to-point messages (``p2p``; each rank's flag travels with its sets), so that a failed
+   transfer takes down these groups only, never the default group that reports the failure to
+   every rank.
 
-Per rank: O(its own messages) to list its fan-outs; O(Σ distinct sets × their sizes) received
-by the gather (the list every rank needs to create the groups anyway); and, as a receiver of
-fan-outs, one rank part per distinct sender that includes it (O(that sender's shards)).
+Per rank: O(its own messages) to list its fan-outs; O(world + Σ distinct sets × their sizes)
+received by the gather (a flag per rank and the sets: what every rank needs to create the
+groups anyway); and, as a receiver of fan-outs, one rank part per distinct sender that includes
+it (O(that sender's shards)). Never the per-slice fan-outs of other ranks.
 """
 
 from __future__ import annotations
@@ -138,8 +140,8 @@ class TransferGroups:
             every rank.
         routes: the fan-outs this rank takes part in (as sender or receiver):
             ``{(weight, sender, box, step): ranks}``.
-        p2p: this rank's group for the point-to-point messages: every rank of the plan's
-            layouts, a communicator of its own (never the default group), or ``None``.
+        p2p: this rank's group for the point-to-point messages: every rank that sends or
+            receives anything, a communicator of its own (never the default group), or ``None``.
         broken: ``None``, or why the groups may no longer be used (a transfer failed in its
             transfer stage: a timed-out send or receive takes the communicator down, and
             broadcasts may be out of step); ``execute`` refuses broken groups.
@@ -151,6 +153,9 @@ class TransferGroups:
         >>> groups.sets                                                     # doctest: +SKIP
         [(0, 4, 5, 6, 7)]
         >>> groups.group((0, 4, 5, 6, 7))  # this rank's group, or None    # doctest: +SKIP
+
+    Cost per rank: see the module docstring (its own messages, the distinct sets, one part per
+    sender that broadcasts to it).
 
     Raises (on every rank alike): TypeError (not a ``Plan``), LayoutError (another rank's
     part), MismatchError (ranks hold different plans: ``argument == "plan"``), MeshConfigError
@@ -185,12 +190,14 @@ class TransferGroups:
             own = fanouts(mine, me)
             call.compare(plan=plan_identity(plan))
             call.agree({}, {}, timeout=wait)  # the first meeting: compared, a failure above shared
-            gathered: list[list[tuple[int, ...]] | None] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, sorted(set(own.values())))
-            self.sets = sorted({tuple(s) for part in gathered for s in part or ()})
+            talks = any(m.src != m.dst for m in mine)
+            gathered: list[tuple[list[tuple[int, ...]], bool] | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (sorted(set(own.values())), talks))
+            self.sets = sorted({tuple(s) for part in gathered if part for s in part[0]})
+            talking = [r for r, part in enumerate(gathered) if part and part[1]]
             self.routes = {**own, **received_routes(plan, me, mine, self.sets)}
             try:
-                self.p2p = self._p2p_group(plan, device_type, backend, timeout, strategy, check)
+                self.p2p = self._p2p_group(talking, device_type, backend, timeout, strategy, check)
                 for rows in _layers(self.sets):  # each init_mesh joins this call (and meets)
                     layout = Layout.from_grid(np.array(rows, dtype=np.int64), ("group", "member"))
                     mg = init_mesh(
@@ -213,23 +220,22 @@ class TransferGroups:
 
     def _p2p_group(
         self,
-        plan: Plan,
+        talking: Sequence[int],
         device_type: str,
         backend: str | None,
         timeout: timedelta | float | None,
         strategy: Strategy,
         check: bool | None,
     ) -> dist.ProcessGroup | None:
-        """A group over every rank of the plan's layouts for the point-to-point messages, never
-        the default group (a backend override gives it a communicator of its own even when it
-        spans the world): a send or receive that times out takes its communicator down (gloo
-        closes every connection of its context, NCCL aborts), and the default group must
-        survive that to tell every rank what failed."""
-        ranks = np.union1d(plan.src.grid.ravel(), plan.dst.grid.ravel())
-        if ranks.size < 2:
+        """A group over the ``talking`` ranks (every rank that sends or receives anything) for
+        the point-to-point messages, never the default group (a backend override gives it a
+        communicator of its own even when it spans the world): a send or receive that times out
+        takes its communicator down (gloo closes every connection of its context, NCCL aborts),
+        and the default group must survive that to tell every rank what failed."""
+        if len(talking) < 2:
             return None
         mg = init_mesh(
-            Layout.from_grid(ranks.reshape(1, -1), ("group", "member")),
+            Layout.from_grid(np.array([talking], dtype=np.int64), ("group", "member")),
             device_type,
             only=[("member",)],
             backend=backend,
