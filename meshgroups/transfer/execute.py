@@ -12,24 +12,27 @@ first bucket every rank checks its inputs against its boxes. Per bucket: prepare
 staging buffers of both steps), agree that every rank is ready (one small all-reduce), step 0
 (sources send; colocated ranks copy locally), write into the buffers, step 1 (forwards inside a
 node, sent from the buffers just written), agree that every rank finished, call ``progress``
-and agree that it returned everywhere. One-to-one slices go
-point-to-point on the default group; a fan-out goes as one broadcast over its ``TransferGroups``
-group when ``groups`` is given. Any failure on any rank — a bad input, a failed or timed-out
-send, an exception from ``progress`` — becomes a ``TransferError`` on every rank, naming the
-rank and its reason; weights are reported done only once every rank has them complete.
+and agree that it returned everywhere. With ``groups`` (``TransferGroups``), one-to-one slices
+go point-to-point over ``groups.p2p`` and a fan-out as one broadcast over its group; without,
+every slice goes point-to-point on the default group. The agreements always run on the default
+group (or ``group=``). Any failure on any rank — a bad input, a failed or timed-out send, an
+exception from ``progress`` — becomes a ``TransferError`` on every rank, naming the rank and its
+reason; weights are reported done only once every rank has them complete.
 
 **Retrying after a failure in the transfer stage.** A rank may fail while its peers' sends and
-receives are posted (a timeout, a rank that never posted its part). Those operations stay
-pending. Point-to-point operations carry a tag of their own per call and per (bucket, step)
-(``status``: tags only grow), so on gloo a pending receive of a failed call never matches a send
-of a retry or of a later bucket: an immediate retry of ``execute`` receives fresh data only
-(tested). Broadcasts have no tags: the ``TransferGroups`` of a failed transfer are marked
-``broken`` and refused by later calls — build new ones (``groups.close()``, then
-``job.transfer_groups(plan)``). NCCL ignores tags and a timed-out NCCL operation leaves its
-communicator unusable: after a ``TransferError`` whose ``stage`` is ``"transfer"`` on NCCL,
-destroy the transfer groups and abort the default group's communicator (torch's
-``TORCH_NCCL_ASYNC_ERROR_HANDLING`` does so; then re-initialise, or restart the processes) —
-never retry on the same communicators.
+receives are posted (a rank that never posted its part, a timeout). Those operations stay
+pending, and a send or receive that times out takes its communicator down (gloo closes every
+connection of the group's context; NCCL aborts). Hence: point-to-point operations carry a tag
+of their own per call and per (bucket, step) (``status``: tags only grow), so on gloo a pending
+operation of a failed call never matches one of a later bucket or of a retry (tested); the
+``TransferGroups`` of a failed transfer are marked ``broken`` and refused by later calls —
+build new ones (``groups.close()``, then ``job.transfer_groups(plan)``: fresh communicators)
+and retry at once (tested); the default group, which carried only the agreements, still
+works. Without ``groups`` the point-to-point messages share the default group, and a timeout
+there leaves it unusable. NCCL ignores tags: after a ``TransferError`` whose ``stage`` is
+``"transfer"`` on NCCL, destroy the transfer groups and never reuse them; if the default group
+carried point-to-point messages (no ``groups``), abort its communicator
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING`` does so) and re-initialise, or restart the processes.
 
 The code only uses tensors' own devices (staging lives where the tensor lives) and torch's
 backend-neutral calls, so NCCL with CUDA tensors takes the same path; CI here runs gloo only.

@@ -2,7 +2,8 @@
 
 A fan-out is one slice of one weight that one rank sends at one step to two or more other
 ranks; it goes as one broadcast over a group of exactly that sender and those receivers
-(sender first, receivers sorted). One-to-one slices go point to point. Building the groups is one collective call (``collective_call("TransferGroups")``):
+(sender first, receivers sorted). One-to-one slices go point to point. Building the groups is
+one collective call (``collective_call("TransferGroups")``):
 
 1. each rank lists the fan-outs it *sends*, from its own messages (``plan.for_rank(me)``);
 2. the ranks compare the plan's identity (layouts' fingerprints, weights, node size) at a first
@@ -153,7 +154,8 @@ def _layers(sets: Sequence[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
 
 class TransferGroups:
     """Collective: one process group per fan-out rank set of ``plan`` (see the module
-    docstring). Every rank passes its plan — whole or its own (``plan_transfer(..., rank=r)``).
+    docstring). Every rank passes its plan — whole or its own (``plan_transfer(..., rank=r)``),
+    parts of one plan (the same ``plan_transfer`` arguments but ``rank``).
 
     Attributes:
         sets: every fan-out group's ranks (sender first, receivers sorted), the same list on
@@ -196,7 +198,7 @@ class TransferGroups:
         self.sets: list[tuple[int, ...]] = []
         self.routes: dict[RouteKey, tuple[int, ...]] = {}
         self.broken: str | None = None
-        #: this rank's group for point-to-point messages (``None`` outside the plan's layouts)
+        #: this rank's group for point-to-point messages (``None`` on a rank that moves nothing)
         self.p2p: dist.ProcessGroup | None = None
         self._meshes: list[MeshGroups] = []
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
