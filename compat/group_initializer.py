@@ -15,7 +15,9 @@ Deliberate differences from the legacy module (each was a silent bug there):
 
 - Sizes that do not divide ``world_size``, ``rank`` outside ``[0, world_size)``, and duplicate,
   out-of-range or empty explicit rank lists raise ``ValueError`` in the constructor (legacy:
-  some ranks silently got no group, or ``new_group`` failed midway).
+  some ranks silently got no group, or ``new_group`` failed midway). In an initialised job the
+  refusal is also the outcome of the ``init_dist_group`` call it leads into: the other ranks'
+  ``init_dist_group`` raises the same class at once, naming the rank (instead of a timeout).
 - ``init_dist_group`` raises ``ValueError`` if ``world_size`` or ``rank`` differ from the
   initialised default group (legacy: wrong groups), and every rank checks that all ranks build
   the same groups before any is created (legacy: a hang).
@@ -29,15 +31,16 @@ Deliberate differences from the legacy module (each was a silent bug there):
 from __future__ import annotations
 
 import itertools
-from abc import ABC, abstractmethod
+from abc import ABCMeta, abstractmethod
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from meshgroups import GroupCache, Layout, Strategy, init_mesh
 from meshgroups.checks import MAX_WORLD_SIZE, check_int, short_repr
-from meshgroups.collective import collective_entry
+from meshgroups.collective import collective_entry, publish_refusal
 
 __all__ = [
     "CommMode",
@@ -162,7 +165,21 @@ def _short(ranks: list[int], limit: int = 16) -> str:
     return f"[{', '.join(map(str, ranks[:limit]))}, …] ({len(ranks)} ranks)"
 
 
-class ProcessGroupInitializer(ABC):
+class _RefusalsReachEveryRank(ABCMeta):
+    """Constructing an initializer is local, but it leads into the collective ``init_dist_group``:
+    a constructor that refuses its arguments on one rank publishes the refusal as that call's
+    outcome (``meshgroups.collective.publish_refusal``), so the other ranks' ``init_dist_group``
+    raises the same class at once, naming this rank, instead of waiting out the timeout."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except (TypeError, ValueError) as exc:
+            publish_refusal(f"{cls.__name__}.init_dist_group", exc)
+            raise
+
+
+class ProcessGroupInitializer(metaclass=_RefusalsReachEveryRank):
     """Abstract base class for process group initialization.
 
     Attributes:

@@ -246,7 +246,8 @@ class Call:
                     break  # every rank that entered has left (or the last one swept the keys)
                 time.sleep(pause)
                 pause = min(pause * 2, 0.1)
-        if mine != self.world_size:
+        # The last rank out sweeps; when ranks are gone (dead: they never leave), the last survivor.
+        if mine != self.world_size and not (failed and gone and mine == self.world_size - gone):
             return
         # The last rank out: nobody reads this call's keys any more.
         if failed or self.sweep_prefixes:
@@ -323,6 +324,30 @@ def collective_call(operation: str) -> Iterator[Call]:
     finally:
         _state["active"] = _state["thread"] = None
         _lock.release()
+
+
+def publish_refusal(operation: str, exc: BaseException) -> None:
+    """Publish ``exc``, raised by a local step that leads into the collective call ``operation``
+    (a legacy initializer's constructor before its ``init_dist_group``), as that call's outcome:
+    this rank takes the call's number and fails it, so the other ranks' ``operation`` raises the
+    same class at once instead of waiting for a rank that is not coming. The caller then raises
+    ``exc`` itself. Nothing happens without an initialised default group, or inside a call
+    (the outer call publishes it)::
+
+        try:
+            check(arguments)
+        except ValueError as exc:
+            publish_refusal("TPGroupInitializer.init_dist_group", exc)
+            raise
+    """
+    if not dist.is_available() or not dist.is_initialized() or active_call() is not None:
+        return
+    try:
+        with collective_call(operation):
+            raise exc
+    except BaseException as raised:
+        if raised is not exc and isinstance(raised, StoreConnectionError):
+            raise  # the store is gone: that is the news, not the refused argument
 
 
 def collective_entry(operation: str, method: bool = False) -> Callable[[F], F]:
