@@ -13,7 +13,8 @@ shared ``GroupCache``) — after refusing layouts that overlap when they were de
 Layouts may sit anywhere in the world (any offset, ``Layout.from_grid`` with permuted ranks);
 ``sharing="colocated"`` requires both to cover the same ranks, ``"any"`` checks nothing.
 ``TransferGroups`` (``fanout_groups``) are the only extra groups a transfer needs: one per
-fan-out rank set (one slice from one rank to several receivers), over exactly those ranks.
+fan-out rank set (one slice from one rank to several receivers), over exactly those ranks, and
+one over the ranks that talk for the point-to-point messages (never the default group).
 
 ``init_job`` is one collective call: the layouts, ``sharing`` and ``flatten`` are checked
 inside it and compared across ranks, so a rank passing other arguments (or overlapping layouts
