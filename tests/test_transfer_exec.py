@@ -255,7 +255,7 @@ def worker_colocated(rank, world):
     import torch.distributed as dist
     from meshgroups.compat.group_initializer import WeightTransferGroupInitializer, reset_group_cache
 
-    from meshgroups import MismatchError, Topology
+    from meshgroups import MeshConfigError, MismatchError, Topology
     from meshgroups._torch_seam import held_group_count
     from meshgroups.transfer import Replicate, Shard, Weight, plan_transfer
     from meshgroups.transfer.execute import TransferError, execute
@@ -289,6 +289,16 @@ def worker_colocated(rank, world):
         by_whole = job.transfer_groups(whole)
         by_part = job.transfer_groups(plan_transfer(t4, w, r4, [Weight("w", (8, 4))], Topology(node=4), rank))
         assert by_part.sets == by_whole.sets and by_part.routes == by_whole.routes
+        # parts of different plans (rank 0 planned with other options; the plans' identity is
+        # the same): the sums of message hashes differ, refused on every rank before any group
+        t22, w64, d64 = (
+            Layout(dp=2, tp=2),
+            [Weight("w", (64, 64), placements={"tp": Shard(0)})],
+            [Weight("w", (64, 64))],
+        )
+        odd = {"min_part_bytes": 1} if rank == 0 else {}
+        with pytest.raises(MeshConfigError, match="plans do not pair up"):
+            job.transfer_groups(plan_transfer(t22, w64, r4, d64, Topology(node=4), rank=rank, **odd))
         out["forwards_received"] = _talk_only(whole, by_whole, rank)
     assert held_group_count() == held  # the job closed its transfer groups too
 

@@ -10,7 +10,10 @@ one collective call (``collective_call("TransferGroups")``):
    meeting, so a rank holding another plan is a ``MismatchError`` on every rank, not wrong groups;
 3. one ``all_gather_object`` of each sender's *distinct rank sets* and one flag per rank (does
    it send or receive anything) — what every rank must know, since every rank makes the same
-   group-creation calls — never the per-slice fan-outs;
+   group-creation calls — never the per-slice fan-outs; with them two sums of message hashes
+   per rank (sent, received): over all ranks they are equal when the parts pair up (and, but
+   for a chance of about 2^-61, only then), so parts of different plans are refused on every
+   rank alike, before any group is created;
 4. the groups are created through ``init_mesh`` (equal-sized disjoint sets share one call),
    which joins this call: checked, deduplicated through the ``GroupCache``, released by
    ``close()``; first one group over the ranks that talk, for the point-to-point messages
@@ -131,6 +134,40 @@ def exchange_routes(
     return routes
 
 
+_MOD = (1 << 61) - 1
+
+
+def _message_hash(m: Message) -> int:
+    text = f"{m.weight}|{m.src}|{m.dst}|{m.box}|{m.step}|{m.nbytes}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") % _MOD
+
+
+def message_sums(mine: Sequence[Message], me: int) -> tuple[int, int]:
+    """Sums (mod 2^61 - 1) of the hashes of the messages ``me`` sends and receives (local
+    copies aside). Every message is in its sender's part and in its receiver's, so over all
+    ranks the two sums are equal when the ranks hold parts of one plan."""
+    sent = received = 0
+    for m in mine:
+        if m.src == m.dst:
+            continue
+        if m.src == me:
+            sent = (sent + _message_hash(m)) % _MOD
+        if m.dst == me:
+            received = (received + _message_hash(m)) % _MOD
+    return sent, received
+
+
+def check_sums(sent: int, received: int) -> None:
+    """The same verdict on every rank, from the gathered sums: what the ranks plan to send is
+    what they plan to receive (else some send would pair with a different receive)."""
+    if sent != received:
+        raise MeshConfigError(
+            "the ranks' plans do not pair up: the messages they plan to send are not the messages "
+            "they plan to receive (parts of different plans, e.g. plan_transfer called with other "
+            "options on some rank); pass parts of one plan (the same arguments but rank)"
+        )
+
+
 def _device(device_type: str) -> torch.device:
     """Where this rank's small exchange tensors live (NCCL moves CUDA tensors only)."""
     if device_type in ("cpu", "meta"):
@@ -212,10 +249,16 @@ class TransferGroups:
             own = fanouts(mine, me)
             call.compare(plan=plan_identity(plan))
             call.agree({}, {}, timeout=wait)  # the first meeting: compared, a failure above shared
+            sent, received = message_sums(mine, me)
             talks = any(m.src != m.dst for m in mine)
-            gathered: list[tuple[list[tuple[int, ...]], bool] | None] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (sorted(set(own.values())), talks))
-            self.sets = sorted({tuple(s) for part in gathered if part for s in part[0]})
+            mine_out = (sorted(set(own.values())), talks, sent, received)
+            gathered: list[tuple[list[tuple[int, ...]], bool, int, int] | None] = [
+                None
+            ] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine_out)
+            parts = [part for part in gathered if part]
+            check_sums(sum(p[2] for p in parts) % _MOD, sum(p[3] for p in parts) % _MOD)
+            self.sets = sorted({tuple(s) for part in parts for s in part[0]})
             talking = [r for r, part in enumerate(gathered) if part and part[1]]
             self.routes = dict(own)
             try:
@@ -302,4 +345,12 @@ class TransferGroups:
         return f"TransferGroups({len(self.sets)} fan-out groups, {len(self._groups)} on this rank)"
 
 
-__all__ = ["RouteKey", "TransferGroups", "exchange_routes", "fanouts", "plan_identity"]
+__all__ = [
+    "RouteKey",
+    "TransferGroups",
+    "check_sums",
+    "exchange_routes",
+    "fanouts",
+    "message_sums",
+    "plan_identity",
+]
