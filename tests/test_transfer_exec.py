@@ -297,8 +297,15 @@ def worker_colocated(rank, world):
             [Weight("w", (64, 64))],
         )
         odd = {"min_part_bytes": 1} if rank == 0 else {}
+        odd_plan = plan_transfer(t22, w64, r4, d64, Topology(node=4), rank=rank, **odd)
         with pytest.raises(MeshConfigError, match="plans do not pair up"):
-            job.transfer_groups(plan_transfer(t22, w64, r4, d64, Topology(node=4), rank=rank, **odd))
+            job.transfer_groups(odd_plan)
+        # and execute (no groups) refuses them at its check, before any data moves
+        full64 = _full(w64)
+        bufs = _buffers(r4, d64, rank)
+        with pytest.raises(TransferError, match="plans do not pair up") as err:
+            execute(odd_plan, _shards(t22, w64, full64, rank), bufs, timeout=60)
+        assert err.value.stage == "check" and all(torch.isnan(t).all() for t in bufs.values())
         out["forwards_received"] = _talk_only(whole, by_whole, rank)
     assert held_group_count() == held  # the job closed its transfer groups too
 

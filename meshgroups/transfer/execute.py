@@ -56,7 +56,7 @@ from ..layout import Layout
 from ..plan import as_timedelta
 from .buckets import Buckets, Part, parts_by_bucket
 from .spec import Box, Weight
-from .status import Status, TransferError, agree, claim_tags, next_tag, step_tag
+from .status import Status, TransferError, agree, claim_tags, next_tag, step_tag, where
 
 if TYPE_CHECKING:
     from .jobs import TransferGroups
@@ -226,6 +226,48 @@ def _run(step: _Step, groups: TransferGroups | None, timeout: timedelta, tag: in
     return len(step.casts)
 
 
+_PAIRING_MOD = 1 << 40  # per-rank sums below it: a world of 2^23 ranks sums within int64
+
+
+def _check_pairing(status: Status, parts: Mapping[int, Sequence[Part]], me: int) -> None:
+    """Every send pairs with a receive: the hashes of the slices the ranks send and of those
+    they receive sum to the same over the status group (one all-reduce; the same verdict on
+    every rank). Parts of different plans — other ``plan_transfer`` options on some rank, which
+    the digest cannot see — fail here, before any data moves, instead of pairing wrong data."""
+    sent = received = 0
+    for ps in parts.values():
+        for p in ps:
+            if p.src == p.dst:
+                continue
+            text = f"{p.key}|{p.dst}|{p.box}"
+            h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") % _PAIRING_MOD
+            if p.src == me:
+                sent = (sent + h) % _PAIRING_MOD
+            if p.dst == me:
+                received = (received + h) % _PAIRING_MOD
+    try:
+        total_sent, total_received = status.sums([sent, received])
+    except Exception as exc:
+        raise TransferError(
+            f"weight transfer: rank {me} got no status from every rank in {where(-1, 'check')} "
+            f"({type(exc).__name__}: {exc}); a rank is gone or stuck",
+            (),
+            -1,
+            "check",
+            (),
+        ) from exc
+    if (total_sent - total_received) % _PAIRING_MOD:
+        raise TransferError(
+            "weight transfer failed in the check before the first bucket — the ranks' plans do not pair "
+            "up: the slices they plan to send are not the slices they plan to receive (parts of different "
+            "plans, e.g. plan_transfer called with other options on some rank); nothing was moved",
+            (),
+            -1,
+            "check",
+            (),
+        )
+
+
 def execute(
     plan: Plan,
     src_tensors: Mapping[str, Any],
@@ -298,6 +340,7 @@ def execute(
     done: list[str] = []
     # The check also agrees on this call's first p2p tag (the largest any rank proposes).
     first = agree(status, error, digest, -1, "check", done, tag=next_tag())
+    _check_pairing(status, parts, me)
     claim_tags(first, buckets.count)  # before any bucket: a failed call's tags stay used
     for b in range(buckets.count):
         steps: list[_Step] = []

@@ -94,6 +94,14 @@ class Status:
         failed_ranks = [self.ranks[i] for i in range(self.size) if flags[i]]
         return failed_ranks, flags[self.size] == -flags[self.size + 1], int(flags[self.size + 2])
 
+    def sums(self, values: list[int]) -> list[int]:
+        """Each of ``values`` summed over the status group (one small all-reduce)."""
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        if work is not None and work.wait(self.timeout) is False:
+            raise TimeoutError(f"a rank did not reach the status exchange within {self.timeout}")
+        return [int(v) for v in t.tolist()]
+
     def reasons(self, error: BaseException | None) -> list[str | None]:
         mine = None if error is None else f"{type(error).__name__}: {error}"
         out: list[str | None] = [None] * self.size
