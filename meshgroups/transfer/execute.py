@@ -8,7 +8,8 @@ passes empty mappings)::
 
 Buckets are the same on every rank (``buckets.Buckets``: weights in plan order, big ones cut
 into row blocks, packed by full size), so a rank stages about one bucket at a time. Before the
-first bucket every rank checks its inputs against its boxes. Per bucket: prepare (views and
+first bucket every rank checks its inputs against its boxes, and the ranks check that their
+sends and receives pair up (``_check_pairing``). Per bucket: prepare (views and
 staging buffers of both steps), agree that every rank is ready (one small all-reduce), step 0
 (sources send; colocated ranks copy locally), write into the buffers, step 1 (forwards inside a
 node, sent from the buffers just written), agree that every rank finished, call ``progress``
