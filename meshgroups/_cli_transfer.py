@@ -5,10 +5,9 @@ and per rank, from the plan (numpy only, no processes)::
     python -m meshgroups transfer --src dp_shard=4,tp=2 --dst dp=2,tp=4 --model llama-8b --json
     python -m meshgroups transfer --src tp=4 --dst tp=2 --dst-offset 4 --weights weights.json
 
-Models are built per layout: ``tp`` shards like Megatron (q/k/v/gate/up and the vocabulary on
-rows, o/down on columns), ``pp`` assigns stages (layers split evenly, embedding first, head
-last), ``ep``/``etp`` shard experts, ``dp_shard``/``fsdp`` shard rows after ``tp`` (FSDP2);
-other dims replicate. ``--weights FILE`` reads ``{"src": [...], "dst": [...]}`` instead, each
+Models are the presets of ``meshgroups.transfer.presets.model_weights``, placed per layout
+(``tp`` like Megatron, ``pp`` stages, ``ep``/``etp`` experts, ``dp_shard``/``fsdp`` FSDP2 after
+``tp``; other dims replicate). ``--weights FILE`` reads ``{"src": [...], "dst": [...]}`` instead, each
 weight as ``Weight.to_dict`` writes it: ``{"name", "shape", "dtype", "placements": {dim:
 "Shard(0)" | "Replicate()"}, "stage": [dim, i], "shard_order": [dims]}`` (all but name and
 shape optional). Bad input exits with status 2.
@@ -25,75 +24,11 @@ import numpy as np
 
 from .layout import Layout
 from .topology import Topology
-from .transfer import Shard, Weight, plan_transfer
-from .transfer.spec import Placement
+from .transfer import Weight, plan_transfer
+from .transfer.presets import MODELS, model_weights
 
-#: name: (hidden, ffn, kv width, vocab, layers, experts (0: dense), dtype)
-MODELS: dict[str, tuple[int, int, int, int, int, int, str]] = {
-    "tiny": (64, 256, 64, 1000, 2, 0, "float32"),
-    "small": (1024, 4096, 256, 32000, 4, 0, "bfloat16"),
-    "moe-small": (1024, 1024, 256, 32000, 4, 8, "bfloat16"),
-    "llama-8b": (4096, 14336, 1024, 128256, 32, 0, "bfloat16"),
-    "llama-70b": (8192, 28672, 1024, 128256, 80, 0, "bfloat16"),
-}
-FSDP_DIMS = ("dp_shard", "fsdp")
 #: Without --full, the per-rank table shows this many ranks (the busiest).
 SHOWN_RANKS = 32
-
-
-def model_weights(model: str, layout: Layout) -> list[Weight]:
-    """The preset ``model``'s weights placed on ``layout`` (see the module docstring).
-
-    >>> [w.name for w in model_weights("tiny", Layout(tp=2))][:3]
-    ['embed', 'layers.0.q', 'layers.0.k']
-    """
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; models are {', '.join(MODELS)}")
-    hidden, ffn, kv, vocab, layers, experts, dtype = MODELS[model]
-    names = layout.names
-    pp = layout.size("pp") if "pp" in names else 1
-    fsdp = next((d for d in FSDP_DIMS if d in names), None)
-    out: list[Weight] = []
-
-    def add(name: str, shape: tuple[int, ...], tp_axis: int | None, stage: int, expert: bool = False) -> None:
-        pl: dict[str, Placement] = {}
-        if "tp" in names and tp_axis is not None and not expert:
-            pl["tp"] = Shard(tp_axis)
-        if expert:
-            if "ep" in names:
-                pl["ep"] = Shard(0)
-            if "etp" in names and tp_axis is not None:
-                pl["etp"] = Shard(tp_axis)
-        order = None
-        if fsdp is not None and len(shape) > 1:
-            pl[fsdp] = Shard(0)
-            sharing_rows = [d for d, p in pl.items() if d != fsdp and p == Shard(0)]
-            if sharing_rows:  # FSDP2 splits what TP/EP already split: its dim nests last
-                order = (*sharing_rows, fsdp)
-        out.append(Weight(name, shape, dtype, pl, ("pp", stage) if "pp" in names else None, order))
-
-    add("embed", (vocab, hidden), 0, 0)
-    for layer in range(layers):
-        s = layer * pp // layers
-        for part, shape, axis in (
-            ("q", (hidden, hidden), 0), ("k", (kv, hidden), 0), ("v", (kv, hidden), 0),
-            ("o", (hidden, hidden), 1), ("ln1", (hidden,), None), ("ln2", (hidden,), None),
-        ):  # fmt: skip
-            add(f"layers.{layer}.{part}", shape, axis, s)
-        if experts:
-            add(f"layers.{layer}.router", (experts, hidden), None, s)
-            add(f"layers.{layer}.experts.w1", (experts, ffn, hidden), 1, s, expert=True)
-            add(f"layers.{layer}.experts.w2", (experts, hidden, ffn), 2, s, expert=True)
-        else:
-            for part, shape, axis in (
-                ("gate", (ffn, hidden), 0),
-                ("up", (ffn, hidden), 0),
-                ("down", (hidden, ffn), 1),
-            ):
-                add(f"layers.{layer}.{part}", shape, axis, s)
-    add("norm", (hidden,), None, pp - 1)
-    add("lm_head", (vocab, hidden), 0, pp - 1)
-    return out
 
 
 def read_weights(path: str) -> tuple[list[Weight], list[Weight]]:
@@ -269,4 +204,4 @@ def _positive(value: str) -> int:
     return int(value)
 
 
-__all__ = ["MODELS", "model_weights", "read_weights", "register", "report"]
+__all__ = ["read_weights", "register", "report"]

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from meshgroups import Layout, Topology
-from meshgroups._cli_transfer import model_weights
 from meshgroups.cli import main
 from meshgroups.transfer import Shard, Weight, plan_transfer
+from meshgroups.transfer.presets import model_weights
 
 
 def _json(capsys, *argv):
@@ -109,3 +109,29 @@ def test_bad_weight_files_exit_2(tmp_path, capsys):
             main(["transfer", "--src", "tp=2", "--dst", "tp=2", "--weights", str(tmp_path / name)])
         assert exc.value.code == 2, name
         assert message in capsys.readouterr().err, name
+
+
+def test_presets_are_public_and_torch_free():
+    """The CLI and the notebook take their models from one public, numpy-only function."""
+    import subprocess
+    import sys
+
+    from meshgroups import _cli_transfer
+    from meshgroups.transfer import presets
+
+    assert _cli_transfer.model_weights is presets.model_weights
+    code = "import sys, meshgroups.transfer.presets; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    with pytest.raises(ValueError, match="unknown model 'gpt-5'; models are tiny"):
+        presets.model_weights("gpt-5", Layout(tp=2))
+    with pytest.raises(TypeError, match="layout must be a meshgroups.Layout"):
+        presets.model_weights("tiny", {"tp": 2})
+
+
+def test_the_notebook_uses_public_names_only():
+    import pathlib
+
+    book = json.loads((pathlib.Path(__file__).parents[1] / "notebooks" / "weight_transfer.ipynb").read_text())
+    code = "\n".join("".join(c["source"]) for c in book["cells"] if c["cell_type"] == "code")
+    assert "from meshgroups.transfer.presets import model_weights" in code
+    assert "meshgroups._" not in code  # no private module

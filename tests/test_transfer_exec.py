@@ -14,7 +14,7 @@ import pytest
 
 from meshgroups import Layout, LayoutError
 
-from ._dist import run
+from ._dist import run, scaled
 
 
 def _full(weights, seed=0):
@@ -64,13 +64,18 @@ def _check(layout, weights, buffers, full, rank, what):
     return checked
 
 
-def _talk_only(plan, groups):
-    """Every transfer group is one sender and receivers that all get one same slice from it."""
+def _talk_only(plan, groups, rank):
+    """Every transfer group is one sender and receivers that all get one same slice from it,
+    and this rank's routes (derived locally on receivers) are every fan-out it takes part in:
+    checked against the whole plan's messages (``plan`` must be whole)."""
     fanout = {}
     for m in plan.messages:
-        fanout.setdefault((m.weight, m.src, m.box, m.step), set()).add(m.dst)
-    carried = {(k[1], *sorted(d)) for k, d in fanout.items() if len(d) > 1}
-    assert set(groups.sets) == carried, (groups.sets, carried)
+        if m.src != m.dst:
+            fanout.setdefault((m.weight, m.src, m.box, m.step), set()).add(m.dst)
+    every = {k: (k[1], *sorted(d)) for k, d in fanout.items() if len(d) > 1}
+    assert set(groups.sets) == set(every.values()), (groups.sets, every)
+    assert groups.routes == {k: r for k, r in every.items() if rank in r}, (rank, groups.routes)
+    return sum(1 for r in groups.routes.values() if r[0] != rank)  # fan-outs received
 
 
 def _run(plan, srcs, dsts, groups, bucket_bytes, rank):
@@ -141,7 +146,7 @@ def _fsdp_tp(rank):
         ]
         plan = plan_transfer(src.layout, src.weights, rollout, dst_w, topology=Topology(node=4))
         groups = job.transfer_groups(plan)
-        _talk_only(plan, groups)
+        _talk_only(plan, groups, rank)
         assert all(s[0] >= 4 for s in groups.sets)  # fan-outs are forwards inside the rollout node
         dsts = _buffers(rollout, dst_w, rank)
         report = _run(plan, src.tensors, dsts, groups, 64, rank)
@@ -183,7 +188,7 @@ def _pipeline_permuted(rank):
         plan = plan_transfer(src.layout, src.weights, rollout, dst_w)
         assert {m.src for m in plan.messages if m.weight == "emb"} <= {3, 0}  # stage 0 only
         groups = job.transfer_groups(plan)
-        _talk_only(plan, groups)
+        _talk_only(plan, groups, rank)
         dsts = _buffers(rollout, dst_w, rank)
         _run(plan, src.tensors, dsts, groups, 40, rank)
         checked = _check(rollout, dst_w, dsts, full, rank, "pipeline")
@@ -192,24 +197,32 @@ def _pipeline_permuted(rank):
 
 def _experts(rank):
     """Experts ep=4 (uneven: 6 experts, the last rank holds none) -> ep=2 × etp=2, rank plans."""
+    from meshgroups import Topology
     from meshgroups.transfer import Shard, Weight, plan_transfer
     from meshgroups.transfer.jobs import init_job
 
     trainer, rollout = Layout(ep=4), Layout(ep=2, etp=2, rank_offset=4)
-    src_w = [Weight("experts", (6, 3, 5), placements={"ep": Shard(0)}), Weight("router", (6, 3))]
+    src_w = [
+        Weight("experts", (6, 3, 5), placements={"ep": Shard(0)}),
+        Weight("router", (6, 3)),
+        Weight("norm", (6,), placements={"ep": Shard(0)}),
+    ]
     dst_w = [
         Weight("experts", (6, 3, 5), placements={"ep": Shard(0), "etp": Shard(2)}),
         Weight("router", (6, 3), placements={"ep": Shard(0)}),
+        Weight("norm", (6,)),  # on every rollout rank: enters the node once, then fans out
     ]
+    node = Topology(node=4)
     assert src_w[0].box(trainer, 3) is None  # ceil(6/4) = 2 experts each: none left for rank 3
     full = _full(src_w, seed=3)
     with init_job({"trainer": trainer, "rollout": rollout}) as job:
-        plan = plan_transfer(trainer, src_w, rollout, dst_w, rank=rank)  # this rank's part only
-        groups = job.transfer_groups(plan)
+        plan = plan_transfer(trainer, src_w, rollout, dst_w, node, rank=rank)  # this rank's part only
+        groups = job.transfer_groups(plan)  # receivers derive their routes from senders' parts
+        received = _talk_only(plan_transfer(trainer, src_w, rollout, dst_w, node), groups, rank)
         dsts = _buffers(rollout, dst_w, rank)
         _run(plan, _shards(trainer, src_w, full, rank), dsts, groups, 48, rank)
         checked = _check(rollout, dst_w, dsts, full, rank, "experts")
-    return checked
+    return checked, received
 
 
 def worker_disjoint(rank, world):
@@ -230,7 +243,8 @@ def test_disjoint_layouts_world8():
     assert sum(r["fsdp_tp"][0] for r in results) == 60 + 10 + 50 + 5 * 4
     assert sum(r["fsdp_tp"][1] for r in results) > 0  # the replicated bias went by broadcast
     assert sum(r["pipeline"] for r in results) == 2 * (36 + 28 + 3 * 2 + 3)
-    assert sum(r["experts"] for r in results) == 90 + 18 * 2
+    assert sum(r["experts"][0] for r in results) == 90 + 18 * 2 + 6 * 4
+    assert sum(r["experts"][1] for r in results) > 0  # some receivers derived broadcast routes
 
 
 # -------------------------------------------------------------------------------- job 2: colocated
@@ -241,14 +255,59 @@ def worker_colocated(rank, world):
     import torch.distributed as dist
     from meshgroups.compat.group_initializer import WeightTransferGroupInitializer, reset_group_cache
 
+    from meshgroups import MeshConfigError, MismatchError, Topology
+    from meshgroups._torch_seam import held_group_count
     from meshgroups.transfer import Replicate, Shard, Weight, plan_transfer
     from meshgroups.transfer.execute import TransferError, execute
     from meshgroups.transfer.jobs import init_job
+    from meshgroups.transfer.status import next_tag
 
     out = {}
-    # refused before anything is built, on every rank alike
-    with pytest.raises(LayoutError, match="share rank 3"):
-        init_job({"a": Layout(tp=4), "b": Layout(tp=4, rank_offset=3)})
+    held = held_group_count()
+    # init_job is one collective call, checked across ranks: rank 1 alone passes sharing="any"
+    t4, r4 = Layout(tp=4), Layout(tp=4, rank_offset=4)
+    with pytest.raises(MismatchError, match="different 'sharing' on rank 1") as err:
+        init_job({"trainer": t4, "rollout": r4}, sharing="any" if rank == 1 else "disjoint")
+    assert err.value.argument == "sharing" and err.value.ranks == (1,), err.value
+    # rank 2 alone passes overlapping layouts declared disjoint: its LayoutError on every rank
+    bad = {"trainer": t4, "rollout": Layout(tp=4, rank_offset=3) if rank == 2 else r4}
+    with pytest.raises(LayoutError, match="share rank 3") as err:
+        init_job(bad)
+    assert "rank 2" in str(err.value) + "".join(getattr(err.value, "__notes__", [])), err.value
+    assert held_group_count() == held  # nothing was built
+    # the identical correct call, at once, works; TransferGroups is checked alike
+    w = [Weight("w", (8, 4), placements={"tp": Shard(0)})]
+    whole = plan_transfer(t4, w, r4, [Weight("w", (8, 4))], topology=Topology(node=4))
+    other = plan_transfer(t4, w, r4, [Weight("w", (8, 4), placements={"tp": Shard(1)})])
+    with init_job({"trainer": t4, "rollout": r4}) as job:
+        assert job.roles() == (("trainer",) if rank < 4 else ("rollout",))
+        with pytest.raises(MismatchError, match="different 'plan' on rank 3") as err:
+            job.transfer_groups(other if rank == 3 else whole)
+        assert err.value.ranks == (3,), err.value
+        # a rank's own part gives the same groups and routes as the whole plan (receivers
+        # derive theirs locally: the rollout ranks forward each slice inside their node)
+        by_whole = job.transfer_groups(whole)
+        by_part = job.transfer_groups(plan_transfer(t4, w, r4, [Weight("w", (8, 4))], Topology(node=4), rank))
+        assert by_part.sets == by_whole.sets and by_part.routes == by_whole.routes
+        # parts of different plans (rank 0 planned with other options; the plans' identity is
+        # the same): the sums of message hashes differ, refused on every rank before any group
+        t22, w64, d64 = (
+            Layout(dp=2, tp=2),
+            [Weight("w", (64, 64), placements={"tp": Shard(0)})],
+            [Weight("w", (64, 64))],
+        )
+        odd = {"min_part_bytes": 1} if rank == 0 else {}
+        odd_plan = plan_transfer(t22, w64, r4, d64, Topology(node=4), rank=rank, **odd)
+        with pytest.raises(MeshConfigError, match="plans do not pair up"):
+            job.transfer_groups(odd_plan)
+        # and execute (no groups) refuses them at its check, before any data moves
+        full64 = _full(w64)
+        bufs = _buffers(r4, d64, rank)
+        with pytest.raises(TransferError, match="plans do not pair up") as err:
+            execute(odd_plan, _shards(t22, w64, full64, rank), bufs, timeout=60)
+        assert err.value.stage == "check" and all(torch.isnan(t).all() for t in bufs.values())
+        out["forwards_received"] = _talk_only(whole, by_whole, rank)
+    assert held_group_count() == held  # the job closed its transfer groups too
 
     trainer, rollout = Layout(dp=4, tp=2), Layout(dp=2, tp=4)
     src_w = [
@@ -268,7 +327,7 @@ def worker_colocated(rank, world):
         assert len(groups) == len(set(groups)), groups  # one process group per rank set
         plan = plan_transfer(trainer, src_w, rollout, dst_w)
         transfer = job.transfer_groups(plan)
-        _talk_only(plan, transfer)
+        _talk_only(plan, transfer, rank)
         dsts = _buffers(rollout, dst_w, rank)
         report = _run(plan, srcs, dsts, transfer, 56, rank)
         out["checked"] = _check(rollout, dst_w, dsts, full, rank, "colocated")
@@ -302,6 +361,46 @@ def worker_colocated(rank, world):
         execute(plan, srcs, dsts, bucket_bytes=56, groups=transfer)
         _check(rollout, dst_w, dsts, full, rank, "retry")
 
+        # mid-transfer: rank 2 posts the sends of its first point-to-point batch with receives
+        # but never those receives, and fails; its peers' sends to it stay pending and time out (on gloo that
+        # closes every connection of the transfer's p2p group; the default group reports it)
+        real, dropped = dist.batch_isend_irecv, []
+
+        def sends_only(ops):
+            receives = [op for op in ops if op.op is dist.irecv]
+            if not receives:
+                return real(ops)
+            dist.batch_isend_irecv = real
+            dropped.extend(receives)
+            sends = [op for op in ops if op.op is not dist.irecv]
+            if sends:
+                real(sends)
+            raise RuntimeError("injected: receives never posted")
+
+        if rank == 2:
+            dist.batch_isend_irecv = sends_only
+        dsts = _buffers(rollout, dst_w, rank)
+        with pytest.raises(TransferError, match="rank 2: RuntimeError: injected") as err:
+            execute(plan, srcs, dsts, bucket_bytes=56, groups=transfer, timeout=scaled(2))
+        dist.batch_isend_irecv = real
+        assert err.value.stage == "transfer" and 2 in err.value.ranks, err.value
+        assert rank != 2 or dropped, "rank 2 had receives to drop"
+        out["timed_out"] = rank in err.value.ranks  # a peer whose sends to rank 2 timed out
+        # its broadcast groups may be out of step: refused, on every rank
+        with pytest.raises(TransferError, match="TransferGroups cannot be used"):
+            execute(plan, srcs, dsts, bucket_bytes=56, groups=transfer)
+        # the retry at once, with new groups and new source values (the next training step):
+        # no receive may get a stale send of the failed call; every element checked
+        transfer.close()
+        transfer = job.transfer_groups(plan)
+        full = _full(src_w, seed=7)
+        srcs = _shards(trainer, src_w, full, rank)
+        # the rollout's own parameters as buffers (leaves that require grad: written in place)
+        dsts = {n: torch.nn.Parameter(t) for n, t in _buffers(rollout, dst_w, rank).items()}
+        report = execute(plan, srcs, dsts, bucket_bytes=56, groups=transfer, timeout=60)
+        out["retried_received"] = report.bytes_received
+        _check(rollout, dst_w, dsts, full, rank, "retry after a mid-transfer failure")
+
     # legacy WeightTransferGroupInitializer: one group of the sender and every receiver is the
     # plan's single fan-out when trainer rank 0 alone holds the weights (rank 7: in neither
     # layout, it takes part in the collective calls with nothing to move; bf16 weights)
@@ -319,14 +418,50 @@ def worker_colocated(rank, world):
             assert transfer.sets == [tuple(legacy_ranks)], (transfer.sets, legacy_ranks)
             assert dist.get_process_group_ranks(legacy_group) == legacy_ranks
             assert dist.get_process_group_ranks(transfer.group(legacy_ranks)) == legacy_ranks
+            # the point-to-point group: exactly the ranks that talk (rank 7 moves nothing)
+            assert dist.get_process_group_ranks(transfer.p2p) == list(range(7))
         else:
             assert legacy_group is None and transfer.group(range(7)) is None and job.roles() == ()
+            assert transfer.p2p is None
         dsts = _buffers(many, ws, rank)
         report = execute(plan, _shards(one, ws, full, rank), dsts, bucket_bytes=12, groups=transfer)
         assert report.buckets == 2
         _check(many, ws, dsts, full, rank, "legacy")
         out["legacy_broadcasts"] = report.broadcasts
         reset_group_cache()
+
+    # tags on a live group (the default one: no groups): rank 5 fails before it posts its
+    # receive of bucket 0, rank 2 posts its send and fails before waiting on it. Nobody waits,
+    # nothing times out, the group stays healthy, and rank 2's send of the failed call stays
+    # pending; the retry (new values) must not receive it
+    out["tags"] = [next_tag()]
+    from_2, to_5 = Layout.from_grid([2], ("tp",)), Layout.from_grid([5], ("tp",))
+    vs = [Weight("v", (6,))]
+    plan = plan_transfer(from_2, vs, to_5, vs)
+    real = dist.batch_isend_irecv
+
+    def post_then_fail(ops):
+        dist.batch_isend_irecv = real
+        real(ops)
+        raise RuntimeError("injected after posting")
+
+    def fail_before_posting(ops):
+        dist.batch_isend_irecv = real
+        raise RuntimeError("injected before posting")
+
+    dist.batch_isend_irecv = {2: post_then_fail, 5: fail_before_posting}.get(rank, real)
+    stale = {"v": torch.arange(6.0)} if rank == 2 else {}
+    buf = {"v": torch.full((6,), float("nan"))} if rank == 5 else {}
+    with pytest.raises(TransferError, match="rank 2: RuntimeError: injected after posting") as err:
+        execute(plan, stale, buf, timeout=60)
+    dist.batch_isend_irecv = real
+    assert err.value.ranks == (2, 5) and err.value.bucket == 0 and err.value.stage == "transfer"
+    out["tags"].append(next_tag())
+    fresh = {"v": torch.arange(6.0) + 100} if rank == 2 else {}
+    execute(plan, fresh, buf, timeout=60)
+    out["tags"].append(next_tag())
+    if rank == 5:
+        assert torch.equal(buf["v"], torch.arange(6.0) + 100), buf  # not the stale send's values
 
     # a rank that never arrives: the others fail after the timeout instead of hanging (last:
     # their unanswered status exchange stays pending on the default group)
@@ -345,6 +480,12 @@ def test_colocated_failures_and_legacy_world8():
     assert sum(r["copied"] for r in results) > 0  # colocated: some slices are local copies
     # 4 rows of 6 B bf16, 12 B buckets: 2 buckets, one broadcast each; rank 7 in none
     assert [r["legacy_broadcasts"] for r in results] == [2] * 7 + [0]
+    assert sum(r["forwards_received"] for r in results) > 0  # receivers derived their routes
+    assert sum(r["timed_out"] for r in results) > 1  # rank 2 and a peer left waiting on it
+    assert results[2]["retried_received"] > 0
+    tags = [r["tags"] for r in results]
+    assert all(t == tags[0] for t in tags), tags  # agreed: the same next tag on every rank
+    assert tags[0] == sorted(set(tags[0])), tags  # and only growing, failed calls included
 
 
 # ------------------------------------------------------------------------------- no processes
@@ -375,7 +516,14 @@ def test_buckets_cut_rows_and_pack_whole_weights():
 
 
 @pytest.mark.parametrize(
-    "module", ["meshgroups.transfer.buckets", "meshgroups.transfer.jobs", "meshgroups._cli_transfer"]
+    "module",
+    [
+        "meshgroups.transfer.buckets",
+        "meshgroups.transfer.jobs",
+        "meshgroups.transfer.fanout_groups",
+        "meshgroups.transfer.status",
+        "meshgroups.transfer.presets",
+    ],
 )
 def test_docstring_examples(module):
     import doctest

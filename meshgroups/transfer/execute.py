@@ -8,15 +8,32 @@ passes empty mappings)::
 
 Buckets are the same on every rank (``buckets.Buckets``: weights in plan order, big ones cut
 into row blocks, packed by full size), so a rank stages about one bucket at a time. Before the
-first bucket every rank checks its inputs against its boxes. Per bucket: prepare (views and
+first bucket every rank checks its inputs against its boxes, and the ranks check that their
+sends and receives pair up (``_check_pairing``). Per bucket: prepare (views and
 staging buffers of both steps), agree that every rank is ready (one small all-reduce), step 0
 (sources send; colocated ranks copy locally), write into the buffers, step 1 (forwards inside a
 node, sent from the buffers just written), agree that every rank finished, call ``progress``
-and agree that it returned everywhere. One-to-one slices go
-point-to-point on the default group; a fan-out goes as one broadcast over its ``TransferGroups``
-group when ``groups`` is given. Any failure on any rank — a bad input, a failed or timed-out
-send, an exception from ``progress`` — becomes a ``TransferError`` on every rank, naming the
-rank and its reason; weights are reported done only once every rank has them complete.
+and agree that it returned everywhere. With ``groups`` (``TransferGroups``), one-to-one slices
+go point-to-point over ``groups.p2p`` and a fan-out as one broadcast over its group; without,
+every slice goes point-to-point on the default group. The agreements always run on the default
+group (or ``group=``). Any failure on any rank — a bad input, a failed or timed-out send, an
+exception from ``progress`` — becomes a ``TransferError`` on every rank, naming the rank and its
+reason; weights are reported done only once every rank has them complete.
+
+**Retrying after a failure in the transfer stage.** A rank may fail while its peers' sends and
+receives are posted (a rank that never posted its part, a timeout). Those operations stay
+pending, and a send or receive that times out takes its communicator down (gloo closes every
+connection of the group's context; NCCL aborts). Hence: point-to-point operations carry a tag
+of their own per call and per (bucket, step) (``status``: tags only grow), so on gloo a pending
+operation of a failed call never matches one of a later bucket or of a retry (tested); the
+``TransferGroups`` of a failed transfer are marked ``broken`` and refused by later calls —
+build new ones (``groups.close()``, then ``job.transfer_groups(plan)``: fresh communicators)
+and retry at once (tested); the default group, which carried only the agreements, still
+works. Without ``groups`` the point-to-point messages share the default group, and a timeout
+there leaves it unusable. NCCL ignores tags: after a ``TransferError`` whose ``stage`` is
+``"transfer"`` on NCCL, destroy the transfer groups and never reuse them; if the default group
+carried point-to-point messages (no ``groups``), abort its communicator
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING`` does so) and re-initialise, or restart the processes.
 
 The code only uses tensors' own devices (staging lives where the tensor lives) and torch's
 backend-neutral calls, so NCCL with CUDA tensors takes the same path; CI here runs gloo only.
@@ -25,6 +42,7 @@ backend-neutral calls, so NCCL with CUDA tensors takes the same path; CI here ru
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -39,6 +57,7 @@ from ..layout import Layout
 from ..plan import as_timedelta
 from .buckets import Buckets, Part, parts_by_bucket
 from .spec import Box, Weight
+from .status import Status, TransferError, agree, claim_tags, next_tag, step_tag, where
 
 if TYPE_CHECKING:
     from .jobs import TransferGroups
@@ -46,21 +65,6 @@ if TYPE_CHECKING:
 
 #: Default bucket: 64 MiB of full weight size.
 DEFAULT_BUCKET_BYTES = 64 << 20
-
-
-class TransferError(RuntimeError):
-    """A transfer failed on some rank; raised on every rank of the status group alike.
-
-    Attributes:
-        ranks: the ranks that failed. bucket: the bucket it happened in (0-based; ``-1``: the
-            check before the first). stage: ``"check"``, ``"prepare"`` (nothing of the bucket
-            moved yet), ``"transfer"`` or ``"progress"`` (the bucket is complete). done: weights
-            complete on every rank before the failure (the others may be partly written).
-    """
-
-    def __init__(self, message: str, ranks: tuple[int, ...], bucket: int, stage: str, done: tuple[str, ...]):
-        super().__init__(message)
-        self.ranks, self.bucket, self.stage, self.done = ranks, bucket, stage, done
 
 
 @dataclass(frozen=True)
@@ -130,37 +134,6 @@ class _Local:
         return t[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(box, own))]
 
 
-class _Status:
-    """One small all-reduce (MAX) over the status group: who failed, and whether all agree."""
-
-    def __init__(self, group: dist.ProcessGroup, timeout: timedelta) -> None:
-        self.group, self.timeout = group, timeout
-        self.ranks = dist.get_process_group_ranks(group)
-        self.size = len(self.ranks)
-        self.me = self.ranks.index(dist.get_rank())
-        # NCCL reduces CUDA tensors only; everything else takes CPU ones
-        nccl = "nccl" in str(dist.get_backend(group)).lower()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-
-    def exchange(self, failed: bool, digest: int = 0) -> tuple[list[int], bool]:
-        """Failed ranks (global) and whether every rank gave the same ``digest``."""
-        t = torch.zeros(self.size + 2, dtype=torch.int64, device=self.device)
-        t[self.me] = int(failed)
-        t[self.size], t[self.size + 1] = digest, -digest
-        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        if work is not None and work.wait(self.timeout) is False:
-            raise TimeoutError(f"a rank did not reach the status exchange within {self.timeout}")
-        flags = t.tolist()
-        failed_ranks = [self.ranks[i] for i in range(self.size) if flags[i]]
-        return failed_ranks, flags[self.size] == -flags[self.size + 1]
-
-    def reasons(self, error: BaseException | None) -> list[str | None]:
-        mine = None if error is None else f"{type(error).__name__}: {error}"
-        out: list[str | None] = [None] * self.size
-        dist.all_gather_object(out, mine, group=self.group)
-        return out
-
-
 def _digest(pairs: Sequence[tuple[Weight, Weight]], src: Layout, dst: Layout, extra: object) -> int:
     text = repr(([(s, d) for s, d in pairs], src.fingerprint(), dst.fingerprint(), extra))
     return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
@@ -200,6 +173,8 @@ def _prepare(parts: Sequence[Part], local: _Local, groups: TransferGroups | None
             raise MeshConfigError(
                 f"rank {me} has no transfer group over ranks {ranks}; rebuild TransferGroups"
             )
+        if ranks is None and p.src != p.dst and groups is not None and groups.p2p is None:
+            raise MeshConfigError(f"rank {me} is outside the TransferGroups' point-to-point group")
         if p.src == me and p.dst == me:
             step.copies.append((local.view("dst", p.w, p.box), local.view("src", p.w, p.box)))
             report.bytes_copied += p.nbytes
@@ -226,24 +201,72 @@ def _prepare(parts: Sequence[Part], local: _Local, groups: TransferGroups | None
     return step
 
 
-def _run(step: _Step, groups: TransferGroups | None, timeout: timedelta) -> int:
-    """Post every send, receive and broadcast of a prepared step, wait, write the buffers.
-    Broadcasts go in one order on every rank (by group, weight, box). Returns broadcasts made."""
-    for dst_view, src_view in step.copies:
-        dst_view.copy_(src_view)
-    for staging, view in step.fills:
-        staging.copy_(view)
-    ops = [dist.P2POp(dist.isend if send else dist.irecv, t, peer) for send, t, peer in step.p2p]
+def _run(step: _Step, groups: TransferGroups | None, timeout: timedelta, tag: int) -> int:
+    """Post every send, receive and broadcast of a prepared step, wait (``timeout`` for the
+    whole step), write the buffers. Point-to-point operations carry the step's ``tag``;
+    broadcasts go in one order on every rank (by group, weight, box). Returns broadcasts made."""
+    with torch.no_grad():  # buffers may be parameters (leaves that require grad)
+        for dst_view, src_view in step.copies:
+            dst_view.copy_(src_view)
+        for staging, view in step.fills:
+            staging.copy_(view)
+    p2p = groups.p2p if groups is not None else None  # None: the default group
+    ops = [dist.P2POp(dist.isend if send else dist.irecv, t, peer, p2p, tag) for send, t, peer in step.p2p]
     works = list(dist.batch_isend_irecv(ops)) if ops else []
     for ranks, _, _, src, data in sorted(step.casts, key=lambda c: (c[0], c[1], c[2])):
         group = groups.group(ranks) if groups is not None else None
         works.append(dist.broadcast(data, src=src, group=group, async_op=True))
+    deadline = time.monotonic() + timeout.total_seconds()
     for work in works:
-        if work is not None and work.wait(timeout) is False:
+        left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        if work is not None and work.wait(left) is False:
             raise TimeoutError(f"a send or receive of rank {dist.get_rank()} did not finish within {timeout}")
-    for buf, view in step.landing:
-        view.copy_(buf)
+    with torch.no_grad():
+        for buf, view in step.landing:
+            view.copy_(buf)
     return len(step.casts)
+
+
+_PAIRING_MOD = 1 << 40  # per-rank sums below it: a world of 2^23 ranks sums within int64
+
+
+def _check_pairing(status: Status, parts: Mapping[int, Sequence[Part]], me: int) -> None:
+    """Every send pairs with a receive: the hashes of the slices the ranks send and of those
+    they receive sum to the same over the status group (one all-reduce; the same verdict on
+    every rank). Parts of different plans — other ``plan_transfer`` options on some rank, which
+    the digest cannot see — fail here, before any data moves, instead of pairing wrong data."""
+    sent = received = 0
+    for ps in parts.values():
+        for p in ps:
+            if p.src == p.dst:
+                continue
+            text = f"{p.key}|{p.dst}|{p.box}"
+            h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") % _PAIRING_MOD
+            if p.src == me:
+                sent = (sent + h) % _PAIRING_MOD
+            if p.dst == me:
+                received = (received + h) % _PAIRING_MOD
+    try:
+        total_sent, total_received = status.sums([sent, received])
+    except Exception as exc:
+        raise TransferError(
+            f"weight transfer: rank {me} got no status from every rank in {where(-1, 'check')} "
+            f"({type(exc).__name__}: {exc}); a rank is gone or stuck",
+            (),
+            -1,
+            "check",
+            (),
+        ) from exc
+    if (total_sent - total_received) % _PAIRING_MOD:
+        raise TransferError(
+            "weight transfer failed in the check before the first bucket — the ranks' plans do not pair "
+            "up: the slices they plan to send are not the slices they plan to receive (parts of different "
+            "plans, e.g. plan_transfer called with other options on some rank); nothing was moved",
+            (),
+            -1,
+            "check",
+            (),
+        )
 
 
 def execute(
@@ -267,28 +290,41 @@ def execute(
         bucket_bytes: full-weight bytes per bucket (see ``Buckets``); the same on every rank.
         progress: called after each bucket with a ``Progress``; an exception it raises fails
             the transfer on every rank before the next bucket.
-        timeout: bound on each wait (seconds or timedelta); default: the default group's.
+        timeout: bound on each wait (seconds or timedelta): each status exchange, each step's
+            sends and receives (the exchange after a bucket's transfer waits three times as
+            long: a peer may use the bound in each of its two steps); default: the default
+            group's.
         groups: ``TransferGroups`` of this plan: fan-outs go as broadcasts over them; without,
             every slice goes point-to-point.
         group: the ranks that take part and exchange status (default: the whole world).
 
     Raises:
         TransferError: on every rank, when any rank failed (a bad input, a failed or timed-out
-            transfer, ``progress``), naming the ranks and their reasons.
+            transfer, ``progress``, ``broken`` transfer groups), naming the ranks and their
+            reasons. After one in stage ``"transfer"`` an immediate retry is safe on gloo (new
+            tags; rebuild ``groups``); on NCCL see the module docstring.
         RuntimeError: no default process group.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("execute needs an initialised default process group (dist.init_process_group)")
     me = dist.get_rank()
-    wait = as_timedelta(timeout, default_timeout())
-    status = _Status(group if group is not None else dist.group.WORLD, wait)  # type: ignore[arg-type]
+    error: BaseException | None = None
+    try:  # a bad argument on one rank is a TransferError on every rank, at the check
+        wait = as_timedelta(timeout, default_timeout())
+    except Exception as exc:
+        error, wait = exc, default_timeout()
+    status = Status(group if group is not None else dist.group.WORLD, wait)  # type: ignore[arg-type]
     src, dst, pairs = plan.src, plan.dst, plan.weights
     report = Report()
-    error: BaseException | None = None
     parts: dict[int, list[Part]] = {}
     buckets = Buckets(0, (), (), ())
     local = _Local(me, pairs, src, dst)
     try:
+        if groups is not None and groups.broken:
+            raise MeshConfigError(
+                f"these TransferGroups cannot be used: {groups.broken}; build new ones "
+                "(groups.close(), then job.transfer_groups(plan) or TransferGroups(plan))"
+            )
         buckets = Buckets.of([d for _, d in pairs], bucket_bytes)
         index = {d.name: i for i, (_, d) in enumerate(pairs)}
         parts = parts_by_bucket(plan.for_rank(me), index, buckets)
@@ -299,11 +335,14 @@ def execute(
             local.take(side, w, src_tensors if side == "src" else dst_buffers)
         report.weights = tuple(sorted({pairs[p.w][1].name for p in mine}))
     except Exception as exc:
-        error = exc
+        error = error or exc
     digest = _digest(pairs, src, dst, (bucket_bytes, None if groups is None else groups.sets))
     total = sum(p.nbytes for ps in parts.values() for p in ps)
     done: list[str] = []
-    _agree(status, error, digest, -1, "check", done)
+    # The check also agrees on this call's first p2p tag (the largest any rank proposes).
+    first = agree(status, error, digest, -1, "check", done, tag=next_tag())
+    _check_pairing(status, parts, me)
+    claim_tags(first, buckets.count)  # before any bucket: a failed call's tags stay used
     for b in range(buckets.count):
         steps: list[_Step] = []
         error = None
@@ -312,13 +351,19 @@ def execute(
                 steps.append(_prepare([p for p in parts.get(b, ()) if p.step == s], local, groups, report))
         except Exception as exc:
             error = exc
-        _agree(status, error, digest, b, "prepare", done)
+        agree(status, error, digest, b, "prepare", done)
         try:
-            for step in steps:
-                report.broadcasts += _run(step, groups, wait)
+            for s, step in enumerate(steps):
+                report.broadcasts += _run(step, groups, wait, step_tag(first, b, s))
         except Exception as exc:
             error = exc
-        _agree(status, error, digest, b, "transfer", done)
+        try:
+            # A peer may spend up to `wait` in each of its two steps before it reports.
+            agree(status, error, digest, b, "transfer", done, timeout=3 * wait)
+        except TransferError:
+            if groups is not None:  # a timed-out p2p closes its group; broadcasts may be out of step
+                groups.broken = f"a transfer failed in bucket {b} while they carried it"
+            raise
         report.buckets += 1
         finished = tuple(d.name for w, (_, d) in enumerate(pairs) if buckets.last_bucket(w) == b)
         done += finished
@@ -328,45 +373,8 @@ def execute(
                 progress(Progress(b + 1, buckets.count, finished, moved, total))
             except Exception as exc:
                 error = exc
-            _agree(status, error, digest, b, "progress", done)
+            agree(status, error, digest, b, "progress", done)
     return report
-
-
-def _agree(
-    status: _Status, error: BaseException | None, digest: int, bucket: int, stage: str, done: list[str]
-) -> None:
-    """The status exchange: raise the same ``TransferError`` on every rank if any failed."""
-    try:
-        failed, same = status.exchange(error is not None, digest)
-    except Exception as exc:
-        raise TransferError(
-            f"weight transfer: rank {dist.get_rank()} got no status from every rank in {_where(bucket, stage)} "
-            f"({type(exc).__name__}: {exc}) within {status.timeout}; a rank is gone or stuck",
-            (),
-            bucket,
-            stage,
-            tuple(done),
-        ) from (error or exc)
-    if not failed and same:
-        return
-    reasons = status.reasons(error)
-    if failed:
-        why = "; ".join(f"rank {r}: {reasons[status.ranks.index(r)]}" for r in failed)
-    else:
-        why = "ranks passed different plans, bucket sizes or transfer groups (their digests differ)"
-    raise TransferError(
-        f"weight transfer failed in {_where(bucket, stage)} — {why}. Complete on every rank: "
-        f"{len(done)} weight(s){' (' + ', '.join(done[:4]) + (', …' if len(done) > 4 else '') + ')' if done else ''}; "
-        "the others may be partly written",
-        tuple(failed),
-        bucket,
-        stage,
-        tuple(done),
-    ) from error
-
-
-def _where(bucket: int, stage: str) -> str:
-    return "the check before the first bucket" if bucket < 0 else f"bucket {bucket} ({stage})"
 
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Progress", "Report", "TransferError", "execute"]

@@ -12,12 +12,18 @@ shared ``GroupCache``) — after refusing layouts that overlap when they were de
 
 Layouts may sit anywhere in the world (any offset, ``Layout.from_grid`` with permuted ranks);
 ``sharing="colocated"`` requires both to cover the same ranks, ``"any"`` checks nothing.
-``TransferGroups`` are the only extra groups a transfer needs: one per fan-out (one slice from
-one rank to several receivers), over exactly that sender and those receivers.
+``TransferGroups`` (``fanout_groups``) are the only extra groups a transfer needs: one per
+fan-out rank set (one slice from one rank to several receivers), over exactly those ranks, and
+one over the ranks that talk for the point-to-point messages (never the default group).
+
+``init_job`` is one collective call: the layouts, ``sharing`` and ``flatten`` are checked
+inside it and compared across ranks, so a rank passing other arguments (or overlapping layouts
+declared disjoint) is an error on every rank, and the same call can be retried at once.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -25,11 +31,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch.distributed as dist
 
+from ..collective import collective_call
 from ..errors import LayoutError, MeshConfigError
 from ..groups import GroupCache
 from ..layout import Layout
 from ..mesh import MeshGroups, init_mesh
 from ..strategies import Strategy
+from .fanout_groups import RouteKey, TransferGroups, fanouts
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -73,8 +81,9 @@ def check_sharing(layouts: Mapping[str, Layout], sharing: str) -> None:
 
 class Job:
     """Every layout of a job built on this rank: ``job[name]`` is that layout's ``MeshGroups``
-    (a mesh whose ``get_coordinate()`` is ``None``, and ``None`` groups, on ranks outside it). All share ``cache``, so a group
-    two layouts both need (colocated ``tp`` groups of equal ranks) exists once. ``close()`` (or
+    (a mesh whose ``get_coordinate()`` is ``None``, and ``None`` groups, on ranks outside it).
+    All share ``cache``, so a group two layouts both need (colocated ``tp`` groups of equal
+    ranks) exists once. ``close()`` (or
     leaving ``with job:``) releases the meshes and every ``TransferGroups`` made from the job."""
 
     def __init__(
@@ -106,10 +115,14 @@ class Job:
 
     def transfer_groups(self, plan: Plan) -> TransferGroups:
         """Collective: the fan-out groups of ``plan`` (see ``TransferGroups``), built with this
-        job's options and cache and closed with the job."""
-        if self._closed:
-            raise RuntimeError("this Job was closed; its process groups are destroyed")
-        groups = TransferGroups(plan, cache=self.cache, **self._options)
+        job's options and closed with the job. One collective call: a job closed on one rank is
+        an error on every rank. They get a cache of their own, never sharing a process group
+        with the job's meshes: a transfer that fails inside a broadcast leaves that group's
+        collectives out of step, and the training groups must not be that group."""
+        with collective_call("TransferGroups"):  # TransferGroups joins this call
+            if self._closed:
+                raise RuntimeError("this Job was closed; its process groups are destroyed")
+            groups = TransferGroups(plan, cache=GroupCache(), **self._options)
         self._transfer.append(groups)
         return groups
 
@@ -146,6 +159,12 @@ def init_job(
 ) -> Job:
     """Build every layout of a job (collective: every rank of the world calls it alike).
 
+    One collective call (``collective_call("init_job")``, see ``meshgroups.collective``): its
+    number is taken before anything is checked, every check below runs inside it (so an error
+    on one rank is raised on every rank, the same class, naming that rank), the ranks compare
+    ``sharing``, the layouts (names and fingerprints) and ``flatten`` at their first meeting,
+    and each layout's ``init_mesh`` joins the call rather than making one of its own.
+
     Args:
         layouts: ``{"trainer": Layout(...), "rollout": Layout(...)}``, built in this order, each
             its own root mesh; ranks outside a layout get its mesh with coordinate ``None``
@@ -157,9 +176,43 @@ def init_job(
 
     Raises:
         TypeError / MeshConfigError: bad arguments. LayoutError: the layouts break ``sharing``
-        (naming a rank). Everything ``init_mesh`` raises; a failure in a later layout closes
-        the earlier ones on this rank before it propagates.
+        (naming a rank). MismatchError: ranks passed a different ``sharing``, ``layouts`` or
+        ``flatten`` (``argument`` names which, ``ranks`` the odd ones). Everything ``init_mesh``
+        raises; a failure in a later layout closes the earlier ones before it propagates. Each
+        on every rank alike; the identical call can be retried at once.
     """
+    with collective_call("init_job") as call:  # numbered before anything is checked
+        flat = _check_job(layouts, sharing, flatten)
+        call.compare(
+            sharing=sharing,
+            layouts=_digest_text(", ".join(f"{n}={layouts[n].fingerprint()}" for n in layouts)),
+            flatten=_digest_text(repr(sorted((n, [tuple(d) for d in f]) for n, f in flat.items()))),
+        )
+        cache = GroupCache()
+        options: dict[str, Any] = {
+            "device_type": device_type,
+            "backend": backend,
+            "timeout": timeout,
+            "strategy": strategy,
+        }
+        meshes: dict[str, MeshGroups] = {}
+        try:
+            for name, layout in layouts.items():  # each joins this call (one number, one protocol)
+                meshes[name] = init_mesh(
+                    layout, flatten=flat.get(name, ()), cache=cache, check=check, **options
+                )
+        except BaseException:
+            for mg in meshes.values():
+                mg.close()
+            raise
+        return Job(meshes, cache, sharing, {**options, "check": check})
+
+
+def _check_job(
+    layouts: object, sharing: object, flatten: Mapping[str, Iterable[Sequence[str]]] | None
+) -> dict[str, list[Sequence[str]]]:
+    """``init_job``'s local checks (run inside its collective call); returns ``flatten`` as a
+    dict of lists."""
     if not isinstance(layouts, Mapping) or not layouts:
         raise TypeError(f"layouts must be a non-empty mapping name -> Layout, got {layouts!r}")
     for name, layout in layouts.items():
@@ -167,141 +220,26 @@ def init_job(
             raise TypeError(f"layout names must be non-empty strings, got {name!r}")
         if not isinstance(layout, Layout):
             raise TypeError(f"layout {name!r} must be a meshgroups.Layout, got {type(layout).__name__}")
-    flat = dict(flatten or {})
-    unknown = sorted(set(flat) - set(layouts))
+    if flatten is not None and not isinstance(flatten, Mapping):
+        raise TypeError(
+            f"flatten must map layout names to dim sets, e.g. {{'trainer': [('dp', 'cp')]}}; got {flatten!r}"
+        )
+    flat = {name: list(sets) for name, sets in (flatten or {}).items()}
+    unknown = sorted(set(flat) - set(layouts), key=str)
     if unknown:
         raise MeshConfigError(f"flatten names layout {unknown[0]!r}; layouts are {', '.join(layouts)}")
+    if not isinstance(sharing, str):
+        raise TypeError(f"sharing must be a str ({', '.join(map(repr, SHARINGS))}), got {sharing!r}")
     check_sharing(layouts, sharing)
-    cache = GroupCache()
-    options: dict[str, Any] = {
-        "device_type": device_type,
-        "backend": backend,
-        "timeout": timeout,
-        "strategy": strategy,
-    }
-    meshes: dict[str, MeshGroups] = {}
-    try:
-        for name, layout in layouts.items():
-            meshes[name] = init_mesh(layout, flatten=flat.get(name, ()), cache=cache, check=check, **options)
-    except BaseException:
-        for mg in meshes.values():
-            mg.close()
-        raise
-    return Job(meshes, cache, sharing, {**options, "check": check})
+    return flat
 
 
-RouteKey = tuple[str, int, tuple[tuple[int, int], ...], int]
-
-
-def fanouts(plan: Plan, rank: int) -> dict[RouteKey, tuple[int, ...]]:
-    """The fan-outs ``rank`` sends in ``plan``: one slice of one weight sent at one step to two
-    or more other ranks, as ``{(weight, sender, box, step): (sender, *receivers sorted)}``.
-    ``plan`` is the whole plan or ``rank``'s own (``plan_transfer(..., rank=rank)``)."""
-    receivers: dict[RouteKey, list[int]] = {}
-    for m in plan.for_rank(rank):
-        if m.src == rank and m.dst != rank:
-            receivers.setdefault((m.weight, m.src, m.box, m.step), []).append(m.dst)
-    return {key: (key[1], *sorted(dsts)) for key, dsts in receivers.items() if len(dsts) > 1}
-
-
-def _layers(sets: Sequence[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
-    """Pack equal-sized rank sets into layers of pairwise disjoint sets: each layer is one
-    ``Layout.from_grid`` (rows = groups), one ``init_mesh`` call."""
-    layers: list[tuple[int, set[int], list[tuple[int, ...]]]] = []
-    for ranks in sorted(sets, key=lambda s: (len(s), s)):
-        for size, used, rows in layers:
-            if size == len(ranks) and used.isdisjoint(ranks):
-                used.update(ranks)
-                rows.append(ranks)
-                break
-        else:
-            layers.append((len(ranks), set(ranks), [ranks]))
-    return [rows for _, _, rows in layers]
-
-
-class TransferGroups:
-    """Collective: one process group per fan-out of ``plan`` over exactly its sender and its
-    receivers (sender first), built through ``init_mesh`` (checked, deduplicated through
-    ``cache``, released by ``close()``); one-to-one slices need no group (point-to-point on
-    the default group). Every rank passes its plan — whole or its own (``plan_transfer(...,
-    rank=r)``); the senders' fan-outs are gathered (one ``all_gather_object``) so every rank
-    makes the same calls and every receiver knows which of its slices arrive by broadcast.
-
-    The legacy ``WeightTransferGroupInitializer`` (one group of trainer rank 0 and every
-    rollout rank) is the special case of a plan where one rank sends everything to all.
-
-        >>> groups = TransferGroups(plan)                                  # doctest: +SKIP
-        >>> groups.sets                                                     # doctest: +SKIP
-        [(0, 4, 5, 6, 7)]
-        >>> groups.group((0, 4, 5, 6, 7))  # this rank's group, or None    # doctest: +SKIP
-    """
-
-    def __init__(
-        self,
-        plan: Plan,
-        *,
-        cache: GroupCache | None = None,
-        device_type: str = "cpu",
-        backend: str | None = None,
-        timeout: timedelta | float | None = None,
-        strategy: Strategy = "global",
-        check: bool | None = None,
-    ) -> None:
-        me = dist.get_rank()
-        gathered: list[dict[RouteKey, tuple[int, ...]] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, fanouts(plan, me))
-        everything = {key: ranks for part in gathered for key, ranks in (part or {}).items()}
-        #: every fan-out group's ranks (sender first), the same list on every rank
-        self.sets: list[tuple[int, ...]] = sorted(set(everything.values()))
-        #: the fan-outs this rank takes part in: ``{(weight, sender, box, step): ranks}``
-        self.routes: dict[RouteKey, tuple[int, ...]] = {k: r for k, r in everything.items() if me in r}
-        self.cache = cache if cache is not None else GroupCache()
-        self._meshes: list[MeshGroups] = []
-        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        try:
-            for rows in _layers(self.sets):
-                layout = Layout.from_grid(np.array(rows, dtype=np.int64), ("group", "member"))
-                mg = init_mesh(
-                    layout,
-                    device_type,
-                    only=[("member",)],
-                    backend=backend,
-                    timeout=timeout,
-                    strategy=strategy,
-                    cache=self.cache,
-                    check=check,
-                )
-                self._meshes.append(mg)
-                ranks = mg.ranks("member")
-                group = mg.group("member")
-                if ranks is not None and group is not None:
-                    self._groups[tuple(ranks)] = group
-        except BaseException:
-            self.close()
-            raise
-
-    def group(self, ranks: Sequence[int]) -> dist.ProcessGroup | None:
-        """This rank's group over ``ranks`` (sender first, receivers sorted), or ``None``."""
-        return self._groups.get(tuple(ranks))
-
-    def __len__(self) -> int:
-        return len(self.sets)
-
-    def close(self) -> int:
-        """Destroy the groups (those no other mesh of the cache uses). Local, idempotent."""
-        destroyed = sum(mg.close() for mg in self._meshes)
-        self._meshes.clear()
-        self._groups.clear()
-        return destroyed
-
-    def __enter__(self) -> TransferGroups:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"TransferGroups({len(self.sets)} fan-out groups, {len(self._groups)} on this rank)"
+def _digest_text(text: str, limit: int = 120) -> str:
+    """``text`` itself when short, else its start and a hash of all of it: the compared value
+    of a collective call is shown in a mismatch and must differ whenever ``text`` does."""
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 30]}… #{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
 __all__ = ["Job", "RouteKey", "Sharing", "TransferGroups", "check_sharing", "fanouts", "init_job"]

@@ -1,0 +1,158 @@
+"""How the ranks of a transfer agree: one small all-reduce per stage, and the p2p tags.
+
+Between the stages of ``execute`` every rank contributes a failure flag, a digest of its
+arguments and the next point-to-point tag it may use; one all-reduce (MAX) tells every rank who
+failed, whether the digests agree, and the first tag of the call. A failure anywhere becomes
+the same ``TransferError`` on every rank.
+
+**Tags.** Every execute call and every (bucket, step) of it sends and receives with its own
+tag: ``first + 2 * bucket + step``, where ``first`` is the maximum over the ranks of their next
+free tag, agreed at the check before the first bucket. Each rank then moves its next free tag
+past the call's last one, so tags only grow across calls on every rank: a receive posted by a
+failed call (its peer never sent) can never match a send of a later call or bucket, and a
+retry cannot receive stale data. On gloo a tag is the matching key of a point-to-point
+operation; NCCL ignores tags (see ``execute``'s notes on what to do after a failure there).
+Tags wrap after 2^31 - 2 steps of one process (``TAG_SPACE``).
+
+    >>> step_tag(5, bucket=0, step=1), step_tag(5, bucket=1, step=0)
+    (6, 7)
+    >>> step_tag(TAG_SPACE, bucket=0, step=1)  # wrapped
+    1
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+#: Tags live in [1, TAG_SPACE]; gloo takes non-negative 32-bit ints.
+TAG_SPACE = 2**31 - 2
+# The next tag this process may use (monotone; agreed by MAX across ranks at each call). One
+# number per process: tags must differ across *all* calls between a pair of ranks.
+_next_tag = [1]
+
+
+class TransferError(RuntimeError):
+    """A transfer failed on some rank; raised on every rank of the status group alike.
+
+    Attributes:
+        ranks: the ranks that failed. bucket: the bucket it happened in (0-based; ``-1``: the
+            check before the first). stage: ``"check"``, ``"prepare"`` (nothing of the bucket
+            moved yet), ``"transfer"`` or ``"progress"`` (the bucket is complete). done: weights
+            complete on every rank before the failure (the others may be partly written).
+    """
+
+    def __init__(self, message: str, ranks: tuple[int, ...], bucket: int, stage: str, done: tuple[str, ...]):
+        super().__init__(message)
+        self.ranks, self.bucket, self.stage, self.done = ranks, bucket, stage, done
+
+
+def next_tag() -> int:
+    """This process's next free point-to-point tag (what it proposes at a call's check)."""
+    return _next_tag[0]
+
+
+def claim_tags(first: int, buckets: int) -> None:
+    """Move this process's next free tag past a call starting at ``first`` with ``buckets``
+    buckets (two steps each)."""
+    _next_tag[0] = max(_next_tag[0], step_tag(first, buckets, 0))
+
+
+def step_tag(first: int, bucket: int, step: int) -> int:
+    """The tag of ``(bucket, step)`` of a call whose first tag is ``first``."""
+    return 1 + (first - 1 + 2 * bucket + step) % TAG_SPACE
+
+
+class Status:
+    """One small all-reduce (MAX) over the status group: who failed, whether all agree, the
+    largest tag proposed."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout: timedelta) -> None:
+        self.group, self.timeout = group, timeout
+        self.ranks = dist.get_process_group_ranks(group)
+        self.size = len(self.ranks)
+        self.me = self.ranks.index(dist.get_rank())
+        # NCCL reduces CUDA tensors only; everything else takes CPU ones
+        nccl = "nccl" in str(dist.get_backend(group)).lower()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    def exchange(
+        self, failed: bool, digest: int = 0, tag: int = 0, timeout: timedelta | None = None
+    ) -> tuple[list[int], bool, int]:
+        """Failed ranks (global), whether every rank gave the same ``digest``, the largest
+        ``tag``; waits at most ``timeout`` (default: the status timeout)."""
+        t = torch.zeros(self.size + 3, dtype=torch.int64, device=self.device)
+        t[self.me] = int(failed)
+        t[self.size], t[self.size + 1], t[self.size + 2] = digest, -digest, tag
+        bound = timeout or self.timeout
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        if work is not None and work.wait(bound) is False:
+            raise TimeoutError(f"a rank did not reach the status exchange within {bound}")
+        flags = t.tolist()
+        failed_ranks = [self.ranks[i] for i in range(self.size) if flags[i]]
+        return failed_ranks, flags[self.size] == -flags[self.size + 1], int(flags[self.size + 2])
+
+    def sums(self, values: list[int]) -> list[int]:
+        """Each of ``values`` summed over the status group (one small all-reduce)."""
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        if work is not None and work.wait(self.timeout) is False:
+            raise TimeoutError(f"a rank did not reach the status exchange within {self.timeout}")
+        return [int(v) for v in t.tolist()]
+
+    def reasons(self, error: BaseException | None) -> list[str | None]:
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        out: list[str | None] = [None] * self.size
+        dist.all_gather_object(out, mine, group=self.group)
+        return out
+
+
+def agree(
+    status: Status,
+    error: BaseException | None,
+    digest: int,
+    bucket: int,
+    stage: str,
+    done: list[str],
+    tag: int = 0,
+    timeout: timedelta | None = None,
+) -> int:
+    """The status exchange: raise the same ``TransferError`` on every rank if any failed;
+    otherwise return the largest ``tag`` proposed."""
+    bound = timeout or status.timeout
+    try:
+        failed, same, top = status.exchange(error is not None, digest, tag, bound)
+    except Exception as exc:
+        raise TransferError(
+            f"weight transfer: rank {dist.get_rank()} got no status from every rank in {where(bucket, stage)} "
+            f"({type(exc).__name__}: {exc}) within {bound}; a rank is gone or stuck",
+            (),
+            bucket,
+            stage,
+            tuple(done),
+        ) from (error or exc)
+    if not failed and same:
+        return top
+    reasons = status.reasons(error)
+    if failed:
+        why = "; ".join(f"rank {r}: {reasons[status.ranks.index(r)]}" for r in failed)
+    else:
+        why = "ranks passed different plans, bucket sizes or transfer groups (their digests differ)"
+    shown = f" ({', '.join(done[:4])}{', …' if len(done) > 4 else ''})" if done else ""
+    raise TransferError(
+        f"weight transfer failed in {where(bucket, stage)} — {why}. Complete on every rank: "
+        f"{len(done)} weight(s){shown}; the others may be partly written",
+        tuple(failed),
+        bucket,
+        stage,
+        tuple(done),
+    ) from error
+
+
+def where(bucket: int, stage: str) -> str:
+    return "the check before the first bucket" if bucket < 0 else f"bucket {bucket} ({stage})"
+
+
+__all__ = ["TAG_SPACE", "Status", "TransferError", "agree", "claim_tags", "next_tag", "step_tag", "where"]
