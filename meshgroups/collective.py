@@ -125,16 +125,7 @@ class Call:
             shown = {**first, **shown, "call_site": f"{self.operation} at {self.site}", "program": _program()}
             if os.environ.get("MESHGROUPS_COMPARE_CALL_SITES", "1") == "0":
                 digests["call_site"] = shown["call_site"] = "not compared"
-        meeting = Meeting(
-            self.store,  # type: ignore[arg-type]
-            self.rank,
-            self.world_size,
-            self.what,
-            f"{PREFIX}/{self.number}/{len(self.meetings) + 1}",
-            self.timeout,
-            self.last_words,
-        )
-        self.meetings.append(meeting)
+        meeting = self._next_meeting()
         self.counters = tuple(sorted(set(self.counters) | set(counters)))
         self.open = meeting
         maxima = meeting.agree(digests, shown, counters)
@@ -157,6 +148,20 @@ class Call:
         return f"meshgroups/g{self.number}.{len(self.meetings)}"
 
     # ------------------------------------------------------------------ bookkeeping
+    def _next_meeting(self) -> Meeting:
+        """The call's next meeting, recorded (its keys are swept when the call ends)."""
+        meeting = Meeting(
+            self.store,  # type: ignore[arg-type]
+            self.rank,
+            self.world_size,
+            self.what,
+            f"{PREFIX}/{self.number}/{len(self.meetings) + 1}",
+            self.timeout,
+            self.last_words,
+        )
+        self.meetings.append(meeting)
+        return meeting
+
     def _key(self, name: str) -> str:
         return f"{PREFIX}/{self.number}/{name}"
 
@@ -207,15 +212,7 @@ class Call:
             return
         if not is_shared(exc):
             if self.open is None:  # the others wait in the next meeting (or the closing one)
-                self.open = Meeting(
-                    self.store,  # type: ignore[arg-type]
-                    self.rank,
-                    self.world_size,
-                    self.what,
-                    f"{PREFIX}/{self.number}/{len(self.meetings) + 1}",
-                    self.timeout,
-                )
-                self.meetings.append(self.open)
+                self.open = self._next_meeting()
             self.open.publish_failure(exc)
             if hasattr(exc, "add_note"):  # Python 3.11+
                 exc.add_note(f"(rank {self.rank}, {self.what} at {self.site}: every rank raises this error)")
