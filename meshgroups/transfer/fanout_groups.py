@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
 import numpy as np
@@ -268,24 +268,39 @@ class TransferGroups:
                         exchange_routes(own, mine, me, self.sets, self.p2p, _device(device_type), wait)
                     )
                 for rows in _layers(self.sets):  # each init_mesh joins this call (and meets)
-                    layout = Layout.from_grid(np.array(rows, dtype=np.int64), ("group", "member"))
-                    mg = init_mesh(
-                        layout,
-                        device_type,
-                        only=[("member",)],
-                        backend=backend,
-                        timeout=timeout,
-                        strategy=strategy,
-                        cache=self.cache,
-                        check=check,
-                    )
-                    self._meshes.append(mg)
+                    mg = self._member_mesh(rows, device_type, backend, timeout, strategy, check)
                     ranks, group = mg.ranks("member"), mg.group("member")
                     if ranks is not None and group is not None:
                         self._groups[tuple(ranks)] = group
             except BaseException:
                 self.close()
                 raise
+
+    def _member_mesh(
+        self,
+        rows: Sequence[Sequence[int]],
+        device_type: str,
+        backend: str | None,
+        timeout: timedelta | float | None,
+        strategy: Strategy,
+        check: bool | None,
+        backend_override: Mapping[int | str, object] | None = None,
+    ) -> MeshGroups:
+        """One ``init_mesh`` (joining this call) whose ``member`` groups are ``rows`` (pairwise
+        disjoint), recorded for ``close()``."""
+        mg = init_mesh(
+            Layout.from_grid(np.array(rows, dtype=np.int64), ("group", "member")),
+            device_type,
+            only=[("member",)],
+            backend=backend,
+            timeout=timeout,
+            strategy=strategy,
+            cache=self.cache,
+            check=check,
+            backend_override=backend_override,
+        )
+        self._meshes.append(mg)
+        return mg
 
     def _p2p_group(
         self,
@@ -303,18 +318,8 @@ class TransferGroups:
         and the default group must survive that to tell every rank what failed."""
         if len(talking) < 2:
             return None
-        mg = init_mesh(
-            Layout.from_grid(np.array([talking], dtype=np.int64), ("group", "member")),
-            device_type,
-            only=[("member",)],
-            backend=backend,
-            timeout=timeout,
-            strategy=strategy,
-            cache=self.cache,
-            check=check,
-            backend_override={"member": backend or default_backend_name()},
-        )
-        self._meshes.append(mg)
+        override: dict[int | str, object] = {"member": backend or default_backend_name()}
+        mg = self._member_mesh([talking], device_type, backend, timeout, strategy, check, override)
         group = mg.group("member")
         if group is not None:  # its first call is every member's (NCCL asks that of p2p batches)
             dist.barrier(group=group)
