@@ -234,12 +234,12 @@ def main() -> None:
         )
     print()
     print("A small rollout (4 nodes, `dp=4 × tp=8`) fed by the same trainers: each piece has many")
-    print("more holders than nodes to reach; whole pieces vs pieces cut into parts (`min_part_bytes`")
-    print("1 MiB, the default, and 64 KiB): busiest sender / ideal (/ achievable bound), messages and")
-    print("the estimated time (ms) under the link model:\n")
+    print("more holders than nodes to reach; pieces never cut vs cut on multiples of `min_part_bytes`")
+    print("= 1 MiB and 64 KiB (the default): busiest sender / ideal (/ achievable bound), messages")
+    print("and the estimated time (ms) under the link model:\n")
     print(
-        "| trainer ranks | whole pieces | parts ≥ 1 MiB | parts ≥ 64 KiB "
-        "| messages: whole, 1 MiB, 64 KiB | est. ms: whole, 1 MiB, 64 KiB |"
+        "| trainer ranks | never cut | cuts on 1 MiB | cuts on 64 KiB "
+        "| messages: never, 1 MiB, 64 KiB | est. ms: never, 1 MiB, 64 KiB |"
     )
     print("|---|---|---|---|---|---|")
     for world in (int(x) for x in args.worlds.split(",")):

@@ -119,6 +119,8 @@ def report(plan: Any, src: Layout, dst: Layout, node: int | None) -> dict[str, A
         "cross_node_lower_bound": plan.cross_node_lower_bound,
         "busiest_send_bytes": int(plan.busiest_send_bytes),
         "ideal_send_bytes": float(plan.ideal_send_bytes),
+        "send_lower_bound": float(plan.send_lower_bound),
+        "busiest_send_bound": float(plan.busiest_send_bound),
         "per_node": list(nodes.values()) if node else [],
         "per_rank": per_rank,
     }
@@ -161,7 +163,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         else:
             src_w, dst_w = model_weights(args.model, src), model_weights(args.model, dst)
         topology = Topology(node=args.ranks_per_node) if args.ranks_per_node else None
-        plan = plan_transfer(src, src_w, dst, dst_w, topology=topology)
+        plan = plan_transfer(src, src_w, dst, dst_w, topology=topology, min_part_bytes=args.min_part_bytes)
     except OSError as exc:
         parser.error(f"cannot read --weights {args.weights}: {exc.strerror or exc}")
     except json.JSONDecodeError as exc:
@@ -184,6 +186,12 @@ def register(sub: Any) -> argparse.ArgumentParser:
     for side in ("src", "dst"):
         p.add_argument(f"--{side}-offset", type=_offset, default=0, help=f"first rank of the {side} layout")
     p.add_argument("--ranks-per-node", type=_positive, help="node size (default: every rank its own node)")
+    p.add_argument(
+        "--min-part-bytes",
+        type=_positive,
+        default=1 << 16,
+        help="cut pieces on multiples of this many bytes to balance senders (default 65536)",
+    )
     p.add_argument("--model", default="small", choices=sorted(MODELS), help="a preset model (default small)")
     p.add_argument("--weights", metavar="FILE", help='JSON {"src": [...], "dst": [...]} instead of --model')
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")

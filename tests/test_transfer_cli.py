@@ -68,6 +68,20 @@ def test_weights_from_json(tmp_path, capsys):
     assert received == {0: 0, 1: 0, 2: 56, 3: 56, 4: 56, 5: 56}  # 6×2 floats + 2 floats each
 
 
+def test_min_part_bytes_spreads_a_small_rollout(capsys):
+    """Eight trainer replicas feed one rollout node: pieces never cut load one holder in 8;
+    cut on 64-byte multiples, every replica sends and the busiest is within the bound."""
+    argv = ["--src", "dp=8,tp=2", "--dst", "tp=2", "--dst-offset", "16", "--ranks-per-node", "4"]
+    whole = _json(capsys, *argv, "--model", "tiny", "--min-part-bytes", str(1 << 40))
+    cut = _json(capsys, *argv, "--model", "tiny", "--min-part-bytes", "64")
+    assert cut["cross_node_bytes"] == whole["cross_node_bytes"] == cut["cross_node_lower_bound"]
+    assert cut["send_lower_bound"] <= cut["busiest_send_bytes"] <= cut["busiest_send_bound"]
+    assert cut["busiest_send_bytes"] < whole["busiest_send_bytes"]
+    assert cut["busiest_send_bytes"] <= 1.1 * cut["ideal_send_bytes"]
+    assert all(r["sent"] > 0 for r in cut["per_rank"][:16])
+    assert cut["messages"] > whole["messages"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -77,6 +91,7 @@ def test_weights_from_json(tmp_path, capsys):
         (["--src", "tp=2", "--dst", "tp=2", "--model", "gpt5"], "invalid choice: 'gpt5'"),
         (["--src", "tp=2", "--dst", "tp=2", "--ranks-per-node", "0"], "must be a positive integer"),
         (["--src", "tp=2", "--dst", "tp=2", "--src-offset", "-1"], "must be an integer >= 0"),
+        (["--src", "tp=2", "--dst", "tp=2", "--min-part-bytes", "0"], "must be a positive integer"),
         (["--src", "tp=2", "--dst", "tp=2", "--weights", "/no/such/file.json"], "cannot read --weights"),
     ],
 )

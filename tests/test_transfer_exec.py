@@ -4,7 +4,8 @@ Every scenario fills the rollout buffers with NaN, runs ``execute`` in buckets s
 need several, and compares EVERY rollout buffer element with the slice of the full tensor it
 must hold (the full tensors are known on every rank: seeded modules or ``arange`` values).
 Two spawned jobs: disjoint layouts (FSDP2 × TP trainer, a pipeline trainer into a permuted
-rollout, experts, uneven shapes) and colocated layouts (local copies, failures, the legacy
+rollout, experts, uneven shapes, pieces cut into fragments from several senders) and colocated
+layouts (local copies, failures, the legacy
 one-group case).
 """
 
@@ -225,6 +226,43 @@ def _experts(rank):
     return checked, received
 
 
+def _cut_pieces(rank):
+    """Four trainer replicas (dp=4, two nodes of 2) feed a rollout tp=2 × dp=2 whose nodes each
+    need one tp block: every piece has 4 holders for 1 node, so the holders' ranges cut pieces
+    into fragments (``min_part_bytes=4``: cuts on single indices) sent by different ranks; the
+    rollout reassembles them from its rank's own part of the plan."""
+    from meshgroups import Topology
+    from meshgroups.transfer import Replicate, Shard, Weight, plan_transfer
+    from meshgroups.transfer.jobs import init_job
+
+    trainer, rollout = Layout(dp=4), Layout(tp=2, dp=2, rank_offset=4)
+    src_w = [Weight("a", (13, 7)), Weight("b", (9, 11)), Weight("c", (5,))]
+    dst_w = [
+        Weight("a", (13, 7), placements={"tp": Shard(0)}),
+        Weight("b", (9, 11), placements={"tp": Shard(1)}),
+        Weight("c", (5,), placements={"tp": Replicate()}),
+    ]
+    node = Topology(node=2)
+    full = _full(src_w, seed=5)
+    whole = plan_transfer(trainer, src_w, rollout, dst_w, node, min_part_bytes=4)
+    cross = [m for m in whole.messages if m.step == 0]
+    assert {m.src for m in cross} == {0, 1, 2, 3}  # every replica sends
+    senders = {}
+    for m in cross:
+        senders.setdefault((m.weight, m.dst), set()).add(m.src)
+    assert any(len(s) > 1 for s in senders.values()), senders  # a piece arrives in fragments
+    assert whole.busiest_send_bytes <= whole.busiest_send_bound
+    with init_job({"trainer": trainer, "rollout": rollout}) as job:
+        plan = plan_transfer(trainer, src_w, rollout, dst_w, node, rank=rank, min_part_bytes=4)
+        assert list(plan.messages) == whole.for_rank(rank)
+        groups = job.transfer_groups(plan)
+        _talk_only(whole, groups, rank)
+        dsts = _buffers(rollout, dst_w, rank)
+        _run(plan, _shards(trainer, src_w, full, rank), dsts, groups, 60, rank)
+        checked = _check(rollout, dst_w, dsts, full, rank, "cut pieces")
+    return checked
+
+
 def worker_disjoint(rank, world):
     import torch.distributed as dist
 
@@ -232,6 +270,7 @@ def worker_disjoint(rank, world):
 
     held = held_group_count()
     out = {"fsdp_tp": _fsdp_tp(rank), "pipeline": _pipeline_permuted(rank), "experts": _experts(rank)}
+    out["cut"] = _cut_pieces(rank)
     assert held_group_count() == held, "every job and transfer group closed"
     dist.barrier()
     return out
@@ -245,6 +284,7 @@ def test_disjoint_layouts_world8():
     assert sum(r["pipeline"] for r in results) == 2 * (36 + 28 + 3 * 2 + 3)
     assert sum(r["experts"][0] for r in results) == 90 + 18 * 2 + 6 * 4
     assert sum(r["experts"][1] for r in results) > 0  # some receivers derived broadcast routes
+    assert sum(r["cut"] for r in results) == 2 * (13 * 7 + 9 * 11) + 4 * 5
 
 
 # -------------------------------------------------------------------------------- job 2: colocated

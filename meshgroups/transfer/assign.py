@@ -13,16 +13,19 @@ So a node receives each byte it needs and lacks exactly once from outside: the m
 The choice is a formula of public quantities only (the pair's holders, the weight's index, a
 rotation), so the sender and the receiver of a message compute the same choice without talking:
 node ``k`` of the pair's ``K`` cross nodes (in node order) gets the piece from the source holder
-:class:`Senders` names; the representative of a node and the intra sender rotate::
+:class:`~meshgroups.transfer.stream.Stream` names (see there: whole units, or fragments when a
+holder's range of its set's bytes ends inside one); the representative of a node and the intra
+sender rotate::
 
     >>> hs, hd = np.array([0, 8]), np.array([1, 4, 5, 12])  # nodes of 4: S on 0, 2; D on 0, 1, 3
     >>> r = PairRoute.build(hs, ByNode.of(hs, 4), ByNode.of(hd, 4), 4, True)
-    >>> one = Senders(start=0)  # K = 2 units dealt from holder 0: holder k sends unit k
-    >>> src, dst, step, part = r.messages(one, turn=0, rep_turn=0)
+    >>> from meshgroups.transfer.stream import StreamSet
+    >>> one = StreamSet.of([(2, 1)], h=2, start=0).pair(0, 1, 1, 1)  # 2 units of 1 byte, 2 holders
+    >>> src, dst, step, lo, hi = r.messages(one, turn=0, rep_turn=0)
     >>> list(zip(src.tolist(), dst.tolist(), step.tolist()))
     [(0, 1, 0), (0, 4, 0), (8, 12, 0), (4, 5, 1)]
     >>> r.messages_for(8, one, turn=0, rep_turn=0)  # rank 8's share, by lookups
-    [(8, 12, 0, 0)]
+    [(8, 12, 0, -1, -1)]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from functools import cached_property
 import numpy as np
 
 from ..errors import LayoutError
+from .stream import Stream
 
 
 class PlanError(LayoutError):
@@ -60,39 +64,6 @@ def _member(values: np.ndarray, sorted_unique: np.ndarray) -> np.ndarray:
         return np.zeros(values.size, bool)
     i = np.minimum(np.searchsorted(sorted_unique, values), sorted_unique.size - 1)
     return sorted_unique[i] == values
-
-
-@dataclass(frozen=True)
-class Senders:
-    """Which of a pair's ``h`` source holders sends each of its cross-node units (unit
-    ``u = part·K + k``: that part of the piece to the ``k``-th of the ``K`` nodes lacking it).
-
-    The units are dealt round the holders: the first ``n_big`` (the larger parts', when the
-    piece is cut into parts one row longer than the others) from holder ``start_big`` on, the
-    rest from holder ``start`` on, one holder after the other (mod ``h``). Where each deal
-    starts is fixed by the planner's replay (see :mod:`~meshgroups.transfer.choose`), so both
-    lookups are arithmetic, O(1) per unit::
-
-        >>> s = Senders(start=2, parts=2, n_big=1, start_big=0)  # K = 2: 4 units over h = 3
-        >>> s.holder_of(np.arange(4), h=3).tolist(), s.units_of(2, h=3, n_units=4)
-        ([0, 2, 0, 1], [1])
-    """
-
-    start: int = 0
-    parts: int = 1  # the piece is cut in this many parts, each a unit per node (see Planner)
-    n_big: int = 0
-    start_big: int = 0
-
-    def holder_of(self, units: np.ndarray, h: int) -> np.ndarray:
-        """Holder index (into the pair's holders) of each unit."""
-        big = units < self.n_big
-        return np.where(big, self.start_big + units, self.start + units - self.n_big) % h
-
-    def units_of(self, j: int, h: int, n_units: int) -> list[int]:
-        """The units holder ``j`` sends, ascending: O(its units)."""
-        big = range((j - self.start_big) % h, self.n_big, h)
-        rest = range((j - self.start) % h, n_units - self.n_big, h)
-        return [*big, *(self.n_big + i for i in rest)]
 
 
 @dataclass(frozen=True)
@@ -186,19 +157,20 @@ class PairRoute:
             )
 
     def messages(
-        self, senders: Senders, turn: int, rep_turn: int, merged: np.ndarray | None = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(src, dst, step, part)`` of every message of the pair: local copies, intra-node
-        sends (candidate ``turn`` onwards), the cross-node sends (each part of the piece once per
-        node, from the holder ``senders`` names, to the node's representative number
-        ``rep_turn mod size``; part-major) and the representative's forwards — except on the
-        ``merged`` nodes, whose representative forwards the whole destination block once (see
-        ``Planner``). ``part`` is -1 where the message carries the whole piece."""
-        h, n_cross = self.src_holders.size, self.n_cross
+        self, stream: Stream, turn: int, rep_turn: int, merged: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(src, dst, step, lo, hi)`` of every message of the pair: local copies, intra-node
+        sends (candidate ``turn`` onwards), the cross-node sends (each unit — the piece to one
+        cross node's representative number ``rep_turn mod size`` — from the holders ``stream``
+        names, unit by unit) and the representative's forwards — except on the ``merged``
+        nodes, whose representative forwards the whole destination block once (see
+        ``Planner``). ``lo, hi``: the indices of the piece's cut axis a cross-node fragment
+        carries; ``-1, -1`` where the message carries the whole piece."""
+        n_cross = self.n_cross
         intra_src = self.intra_cand[
             self.intra_start + (self.intra_pos + turn) % np.maximum(self.intra_count, 1)
         ]
-        units = np.arange(n_cross * senders.parts, dtype=np.int64)
+        units, lo, hi, holder = stream.fragments(n_cross)
         rep_pos = rep_turn % np.maximum(self.cross_count, 1)
         is_rep = self.cross_pos == rep_pos[self.cross_k]
         reps = self.cross_dst[is_rep]  # one per cross node, in node order
@@ -209,16 +181,19 @@ class PairRoute:
             forward &= ~np.isin(self.cross_nodes, merged)[self.cross_k]
         fwd_dst = self.cross_dst[forward]
         fwd_src = reps[self.cross_k[forward]]
-        step0_src = self.src_holders[senders.holder_of(units, h)]
-        step0_dst = reps[units % n_cross] if n_cross else units
+        step0_src = self.src_holders[holder]
+        step0_dst = reps[units]
         src = np.concatenate([self.local, intra_src, step0_src, fwd_src])
         dst = np.concatenate([self.local, self.intra_dst, step0_dst, fwd_dst])
         step = np.zeros(src.size, dtype=np.int8)
         step[src.size - fwd_src.size :] = 1
-        part = np.full(src.size, -1, dtype=np.int64)
+        lo_all = np.full(src.size, -1, dtype=np.int64)
+        hi_all = lo_all.copy()
         head = self.local.size + self.intra_dst.size
-        part[head : head + units.size] = units // max(n_cross, 1)
-        return src, dst, step, part
+        whole = (lo == 0) & (hi == stream.length)
+        lo_all[head : head + units.size] = np.where(whole, -1, lo)
+        hi_all[head : head + units.size] = np.where(whole, -1, hi)
+        return src, dst, step, lo_all, hi_all
 
     @cached_property
     def cross_nodes(self) -> np.ndarray:
@@ -288,47 +263,50 @@ class PairRoute:
         return int(self.intra_cand[self.intra_start[i] + (self.intra_pos[i] + turn) % self.intra_count[i]])
 
     def messages_for(
-        self, rank: int, senders: Senders, turn: int, rep_turn: int, merged: bool = False
-    ) -> list[tuple[int, int, int, int]]:
-        """The ``(src, dst, step, part)`` of :meth:`messages` that ``rank`` sends or receives,
-        in the same order, found by lookups: O(log h + its own messages), never O(holders).
-        ``merged``: ``rank``'s node is one of the merged nodes (no per-piece forwards there)."""
-        found: list[tuple[int, int, int, int, int, int, int]] = []  # (section, part, index, ...)
-        h, n_cross = self.src_holders.size, self.n_cross
+        self, rank: int, stream: Stream, turn: int, rep_turn: int, merged: bool = False
+    ) -> list[tuple[int, int, int, int, int]]:
+        """The ``(src, dst, step, lo, hi)`` of :meth:`messages` that ``rank`` sends or
+        receives, in the same order, found by lookups: O(log h + its own messages), never
+        O(holders). ``merged``: ``rank``'s node is one of the merged nodes (no per-piece
+        forwards there)."""
+        found: list[tuple[int, int, int, int, int, int, int, int]] = []  # (section, index, lo, ...)
+        n_cross = self.n_cross
         i_src, i_local, i_intra, i_cross = self._index
+
+        def whole(lo: int, hi: int) -> tuple[int, int]:
+            return (-1, -1) if (lo, hi) == (0, stream.length) else (lo, hi)
+
         if (i := self._find(i_local, rank)) is not None:
-            found.append((0, -1, i, rank, rank, 0, -1))
+            found.append((0, i, -1, rank, rank, 0, -1, -1))
         if (i := self._find(i_intra, rank)) is not None:
-            found.append((1, -1, i, self._intra_src(i, turn), rank, 0, -1))
+            found.append((1, i, -1, self._intra_src(i, turn), rank, 0, -1, -1))
         j = self._find(i_src, rank)
         if j is not None:
             node = rank // self.node_size
             lo, hi = np.searchsorted(self._intra_nodes, [node, node + 1])
             for i in range(int(lo), int(hi)):
                 if self._intra_src(i, turn) == rank:
-                    found.append((1, -1, i, rank, int(self.intra_dst[i]), 0, -1))
-            for u in senders.units_of(j, h, n_cross * senders.parts):
-                part, k = divmod(u, n_cross)
+                    found.append((1, i, -1, rank, int(self.intra_dst[i]), 0, -1, -1))
+            for k, a, b in stream.sent_by(j, n_cross):
                 rep = int(self.cross_dst[self._cross_start[k] + rep_turn % self.cross_count[k]])
-                found.append((2, part, k, rank, rep, 0, part))
+                found.append((2, k, a, rank, rep, 0, *whole(a, b)))
         if (i := self._find(i_cross, rank)) is not None:
             k = int(np.searchsorted(self._cross_start, i, side="right")) - 1
             start, count = int(self._cross_start[k]), int(self.cross_count[k])
             rep_i = start + rep_turn % count
             if i == rep_i:
-                units = np.arange(senders.parts, dtype=np.int64) * n_cross + k
-                for part, who in enumerate(senders.holder_of(units, h).tolist()):
-                    found.append((2, part, k, int(self.src_holders[who]), rank, 0, part))
+                for a, b, who in stream.unit(k, n_cross):
+                    found.append((2, k, a, int(self.src_holders[who]), rank, 0, *whole(a, b)))
                 if not merged:
                     found.extend(
-                        (3, -1, m, rank, int(self.cross_dst[m]), 1, -1)
+                        (3, m, -1, rank, int(self.cross_dst[m]), 1, -1, -1)
                         for m in range(start, start + count)
                         if m != i
                     )
             elif not merged:
-                found.append((3, -1, i, int(self.cross_dst[rep_i]), rank, 1, -1))
+                found.append((3, i, -1, int(self.cross_dst[rep_i]), rank, 1, -1, -1))
         found.sort()
-        return [(src, dst, step, part) for *_, src, dst, step, part in found]
+        return [(src, dst, step, lo, hi) for *_, src, dst, step, lo, hi in found]
 
 
-__all__ = ["ByNode", "PairRoute", "PlanError", "Senders"]
+__all__ = ["ByNode", "PairRoute", "PlanError"]

@@ -3,23 +3,24 @@
 Every choice is a function of the weights and layouts alone (never of messages exchanged), so
 each rank makes the same choice for the pieces it takes part in:
 - cross-node senders (:meth:`Choices._replay`): per set of source holders, the units of all its
-  pieces (a piece, or a part of it, to one node lacking it) are dealt round the holders in
-  ascending order of bytes, so the holders' bytes differ by at most the largest unit;
-- parts (:meth:`Choices._parts`): a piece with more holders than nodes to reach is cut so every
-  holder can send one part, the parts near-equal (lengths differ by at most one);
+  pairs (a piece to one node lacking it) are laid end to end and cut into one range of equal
+  bytes per holder (see :mod:`~meshgroups.transfer.stream`), cuts inside a piece on multiples
+  of ``min_part_bytes`` (whole indices of its longest axis);
 - representatives (:meth:`Choices._rep_table`): per destination block key, the holder position
   with the fewest bytes so far represents the nodes for the next weight's block;
 - intra-node senders rotate with the weight and the source block (:meth:`Choices._turn`).
 
-:class:`~meshgroups.transfer.routes.Planner` inherits these; for instance, an even split::
+:class:`~meshgroups.transfer.routes.Planner` inherits these; for instance, the stream of one
+weight's piece over 4 holders, to one node::
 
     >>> from meshgroups import Layout
     >>> from meshgroups.transfer.routes import Planner
     >>> from meshgroups.transfer.spec import Shard, Weight
     >>> w = Weight("w", (8,), placements={"tp": Shard(0)})
     >>> p = Planner(Layout(dp=4, tp=2), Layout(tp=2, rank_offset=8), [(w, w)], node_size=8, min_part_bytes=4)
-    >>> p._parts(0, ((0, 4),), n_cross=1, h=4)  # 4 holders, 1 node to reach: 4 parts of 1 element
-    4
+    >>> s = p.pairs_of(0, (0,))[0][3]  # 4 float32 elements, 16 bytes over 4 holders: one each
+    >>> s.set.total, s.set.h, s.length, s.quantum, sorted(s.fragments(1)[3].tolist())
+    (16, 4, 4, 1, [0, 1, 2, 3])
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .assign import PairRoute, Senders
+from .assign import PairRoute
 from .shards import BlockKey, Side
 from .spec import Box, Weight
+from .stream import Stream, StreamSet
 
 if TYPE_CHECKING:
     from .assign import ByNode
@@ -46,7 +48,7 @@ class Choices:
     sides: list[tuple[Side, Side]]
     weights: list[Weight]
     min_part_bytes: int
-    _senders: dict[tuple[int, tuple[int, ...]], list[Senders]]
+    _streams: dict[tuple[int, tuple[int, ...]], list[Stream]]
     _by_signature: dict[tuple[tuple[str, ...], frozenset[str]], dict[tuple[str, int] | None, list[int]]]
 
     if TYPE_CHECKING:
@@ -58,59 +60,43 @@ class Choices:
         ) -> list[tuple[tuple[int, ...], Box, PairRoute]]: ...
 
     def _replay(self, key: BlockKey, free_dims: tuple[str, ...]) -> None:
-        """Choose the cross-node senders of every pair whose source block has holders ``key``.
+        """Place every pair whose source block has holders ``key`` in that set's stream.
 
-        The units of all those pairs (every weight with that holder set) are dealt round the
-        ``h`` holders, one after the other, in ascending order of their bytes (ties: weight,
-        pair, larger parts first) — the order only fixes who sends, the messages keep the
-        weights' order. Dealt so, the holders' loads in bytes, read round the circle from the
-        next holder to deal to, never decrease and differ by at most the unit last dealt: each
-        deal of units of ``c`` bytes (``c`` no smaller than any before) raises a run starting
-        at the least-loaded holder. So the holders of one set send cross-node bytes that
-        differ by at most their largest unit — what a greedy "least-loaded takes the next
-        unit" gives, with one counter of state instead of one load per holder: O(pairs log
-        pairs), independent of ``h``. A function of the weights alone, so every rank replays
-        the same choices."""
+        The units of all those pairs (every weight with that holder set, in weight then pair
+        order, each pair's ``K`` units one per node lacking the piece) are laid end to end;
+        :class:`~meshgroups.transfer.stream.Stream` cuts them into one range of equal bytes per
+        holder. O(pairs of the set), independent of ``h``; a function of the weights alone, so
+        every rank places the same pairs alike."""
         fixed = dict(key)
         stages = self._by_signature.get((free_dims, frozenset(fixed)), {})
         candidates = sorted(
             w for stage, ws in stages.items() if stage is None or fixed.get(stage[0]) == stage[1] for w in ws
         )
-        deals: list[tuple[int, int, int, int, int]] = []  # (unit bytes, w, pair, class, units)
-        shapes: dict[tuple[int, int], tuple[int, int]] = {}  # (w, pair) -> (parts, big units)
-        blocks: dict[int, tuple[int, ...]] = {}
+        placed: list[tuple[int, tuple[int, ...], int]] = []  # (w, block, pairs before it)
+        units: list[tuple[int, int]] = []  # (K, unit bytes) per pair, weight then pair order
+        cuts: list[tuple[int, int]] = []  # (indices, bytes per index) of each piece's cut axis
+        h = 1
         for w in candidates:
             s_block = self._block_for(w, key)
             if s_block is None:
                 continue
-            blocks[w] = s_block
-            for i, (_, box, route) in enumerate(self._listed(w, s_block)):
-                k, h = route.n_cross, route.src_holders.size
-                parts = self._parts(w, box, k, h)
-                big, small = self._part_bytes(w, box, parts)
-                n_big = k * (parts - small[1])
-                shapes[(w, i)] = (parts, n_big)
-                if n_big:
-                    deals.append((big, w, i, 0, n_big))
-                if k * small[1]:
-                    deals.append((small[0], w, i, 1, k * small[1]))
-        starts: dict[tuple[int, int, int], int] = {}
-        # Each set starts its deal at its own holder (a checksum of its key: the same in every
-        # process, ints normalised so numpy and Python ints read alike), so a rank in several
-        # sets is not the first dealt to in all of them.
-        canonical = (tuple((str(d), int(c)) for d, c in key), tuple(str(d) for d in free_dims))
-        dealt = zlib.crc32(repr(canonical).encode())
-        for _, w, i, cls, n in sorted(deals):
-            starts[(w, i, cls)] = dealt
-            dealt += n
-        for w, s_block in blocks.items():
-            out = []
-            for i, (_, _, route) in enumerate(self._listed(w, s_block)):
+            placed.append((w, s_block, len(units)))
+            for _, box, route in self._listed(w, s_block):
                 h = max(route.src_holders.size, 1)
-                parts, n_big = shapes[(w, i)]
-                first = starts.get((w, i, 1), 0) % h
-                out.append(Senders(first, parts, n_big, starts.get((w, i, 0), 0) % h))
-            self._senders[(w, s_block)] = out
+                length, row = self._cut_axis(w, box)
+                units.append((route.n_cross, length * row))
+                cuts.append((length, row))
+        # Each set starts its slots at its own holder (a checksum of its key: the same in every
+        # process, ints normalised so numpy and Python ints read alike), so a rank in several
+        # sets does not take the first range of all of them.
+        canonical = (tuple((str(d), int(c)) for d, c in key), tuple(str(d) for d in free_dims))
+        stream = StreamSet.of(units, h, zlib.crc32(repr(canonical).encode()))
+        ends = [i for _, _, i in placed[1:]] + [len(units)]
+        for (w, s_block, first), end in zip(placed, ends):
+            self._streams[(w, s_block)] = [
+                stream.pair(i, *cuts[i], max(1, -(-self.min_part_bytes // max(cuts[i][1], 1))))
+                for i in range(first, end)
+            ]
 
     def _block_for(self, w: int, key: BlockKey) -> tuple[int, ...] | None:
         """The non-empty source block of weight ``w`` whose holders are ``key``, if any."""
@@ -129,29 +115,13 @@ class Choices:
             block.append(index)
         return tuple(block)
 
-    def _parts(self, w: int, box: Box, n_cross: int, h: int) -> int:
-        """How many parts a piece is cut into for its cross-node sends: when it has more
-        holders than nodes to reach, enough parts for every holder to send one (at most
-        ``h // n_cross``), cut along the longest axis into near-equal parts (lengths differ by
-        at most one, see :func:`~meshgroups.transfer.routes.part_box`), none smaller than
-        ``min_part_bytes``."""
-        if n_cross == 0 or h <= n_cross or not box:
-            return 1
+    def _cut_axis(self, w: int, box: Box) -> tuple[int, int]:
+        """``(indices, bytes per index)`` of the axis a piece is cut along: its longest, the
+        first of equals (as :func:`~meshgroups.transfer.routes.cut_box`)."""
+        if not box:
+            return 1, self._nbytes(w, box)
         longest = max(b - a for a, b in box)
-        row = self._nbytes(w, box) // max(longest, 1)  # bytes per index of the longest axis
-        rows = max(1, -(-self.min_part_bytes // max(row, 1)))  # a part's fewest indices
-        return max(1, min(h // n_cross, longest // rows))
-
-    def _part_bytes(self, w: int, box: Box, parts: int) -> tuple[int, tuple[int, int]]:
-        """``(bytes of a larger part, (bytes of a smaller part, how many smaller parts))``:
-        ``n`` indices in ``parts`` parts are ``n mod parts`` parts one index longer than the
-        others."""
-        if parts == 1:
-            return 0, (self._nbytes(w, box), 1)
-        longest = max(b - a for a, b in box)
-        row = self._nbytes(w, box) // longest
-        base, extra = divmod(longest, parts)
-        return (base + 1) * row, (base * row, parts - extra)
+        return longest, self._nbytes(w, box) // max(longest, 1)
 
     @staticmethod
     def _flat(intervals: tuple[np.ndarray, ...], block: tuple[int, ...]) -> int:

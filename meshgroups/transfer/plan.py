@@ -112,18 +112,19 @@ class Plan:
             the groups hold unequal bytes (stages of unequal size). ``nan`` for a rank's plan.
         busiest_send_bound: what the planner guarantees (``nan`` for a rank's plan): the
             busiest step-0 sender sends at most this, the max over source ranks ``r`` of
-            ``intra(r) + Σ_{H ∋ r} (X_H / |H| + U_H · (1 - 1/|H|))`` — ``intra(r)``: its
-            intra-node sends (the node's holders take turns), ``H``: the holder sets ``r`` is
-            in, ``X_H``: their cross-node bytes, ``U_H``: their largest unit (a piece or a
-            part of it to one node). Proof: per holder set, the units are dealt round the
-            holders in ascending order of bytes, which keeps their loads within the unit last
-            dealt (see :mod:`~meshgroups.transfer.choose`); a set's busiest member is then at
-            most ``U_H · (1 - 1/|H|)`` above its mean. When no source node holds a destination
-            rank (``intra = 0``) and the holder sets of one kind (the same sharding dims: one
-            set per coordinate, together covering their group) carry equal bytes, as with even
-            shards in ``bench_transfer``, ``Σ_{H ∋ r} X_H / |H|`` is the group's mean, so the
-            busiest sender sends at most ``send_lower_bound + Σ_{H ∋ r} U_H``: the rest is
-            granularity, and finer parts (``min_part_bytes``) come closer.
+            ``intra(r) + Σ_{H ∋ r} (⌈X_H / |H|⌉ + Q_H)`` — ``intra(r)``: its intra-node sends
+            (the node's holders take turns), ``H``: the holder sets ``r`` is in, ``X_H``: their
+            cross-node bytes, ``Q_H``: their largest cut quantum (``min_part_bytes`` rounded up
+            to whole indices of a piece's longest axis, or the whole unit if smaller). Proof:
+            per holder set, the units are laid end to end and cut into ``|H|`` ranges of
+            ``⌊X_H/|H|⌋`` or ``⌈X_H/|H|⌉`` bytes, a cut inside a unit moved up to its next
+            quantum (see :mod:`~meshgroups.transfer.stream`), so a member's range grows by less
+            than ``Q_H``. When no source node holds a destination rank (``intra = 0``) and the
+            holder sets of one kind (the same sharding dims: one set per coordinate, together
+            covering their group) carry equal bytes, as with even shards in
+            ``bench_transfer``, ``Σ_{H ∋ r} X_H / |H|`` is the group's mean, so the busiest
+            sender sends at most ``send_lower_bound + Σ_{H ∋ r} (Q_H + 1)``: the rest is the
+            cut's granularity.
         busiest_forward_bytes: the most any rank forwards inside its node (step 1).
         n_messages: messages including local copies; ``n_local`` of them are local copies.
         stats: per-rank arrays (bytes and messages by step and node crossing), see
@@ -309,7 +310,7 @@ def plan_transfer(
     topology: Topology | None = None,
     rank: int | None = None,
     *,
-    min_part_bytes: int = 1 << 20,
+    min_part_bytes: int = 1 << 16,
 ) -> Plan:
     """Plan moving ``dst_weights`` (matched by name to ``src_weights``) from ``src`` to ``dst``.
 
@@ -317,9 +318,11 @@ def plan_transfer(
         topology: its ``node`` level (else its smallest) is the node; ``None``: each rank its
             own node.
         rank: ``None`` for the whole plan; a rank for only its messages (O(its shards)).
-        min_part_bytes: a piece with more source holders than nodes to reach is cut into parts
-            (each node gets every part, each part from another holder) so the send load
-            spreads; no part is smaller than this.
+        min_part_bytes: the granularity of cuts: where one holder's share of its set's
+            cross-node bytes ends inside a piece, the piece is cut there, on a multiple of this
+            many bytes (rounded up to whole indices of its longest axis) from its start. Finer
+            is better balanced (a sender's bytes stay within one quantum of its share) and
+            costs no more messages (at most one per holder more than whole pieces).
 
     Raises:
         TypeError: an argument of the wrong kind.
@@ -362,7 +365,7 @@ def _whole(planner: Planner, src: Layout, dst: Layout) -> Plan:
                 bound += r.lower_bound_nodes * c.piece_nbytes
                 holds[r.src_holders] = True
                 step0 = (r.intra_dst.size + r.n_cross) * c.piece_nbytes
-                sets.add(r.src_holders, step0, r.n_cross * c.piece_nbytes, c.unit_nbytes)
+                sets.add(r.src_holders, step0, r.n_cross * c.piece_nbytes, c.quantum_nbytes)
     s = tally.result()
     send_bounds = sets.bounds(s.send_step0, s.send_cross)
     return Plan(planner, None, _LazyMessages(planner, counts), tally, bound, int(holds.sum()), send_bounds)

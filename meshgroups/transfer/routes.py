@@ -5,8 +5,8 @@ source block ``S`` it lists the destination blocks ``D`` that intersect ``S`` (p
 binary search in the two tilings, then their product) and routes each pair with
 :class:`~meshgroups.transfer.assign.PairRoute`, cached by the blocks' keys (stage and sharding
 coordinates), so weights placed alike share one routing. The cross-node senders of a piece are
-chosen by bytes: per set of holders, the units of all its pairs are dealt round the holders in
-ascending order of bytes (see :mod:`~meshgroups.transfer.choose`).
+chosen by bytes: per set of holders, the units of all its pairs are laid end to end and cut into
+one range of equal bytes per holder (see :mod:`~meshgroups.transfer.stream`).
 Both the whole plan and a rank's part call :meth:`Planner.pairs_of` for the same ``(w, S)``, so
 they agree message for message. A node that receives *every* piece of a destination block from
 outside gets them all on one representative, which forwards the whole block in one message::
@@ -29,25 +29,23 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..layout import Layout
-from .assign import ByNode, PairRoute, PlanError, Senders
+from .assign import ByNode, PairRoute, PlanError
 from .choose import Choices
 from .shards import BlockKey, Side, axis_pairs, holders
 from .spec import Box, Weight
+from .stream import Stream
 
 
-def part_box(box: Box, parts: int, i: int) -> Box:
-    """Part ``i`` of ``parts`` of ``box``: its longest axis (the first of equals) cut into
-    near-equal parts, the first ``n mod parts`` one index longer (as ``numpy.array_split``)::
+def cut_box(box: Box, lo: int, hi: int) -> Box:
+    """Indices ``[lo, hi)`` (counted from the box's start) of ``box``'s longest axis, the
+    first of equals — the axis a piece is cut along::
 
-        >>> [part_box(((0, 2), (0, 7)), 3, i)[1] for i in range(3)]
-        [(0, 3), (3, 5), (5, 7)]
+        >>> cut_box(((0, 2), (3, 10)), 2, 5)
+        ((0, 2), (5, 8))
     """
     axis = max(range(len(box)), key=lambda a: (box[a][1] - box[a][0], -a))
-    start, stop = box[axis]
-    base, extra = divmod(stop - start, parts)
-    lo = start + i * base + min(i, extra)
-    hi = lo + base + (1 if i < extra else 0)
-    return (*box[:axis], (lo, hi), *box[axis + 1 :])
+    start = box[axis][0]
+    return (*box[:axis], (start + lo, start + hi), *box[axis + 1 :])
 
 
 @dataclass(frozen=True)
@@ -63,7 +61,7 @@ class Chunk:
     route: PairRoute
     forward: bool = False  # a merged forward of a whole destination block (see the module doc)
     piece_nbytes: int = 0  # set on the first chunk of a pair: the bytes of its whole piece
-    unit_nbytes: int = 0  # ... and of its largest cross-node unit (a part, or the piece)
+    quantum_nbytes: int = 0  # ... and the most a cut inside it can move a sender's load
 
 
 class Planner(Choices):
@@ -76,7 +74,7 @@ class Planner(Choices):
         pairs: Sequence[tuple[Weight, Weight]],
         node_size: int,
         full_check: bool = True,
-        min_part_bytes: int = 1 << 20,
+        min_part_bytes: int = 1 << 16,
     ) -> None:
         self.src, self.dst, self.node_size, self.full_check = src, dst, node_size, full_check
         self.min_part_bytes = min_part_bytes
@@ -94,7 +92,7 @@ class Planner(Choices):
 
         self.sides = [(side(0, src, sw), side(1, dst, dw)) for sw, dw in pairs]
         self._coords: dict[tuple[int, int], dict[str, int] | None] = {}
-        self._senders: dict[tuple[int, tuple[int, ...]], list[Senders]] = {}
+        self._streams: dict[tuple[int, tuple[int, ...]], list[Stream]] = {}
         # Weights whose source blocks are keyed by the same dims (and vary over the same dims).
         # Weights whose source blocks are keyed by the same dims and vary over the same dims,
         # by pipeline stage: the candidates when replaying one holder set's history.
@@ -163,14 +161,14 @@ class Planner(Choices):
 
     def pairs_of(
         self, w: int, s_block: tuple[int, ...]
-    ) -> list[tuple[tuple[int, ...], Box, PairRoute, Senders]]:
+    ) -> list[tuple[tuple[int, ...], Box, PairRoute, Stream]]:
         """:meth:`_listed` with each pair's cross-node senders."""
-        senders = self._senders.get((w, s_block))
-        if senders is None:
+        streams = self._streams.get((w, s_block))
+        if streams is None:
             ss = self.sides[w][0]
             self._replay(ss.block_key(s_block), ss.free_dims)
-            senders = self._senders[(w, s_block)]
-        return [(d, box, route, who) for (d, box, route), who in zip(self._listed(w, s_block), senders)]
+            streams = self._streams[(w, s_block)]
+        return [(d, box, route, who) for (d, box, route), who in zip(self._listed(w, s_block), streams)]
 
     def src_blocks_meeting(self, w: int, d_block: tuple[int, ...]) -> list[tuple[int, ...]]:
         """Source blocks of weight ``w`` that intersect destination block ``d_block``; checks
@@ -198,32 +196,32 @@ class Planner(Choices):
         d_block: tuple[int, ...],
         box: Box,
         route: PairRoute,
-        senders: Senders,
+        stream: Stream,
         merged: np.ndarray | None = None,
     ) -> list[Chunk]:
-        """The pair's messages as chunks of one box each (the piece, or one part of it)."""
-        got = route.messages(senders, self._turn(w, s_block), self._rep_turn(w, d_block), merged)
-        return self._runs(w, box, senders.parts, route, *got)
+        """The pair's messages as chunks of one box each (the piece, or a fragment of it)."""
+        got = route.messages(stream, self._turn(w, s_block), self._rep_turn(w, d_block), merged)
+        return self._runs(w, box, route, *got)
 
     def _runs(
         self,
         w: int,
         box: Box,
-        parts: int,
         route: PairRoute,
         src: np.ndarray,
         dst: np.ndarray,
         step: np.ndarray,
-        part: np.ndarray,
+        lo: np.ndarray,
+        hi: np.ndarray,
     ) -> list[Chunk]:
-        """Cut messages into runs of equal ``part`` (-1: the whole piece), one chunk each."""
+        """Cut messages into runs of equal ``(lo, hi)`` (-1: the whole piece), one chunk each."""
         if src.size == 0:
             return []
-        cuts = np.flatnonzero(part[1:] != part[:-1]) + 1
+        cuts = np.flatnonzero((lo[1:] != lo[:-1]) | (hi[1:] != hi[:-1])) + 1
         out = []
-        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), src.size]):
-            b = box if part[lo] < 0 else part_box(box, parts, int(part[lo]))
-            out.append(Chunk(w, b, self._nbytes(w, b), src[lo:hi], dst[lo:hi], step[lo:hi], route))
+        for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), src.size]):
+            piece = box if lo[a] < 0 else cut_box(box, int(lo[a]), int(hi[a]))
+            out.append(Chunk(w, piece, self._nbytes(w, piece), src[a:b], dst[a:b], step[a:b], route))
         return out
 
     def _forward_chunk(self, w: int, d_block: tuple[int, ...], route: PairRoute, nodes: np.ndarray) -> Chunk:
@@ -250,15 +248,15 @@ class Planner(Choices):
             s_block = tuple(int(i) for i in np.unravel_index(flat, sizes)) if sizes else ()
             if any(iv[b, 1] <= iv[b, 0] for iv, b in zip(ss.axis_intervals, s_block)):
                 continue
-            for d_block, box, route, senders in self.pairs_of(w, s_block):
-                pairs.append((s_block, d_block, box, route, senders))
+            for d_block, box, route, stream in self.pairs_of(w, s_block):
+                pairs.append((s_block, d_block, box, route, stream))
                 by_d.setdefault(d_block, []).append(route)
         merged = {d: self._merged_nodes(routes) for d, routes in by_d.items()}
-        for s_block, d_block, box, route, senders in pairs:
-            out = self.chunks(w, s_block, d_block, box, route, senders, merged[d_block])
-            big, small = self._part_bytes(w, box, senders.parts)
-            unit = big if senders.n_big else small[0]
-            out[0] = dataclasses.replace(out[0], piece_nbytes=self._nbytes(w, box), unit_nbytes=unit)
+        for s_block, d_block, box, route, stream in pairs:
+            out = self.chunks(w, s_block, d_block, box, route, stream, merged[d_block])
+            out[0] = dataclasses.replace(
+                out[0], piece_nbytes=self._nbytes(w, box), quantum_nbytes=stream.quantum_nbytes
+            )
             yield from out
         for d_block in sorted(merged):
             if merged[d_block].size:
@@ -286,23 +284,23 @@ class Planner(Choices):
             wanted.extend((s, d_own) for s in self.src_blocks_meeting(w, d_own))
         found = []
         for s_block, only in wanted:
-            for d_block, box, route, senders in self.pairs_of(w, s_block):
+            for d_block, box, route, stream in self.pairs_of(w, s_block):
                 if (only is not None and d_block != only) or (s_block, d_block) in seen:
                     continue
                 seen.add((s_block, d_block))
-                found.append((s_block, d_block, box, route, senders))
+                found.append((s_block, d_block, box, route, stream))
         found.sort(key=lambda f: (f[0], f[1]))  # the whole plan's order: source, then destination blocks
         node = rank // self.node_size
         own_routes = [f[3] for f in found if f[1] == d_own]
         merged = len(own_routes) >= 2 and all(r.is_cross_node(node) for r in own_routes)
-        for s_block, d_block, box, route, senders in found:
+        for s_block, d_block, box, route, stream in found:
             got = route.messages_for(
-                rank, senders, self._turn(w, s_block), self._rep_turn(w, d_block), merged and d_block == d_own
+                rank, stream, self._turn(w, s_block), self._rep_turn(w, d_block), merged and d_block == d_own
             )
             cols = (
-                [np.array(col, dtype=np.int64) for col in zip(*got)] if got else [np.zeros(0, np.int64)] * 4
+                [np.array(col, dtype=np.int64) for col in zip(*got)] if got else [np.zeros(0, np.int64)] * 5
             )
-            out = self._runs(w, box, senders.parts, route, cols[0], cols[1], cols[2].astype(np.int8), cols[3])
+            out = self._runs(w, box, route, cols[0], cols[1], cols[2].astype(np.int8), cols[3], cols[4])
             if (
                 d_block == d_own
             ):  # the piece arrives whole, or not at all on a merged node's non-representative
@@ -325,4 +323,4 @@ def _volume(box: Box) -> int:
     return n
 
 
-__all__ = ["Chunk", "Planner", "part_box"]
+__all__ = ["Chunk", "Planner", "cut_box"]

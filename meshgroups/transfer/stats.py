@@ -139,18 +139,17 @@ class HolderSets:
 
         >>> hs = HolderSets()
         >>> a, b = np.array([0, 1]), np.array([1, 2, 3])  # two sets sharing rank 1
-        >>> hs.add(a, step0=80, cross=80, unit=10); hs.add(b, step0=30, cross=30, unit=10)
+        >>> hs.add(a, step0=80, cross=80, quantum=4); hs.add(b, step0=30, cross=30, quantum=2)
         >>> sent = np.array([40, 50, 10, 10])  # step-0 bytes, all of them cross-node
-        >>> lower, bound = hs.bounds(sent, sent)
-        >>> lower, round(bound, 2)  # 80 over a's 2 ranks; rank 1: 80/2 + 10/2 + 30/3 + 10·2/3
-        (40.0, 61.67)
+        >>> hs.bounds(sent, sent)  # 80 over a's 2 ranks; rank 1: ⌈80/2⌉ + 4 + ⌈30/3⌉ + 2
+        (40.0, 56.0)
     """
 
     def __init__(self) -> None:
-        # id of the planner's cached holder array -> [holders, step-0 bytes, cross bytes, unit]
+        # id of the planner's cached holder array -> [holders, step-0 bytes, cross bytes, quantum]
         self._sets: dict[int, list[Any]] = {}
 
-    def add(self, holders: np.ndarray, step0: int, cross: int, unit: int) -> None:
+    def add(self, holders: np.ndarray, step0: int, cross: int, quantum: int) -> None:
         """One pair's bytes: ``holders`` is the planner's cached array of its source holders."""
         if not step0:  # local copies only: the set sends nothing, it joins no group
             return
@@ -158,7 +157,7 @@ class HolderSets:
         e[1] += step0
         e[2] += cross
         if cross:
-            e[3] = max(e[3], unit)
+            e[3] = max(e[3], quantum)
 
     def bounds(self, send_step0: np.ndarray, send_cross: np.ndarray) -> tuple[float, float]:
         """``(lower, upper)`` on the busiest step-0 sender.
@@ -167,8 +166,9 @@ class HolderSets:
         share ranks) of the step-0 bytes of the pieces only G holds, over G's ranks — no
         choice of senders among the holders does better. ``upper``: what the planner
         guarantees: per rank, its intra-node step-0 bytes plus, per holder set H it is in,
-        ``X_H / h + U_H·(1 - 1/h)`` (``X_H``: H's cross-node bytes, ``U_H`` its largest unit;
-        the deal keeps H's members within ``U_H`` of each other)."""
+        ``⌈X_H / h⌉ + Q_H`` (``X_H``: H's cross-node bytes, cut into one range per member;
+        ``Q_H``: the most a cut on a quantum moves a range, see
+        :mod:`~meshgroups.transfer.stream`)."""
         sets = list(self._sets.values())
         if not sets:
             return 0.0, 0.0
@@ -184,10 +184,10 @@ class HolderSets:
             return i
 
         lower = 0.0
-        for i, (hs, step0, cross, unit) in enumerate(sets):
+        for i, (hs, step0, cross, quantum) in enumerate(sets):
             h = hs.size
             lower = max(lower, step0 / h)
-            guarantee[hs] += cross / h + unit * (1 - 1 / h)
+            guarantee[hs] += -(-cross // h) + quantum
             for j in np.unique(owner[hs]).tolist():
                 if j >= 0:
                     parent[find(j)] = find(i)
