@@ -2,8 +2,9 @@
 
 For every destination shard the plan names the source ranks and exact boxes, choosing among
 replicas so that a node receives each byte it needs and lacks exactly once from outside (then
-forwards it inside the node), the senders take turns, nothing goes to a rank that already holds
-it (colocated ranks copy locally) and every destination element is covered exactly once —
+forwards it inside the node), each holder sends within one cut quantum of its share of the
+cross-node bytes (see :mod:`~meshgroups.transfer.stream`), nothing goes to a rank that already
+holds it (colocated ranks copy locally) and every destination element is covered exactly once —
 checked while the plan is built::
 
     >>> from meshgroups import Layout, Topology
