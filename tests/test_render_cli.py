@@ -260,3 +260,16 @@ def test_cli_output_cut_by_a_closed_pipe_prints_no_traceback():
     proc.stdout.close()  # the reader leaves, as `| head -1` does
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141 and "Traceback" not in err
+
+
+def test_render_docstring_examples_run():
+    import doctest
+
+    import meshgroups._render_grid
+    import meshgroups.render
+    import meshgroups.render_plot
+    import meshgroups.render_spans
+
+    modules = (meshgroups._render_grid, meshgroups.render, meshgroups.render_plot, meshgroups.render_spans)
+    results = [doctest.testmod(m) for m in modules]
+    assert all(r.failed == 0 for r in results) and sum(r.attempted for r in results) >= 1
