@@ -37,6 +37,16 @@ def test_wheel_contents(dists):
         "meshgroups/compat/group_initializer.py",
     ):
         assert needed in names, needed
+    # every module of the source tree ships (a subpackage missing from pyproject's list would not)
+    sources = {
+        f"meshgroups/{p.relative_to(ROOT / 'meshgroups').as_posix()}"
+        for p in (ROOT / "meshgroups").rglob("*.py")
+    }
+    sources |= {
+        f"meshgroups/compat/{p.relative_to(ROOT / 'compat').as_posix()}"
+        for p in (ROOT / "compat").rglob("*.py")
+    }
+    assert sources - set(names) == set(), sorted(sources - set(names))
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     metadata = (
         zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()

@@ -1,107 +1,21 @@
-"""The one place that touches private ``torch.distributed`` internals (torch 2.13).
-
-A torch upgrade that moves these names breaks this module only. Two helpers write torch state,
-each for a reason the callers document: ``advance_group_count`` (re-align sequential group
-names after a failed build) and ``creation_store_prefix`` (give each ``init_mesh`` call its own
-store namespace, so rebuilt groups never read a previous incarnation's connection keys).
-"""
+"""``RootedMesh``: the DeviceMesh meshgroups hands out, and the O(ndim) construction of the meshes
+derived from a root (slices, flattened and unflattened dims)."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
-import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from datetime import timedelta
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Backend as _C10dBackend
-from torch.distributed import distributed_c10d as _c10d
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh, _normalize_backend_override
 
-from .errors import UnknownDimError
-
-
-def default_store() -> dist.Store:
-    """The store the default process group was initialised with (TCPStore under torchrun)."""
-    return _c10d._get_default_store()
-
-
-def held_group_count() -> int:
-    """How many groups this process belongs to. torch names groups created with
-    ``use_local_synchronization=True`` by hashing their ranks *and this count*, so every member
-    of such a group must have the same count when it is created (pytorch#173608)."""
-    return len(_c10d._world.pg_names)
-
-
-def group_count() -> int:
-    """torch's counter behind sequential group names (``new_group`` without local sync):
-    incremented by every such call, member or not, so it must agree on every rank."""
-    return int(_c10d._world.group_count)
-
-
-def advance_group_count(value: int) -> None:
-    """Move the sequential-name counter forward to ``value`` (never back: names stay unique)."""
-    if value > _c10d._world.group_count:
-        _c10d._world.group_count = value
-
-
-@contextmanager
-def creation_store_prefix(prefix: str) -> Iterator[None]:
-    """Groups created inside get their connection keys under ``prefix`` in the default store.
-
-    torch derives a new group's store as ``PrefixStore(name, default store)``; hashed names
-    repeat once a group is destroyed and rebuilt, and gloo would then read the old group's
-    addresses. Swapping the default store's entry for a prefixed one while creating gives each
-    call a namespace of its own; the groups keep a reference to their own store afterwards.
-
-    Hashed group names (``use_local_synchronization``, ``split_group``) get the prefix mixed in
-    too, so a group rebuilt after ``close()`` never takes the name of a destroyed one: an old
-    DeviceMesh slice holding that name then fails to resolve instead of silently resolving to
-    the new mesh's group. The prefix is the same on every rank of the call."""
-    default_pg = _c10d._get_default_group()
-    backend, store = _c10d._world.pg_map[default_pg]
-    hash_ranks = _c10d._hash_ranks_to_str
-    _c10d._world.pg_map[default_pg] = (backend, dist.PrefixStore(prefix, store))
-    _c10d._hash_ranks_to_str = lambda ranks: hash_ranks([*ranks, prefix])  # type: ignore[list-item]
-    try:
-        yield
-    finally:
-        _c10d._world.pg_map[default_pg] = (backend, store)
-        _c10d._hash_ranks_to_str = hash_ranks
-
-
-def default_timeout() -> timedelta:
-    """The default group's timeout (``init_process_group(timeout=...)``)."""
-    group = _c10d._get_default_group()
-    for device in (torch.device("cpu"), torch.device("cuda")):
-        try:
-            timeout = group._get_backend(device).options._timeout
-        except (RuntimeError, AttributeError):
-            continue
-        if isinstance(timeout, timedelta) and timeout > timedelta(0):
-            return timeout
-    return dist.default_pg_timeout
-
-
-def default_backend_name() -> str:
-    return str(dist.get_backend())
-
-
-def bound_device_id() -> object | None:
-    """The device the default group is bound to (``init_process_group(device_id=...)``)."""
-    return _c10d._get_default_group().bound_device_id
-
-
-def is_backend_options(value: object) -> bool:
-    """Whether ``value`` is a c10d backend options object (``ProcessGroupGloo._Options``, ...)."""
-    return isinstance(value, _C10dBackend.Options)
-
+from ..errors import UnknownDimError
+from .builders import _CALLS, BackendConfig, GroupBuilder, _lookup
 
 # ---------------------------------------------------------------------------------------------
 # One root mesh, on every rank. meshgroups hands out a single root DeviceMesh per layout; its
@@ -117,43 +31,6 @@ def is_backend_options(value: object) -> bool:
 # root's rank map (torch's constructor is O(world) per mesh), mirroring torch 2.13's
 # _create_sub_mesh / _create_flatten_mesh / _create_unflatten_mesh.
 # ---------------------------------------------------------------------------------------------
-
-BackendConfig = tuple["str | None", "object | None"]
-GroupBuilder = Callable[
-    [Sequence[torch.Tensor], Sequence[str], Sequence[BackendConfig]], Sequence["dist.ProcessGroup | None"]
-]
-# Live builders by serial, so a copy or an unpickled mesh *in the process that built it* finds
-# its MeshGroups; weak, so a mesh nobody holds does not keep its MeshGroups alive.
-_BUILDERS: dict[int, weakref.WeakMethod] = {}
-_SERIALS = itertools.count(1)
-
-
-def register_builder(builder: GroupBuilder) -> tuple[int, int]:
-    """A token for ``builder`` (a bound method): ``(pid, serial)``, pickled with the meshes."""
-    serial = next(_SERIALS)
-    _BUILDERS[serial] = weakref.WeakMethod(builder)
-    return (os.getpid(), serial)
-
-
-def unregister_builder(token: tuple[int, int]) -> None:
-    _BUILDERS.pop(token[1], None)
-
-
-def _lookup(token: tuple[int, int] | None) -> GroupBuilder | None:
-    if token is None or token[0] != os.getpid():
-        return None
-    ref = _BUILDERS.get(token[1])
-    return None if ref is None else ref()
-
-
-#: ``call(operation)``: the collective call (``meshgroups.collective``) that ``_flatten`` and
-#: ``_unflatten`` run in, numbered before they check anything; set by ``use_collective_calls``.
-CallFactory = Callable[[str], AbstractContextManager[object]]
-_CALLS: list[CallFactory] = []
-
-
-def use_collective_calls(factory: CallFactory) -> None:
-    _CALLS[:] = [factory]
 
 
 class RootedMesh(DeviceMesh):
@@ -408,55 +285,6 @@ def _new_mesh(
     return mesh
 
 
-def make_root(
-    groups: Sequence[dist.ProcessGroup] | None,
-    device_type: str,
-    ranks: torch.Tensor,
-    names: tuple[str, ...],
-    coordinate: tuple[int, ...] | None,
-    builder: GroupBuilder,
-    token: tuple[int, int],
-) -> RootedMesh:
-    """The root mesh over ``ranks`` (C-contiguous) with ``groups`` (one per dim, in mesh order)
-    at ``coordinate``; both ``None`` on a rank outside it. New groups come from ``builder``."""
-    layout = _MeshLayout.from_sizes_strides(tuple(ranks.shape))
-    group_names = [g.group_name for g in groups] if groups is not None else []
-    mesh = _new_mesh(device_type, layout, ranks.reshape(-1), names, None, group_names, coordinate)
-    for group in groups or ():
-        mesh._pg_registry[group.group_name] = group
-    mesh._mg_builder, mesh._mg_token = builder, token
-    return mesh
-
-
-def make_group_mesh(
-    group: dist.ProcessGroup | None,
-    device_type: str,
-    rows: torch.Tensor,
-    name: str,
-    coordinate: int | None,
-    builder: GroupBuilder,
-    token: tuple[int, int],
-) -> RootedMesh:
-    """A 1-D root over one family of groups (``rows``: one group per row): this rank's group
-    where it has one, else a mesh with coordinate ``None`` — what ``DeviceMesh("cpu", [0, 2])``
-    is on ranks 1 and 3 when there is one row. Its rank map holds every row, so ``_flatten`` and
-    ``_unflatten`` ask for the same groups on every rank."""
-    layout = _MeshLayout.from_sizes_strides((rows.shape[1],), (1,))
-    mesh = _new_mesh(
-        device_type,
-        layout,
-        rows.reshape(-1).contiguous(),
-        (name,),
-        None,
-        [group.group_name] if group is not None else [],
-        None if coordinate is None else (coordinate,),
-    )
-    if group is not None:
-        mesh._pg_registry[group.group_name] = group
-    mesh._mg_builder, mesh._mg_token = builder, token
-    return mesh
-
-
 def flattened_layout(root: DeviceMesh, names: tuple[str, ...]) -> _MeshLayout:
     """The layout of ``root[names]._flatten()``, computed without slicing (O(ndim))."""
     dims = root._mesh_dim_names or ()
@@ -478,47 +306,3 @@ def register_flattened(
         root._pg_registry[group.group_name] = group
     root._flatten_mapping[name] = flat
     return flat
-
-
-def flattened_dim(root: DeviceMesh, name: str) -> DeviceMesh | None:
-    """The flattened dim ``name`` registered on ``root``, if any."""
-    return root._flatten_mapping.get(name)
-
-
-def flatten_on_root(
-    root: DeviceMesh,
-    dims: tuple[str, ...],
-    name: str,
-    group: dist.ProcessGroup | None,
-    coordinate: tuple[int, ...] | None,
-) -> DeviceMesh:
-    """``root[dims]`` flattened as ``name`` over ``group`` (registered once; an equal
-    registration is returned, a different one under the same name refused)."""
-    layout = flattened_layout(root, dims)
-    existing = root._flatten_mapping.get(name)
-    if existing is not None:
-        if existing._layout != layout:
-            raise ValueError(f"flattened dim {name!r} already exists over other dims; pick another name")
-        return existing
-    return register_flattened(root, layout, name, group, coordinate)
-
-
-def forget_dtensor_caches() -> None:
-    """Drop DTensor's sharding-propagation caches (torch's debug helpers). They are keyed by mesh
-    *equality*, which ignores process groups, so after a close an equal mesh built later would
-    be handed cached specs naming the destroyed groups ("Could not resolve the process group")."""
-    from torch.distributed.tensor import debug
-
-    debug._clear_python_sharding_prop_cache()
-    debug._clear_fast_path_sharding_prop_cache()
-
-
-def detach_builder(root: DeviceMesh | None) -> None:
-    if root is not None:
-        root._mg_builder = None  # type: ignore[attr-defined]
-
-
-def set_group_timeout(group: dist.ProcessGroup | None, timeout: timedelta) -> None:
-    """Change the timeout of ``group`` (None: the default group) after creation, what
-    megatron-core's ``update_pg_timeout`` does (torch has no public API for it)."""
-    _c10d._set_pg_timeout(timeout, group)

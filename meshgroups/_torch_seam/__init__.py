@@ -1,0 +1,70 @@
+"""The one place that touches private ``torch.distributed`` internals (torch 2.13): this package,
+``c10d`` (process-group internals), ``builders`` (which MeshGroups builds a mesh's groups),
+``rooted_mesh`` (the DeviceMesh meshgroups hands out) and ``meshes`` (building them).
+
+
+A torch upgrade that moves these names breaks this package only. Two helpers write torch state,
+each for a reason the callers document: ``advance_group_count`` (re-align sequential group
+names after a failed build) and ``creation_store_prefix`` (give each ``init_mesh`` call its own
+store namespace, so rebuilt groups never read a previous incarnation's connection keys).
+"""
+
+from __future__ import annotations
+
+from .builders import (
+    BackendConfig,
+    CallFactory,
+    GroupBuilder,
+    register_builder,
+    unregister_builder,
+    use_collective_calls,
+)
+from .c10d import (
+    advance_group_count,
+    bound_device_id,
+    creation_store_prefix,
+    default_backend_name,
+    default_store,
+    default_timeout,
+    group_count,
+    held_group_count,
+    is_backend_options,
+    set_group_timeout,
+)
+from .meshes import (
+    detach_builder,
+    flatten_on_root,
+    flattened_dim,
+    forget_dtensor_caches,
+    make_group_mesh,
+    make_root,
+)
+from .rooted_mesh import RootedMesh, flattened_layout, register_flattened
+
+__all__ = [
+    "BackendConfig",
+    "CallFactory",
+    "GroupBuilder",
+    "RootedMesh",
+    "advance_group_count",
+    "bound_device_id",
+    "creation_store_prefix",
+    "default_backend_name",
+    "default_store",
+    "default_timeout",
+    "detach_builder",
+    "flatten_on_root",
+    "flattened_dim",
+    "flattened_layout",
+    "forget_dtensor_caches",
+    "group_count",
+    "held_group_count",
+    "is_backend_options",
+    "make_group_mesh",
+    "make_root",
+    "register_builder",
+    "register_flattened",
+    "set_group_timeout",
+    "unregister_builder",
+    "use_collective_calls",
+]

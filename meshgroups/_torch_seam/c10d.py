@@ -1,0 +1,95 @@
+"""Process-group internals of ``torch.distributed.distributed_c10d``: the default store, group
+counts and names, default timeout and backend, the bound device, a live group's timeout."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _C10dBackend
+from torch.distributed import distributed_c10d as _c10d
+
+
+def default_store() -> dist.Store:
+    """The store the default process group was initialised with (TCPStore under torchrun)."""
+    return _c10d._get_default_store()
+
+
+def held_group_count() -> int:
+    """How many groups this process belongs to. torch names groups created with
+    ``use_local_synchronization=True`` by hashing their ranks *and this count*, so every member
+    of such a group must have the same count when it is created (pytorch#173608)."""
+    return len(_c10d._world.pg_names)
+
+
+def group_count() -> int:
+    """torch's counter behind sequential group names (``new_group`` without local sync):
+    incremented by every such call, member or not, so it must agree on every rank."""
+    return int(_c10d._world.group_count)
+
+
+def advance_group_count(value: int) -> None:
+    """Move the sequential-name counter forward to ``value`` (never back: names stay unique)."""
+    if value > _c10d._world.group_count:
+        _c10d._world.group_count = value
+
+
+@contextmanager
+def creation_store_prefix(prefix: str) -> Iterator[None]:
+    """Groups created inside get their connection keys under ``prefix`` in the default store.
+
+    torch derives a new group's store as ``PrefixStore(name, default store)``; hashed names
+    repeat once a group is destroyed and rebuilt, and gloo would then read the old group's
+    addresses. Swapping the default store's entry for a prefixed one while creating gives each
+    call a namespace of its own; the groups keep a reference to their own store afterwards.
+
+    Hashed group names (``use_local_synchronization``, ``split_group``) get the prefix mixed in
+    too, so a group rebuilt after ``close()`` never takes the name of a destroyed one: an old
+    DeviceMesh slice holding that name then fails to resolve instead of silently resolving to
+    the new mesh's group. The prefix is the same on every rank of the call."""
+    default_pg = _c10d._get_default_group()
+    backend, store = _c10d._world.pg_map[default_pg]
+    hash_ranks = _c10d._hash_ranks_to_str
+    _c10d._world.pg_map[default_pg] = (backend, dist.PrefixStore(prefix, store))
+    _c10d._hash_ranks_to_str = lambda ranks: hash_ranks([*ranks, prefix])  # type: ignore[list-item]
+    try:
+        yield
+    finally:
+        _c10d._world.pg_map[default_pg] = (backend, store)
+        _c10d._hash_ranks_to_str = hash_ranks
+
+
+def default_timeout() -> timedelta:
+    """The default group's timeout (``init_process_group(timeout=...)``)."""
+    group = _c10d._get_default_group()
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            timeout = group._get_backend(device).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+        if isinstance(timeout, timedelta) and timeout > timedelta(0):
+            return timeout
+    return dist.default_pg_timeout
+
+
+def default_backend_name() -> str:
+    return str(dist.get_backend())
+
+
+def bound_device_id() -> object | None:
+    """The device the default group is bound to (``init_process_group(device_id=...)``)."""
+    return _c10d._get_default_group().bound_device_id
+
+
+def is_backend_options(value: object) -> bool:
+    """Whether ``value`` is a c10d backend options object (``ProcessGroupGloo._Options``, ...)."""
+    return isinstance(value, _C10dBackend.Options)
+
+
+def set_group_timeout(group: dist.ProcessGroup | None, timeout: timedelta) -> None:
+    """Change the timeout of ``group`` (None: the default group) after creation, what
+    megatron-core's ``update_pg_timeout`` does (torch has no public API for it)."""
+    _c10d._set_pg_timeout(timeout, group)
