@@ -246,3 +246,12 @@ def test_api_surface_matches_the_seed():
     assert dp.groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert inter.groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert gi.WeightTransferGroupInitializer(0, 8, [5, 3]).groups() == [[5, 3]]
+
+
+def test_argument_checks_docstring_examples_run():
+    import doctest
+
+    from meshgroups.compat import _initializer_args, group_initializer
+
+    results = [doctest.testmod(m) for m in (_initializer_args, group_initializer)]
+    assert all(r.failed == 0 for r in results) and sum(r.attempted for r in results) >= 1
