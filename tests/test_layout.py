@@ -277,21 +277,12 @@ def test_large_world_layout_only():
 def test_docstring_examples_run():
     import doctest
 
-    import meshgroups._layout_lookup
     import meshgroups._layout_topology
-    import meshgroups._layout_value
     import meshgroups.errors
     import meshgroups.layout
     import meshgroups.topology
     from meshgroups import Layout, Topology
 
-    for module in (
-        meshgroups.layout,
-        meshgroups._layout_lookup,
-        meshgroups._layout_value,
-        meshgroups._layout_topology,
-        meshgroups.topology,
-        meshgroups.errors,
-    ):
+    for module in (meshgroups.layout, meshgroups._layout_topology, meshgroups.topology, meshgroups.errors):
         result = doctest.testmod(module, extraglobs={"Layout": Layout, "Topology": Topology})
         assert result.attempted >= 1 and result.failed == 0, module.__name__
