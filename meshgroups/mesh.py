@@ -22,28 +22,22 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._mesh_devices import MeshDevices
-from ._torch_seam import (
-    detach_builder,
-    forget_dtensor_caches,
-    register_builder,
-    set_group_timeout,
-    unregister_builder,
-    use_collective_calls,
-)
-from .build import Built, build
+from ._families import Families
+from ._root_meshes import RootMeshes
+from ._torch_seam import flattened_dim, forget_dtensor_caches, set_group_timeout, use_collective_calls
+from .build import Built, build, check_new_name
 from .collective import collective_call
 from .errors import MeshConfigError
-from .groups import GroupCache, GroupHandle
+from .groups import GroupCache
 from .layout import Layout
-from .plan import GroupSpec, SubsetSpec
+from .plan import SubsetSpec
 
 # Public here (compat uses it): changing a live group's timeout has no public torch API.
 __all__ = ["GroupCache", "MeshGroups", "init_mesh", "layout_of", "set_group_timeout"]
 from .strategies import Strategy
 
 
-class MeshGroups(MeshDevices):
+class MeshGroups:
     """This rank's view of a built layout: the root ``DeviceMesh`` and every declared group.
 
     **Ranks outside a layout, view or subset** (a layout over part of the world, a rank offset,
@@ -66,17 +60,10 @@ class MeshGroups(MeshDevices):
         self.strategy = built.plan.strategy
         self.cache: GroupCache = built.builder.cache
         self.generation = built.generation
-        # The options of later builds (flatten): the first build's plan and check.
-        self._plan, self._check = built.plan, built.check
-        self._handles: dict[Hashable, GroupHandle] = dict(built.handles)
-        self._subsets: dict[str, GroupSpec] = dict(built.plan.subsets)
-        self._keys = list(built.builder.keys)
-        self._pads = list(built.builder.pads)
         self._closed = False
-        self._subset_meshes: dict[str, DeviceMesh] = {}
-        self._meshes: dict[str | None, DeviceMesh] = {}
-        # How copies and unpickled meshes of this process find this MeshGroups (weakly).
-        self._token = register_builder(self._build_for_torch)
+        # The groups (lookups, lifetime) and the DeviceMeshes built from them.
+        self._families = Families(built)
+        self._roots = RootMeshes(layout, self.device_type, self._families)
 
     # ----------------------------------------------------------------------- lifetime
     @property
@@ -86,7 +73,7 @@ class MeshGroups(MeshDevices):
     @property
     def gloo_twins(self) -> bool:
         """Whether every group has a gloo twin (``init_mesh(gloo_twins=True)``)."""
-        return self._plan.gloo_twins
+        return self._families.plan.gloo_twins
 
     def close(self) -> int:
         """Destroy the process groups this mesh created (not WORLD, not groups another live
@@ -96,15 +83,9 @@ class MeshGroups(MeshDevices):
         if self._closed:
             return 0
         self._closed = True
-        unregister_builder(self._token)
-        for root in [*self._meshes.values(), *self._subset_meshes.values()]:
-            detach_builder(root)
-        self._meshes.clear()
-        self._subset_meshes.clear()
-        destroyed = self.cache.release(self._keys, self._pads)
+        self._roots.close()
+        destroyed = self._families.release()
         forget_dtensor_caches()
-        self._keys.clear()
-        self._pads.clear()
         return destroyed
 
     def __enter__(self) -> MeshGroups:
@@ -117,11 +98,79 @@ class MeshGroups(MeshDevices):
         if self._closed:
             raise RuntimeError("this MeshGroups was closed; its process groups are destroyed")
 
+    # ----------------------------------------------------------------------- meshes
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The root ``DeviceMesh`` of the main layout (``mesh_dim_names == layout.names``), on
+        every rank (``get_coordinate()`` is ``None`` outside the layout). Built on first use
+        from the groups already created (no collective; one O(world) torch constructor, every
+        declared flattened dim then registered in O(ndim)): ``mesh["dp_cp"]`` and
+        ``mesh["dp", "cp"]._flatten()`` return meshgroups' group."""
+        self._check_open()
+        return self._roots.root(self.layout)
+
+    def view_mesh(self, name: str) -> DeviceMesh:
+        """The root ``DeviceMesh`` of a view declared with ``Layout.with_views`` (coordinate
+        ``None`` off it).
+        A view is another factorisation, so its mesh is a root of its own: combine TP and FSDP2
+        on slices of one root (the main mesh *or* one view mesh), never across them."""
+        self._check_open()
+        views = self.layout.views
+        if name not in views:
+            raise MeshConfigError(f"unknown view {name!r}; views are {', '.join(views) or 'none'}")
+        return self._roots.root(views[name])
+
+    def flatten(self, *dims: str, name: str | None = None) -> DeviceMesh:
+        """Add the flattened group of ``dims`` after ``init_mesh`` — collective: every rank calls
+        it, like torch's ``_flatten`` — and register it on the root as ``name`` (default: the
+        dims joined by ``_``). Returns the flattened 1-D mesh (coordinate ``None`` off the
+        layout); an already built set is reused."""
+        with collective_call("flatten") as call:  # numbered before anything is checked
+            self._check_open()
+            if not dims:
+                raise MeshConfigError("flatten needs at least one dim, e.g. mg.flatten('dp', 'cp')")
+            owner = self.layout.resolve(*dims)
+            key = tuple(d for d in owner.names if d in dims)
+            label = name if name is not None else "_".join(key)
+            if len(key) > 1:
+                check_new_name(label, self._dim_names(), "flatten(name=)" if name is not None else "")
+            call.compare(dims=key, name=label)
+            handles = self._families.handles
+            if key not in handles:
+                handles[key] = self._families.add(owner, key, label)
+            if len(key) == 1:
+                return self._roots.root(owner)[key[0]]
+            return self._roots.flattened(owner, key, label)
+
+    def _dim_names(self) -> set[str]:
+        """Every name a flattened dim must not take: dims of the layout and its views, subsets."""
+        names = set(self.layout.names).union(*(v.names for v in self.layout.views.values()))
+        return names | set(self._families.subsets)
+
+    def submesh(self, *dims: str, flatten: bool = False) -> DeviceMesh:
+        """A slice of the root: ``mg.mesh[dims]`` (any dims, n-D, no declaration needed), or
+        with ``flatten=True`` the registered flattened dim (``mg.mesh["dp_cp"]``; declare it with
+        ``init_mesh(flatten=...)`` or add it with ``flatten()``). A subset name gives a 1-D mesh
+        over the subset's group, a root of its own (it is no dim of the layout). Off the group:
+        the same mesh with coordinate ``None`` (as torch's slices on a rank outside the mesh)."""
+        self._check_open()
+        if len(dims) == 1 and dims[0] in self._families.subsets:
+            return self._roots.subset(dims[0])
+        if not dims:
+            raise MeshConfigError("name at least one dim (or a subset), e.g. submesh('tp')")
+        owner = self.layout.resolve(*dims)
+        key = tuple(d for d in owner.names if d in dims)
+        root = self._roots.root(owner)
+        if flatten and len(key) > 1:
+            self._families.key_of(self.layout, key)  # a clear error if it was not built
+            return flattened_dim(root, "_".join(key)) or self.flatten(*key)
+        return root[key]
+
     # ----------------------------------------------------------------------- lookups
     def has(self, *dims: str) -> bool:
         """Whether the group family of ``dims`` (or the subset ``dims[0]``) was built, so
         ``group`` answers for it. Unknown dims are simply ``False``."""
-        if len(dims) == 1 and dims[0] in self._subsets:
+        if len(dims) == 1 and dims[0] in self._families.subsets:
             return True
         if not dims or not all(isinstance(d, str) for d in dims):
             return False
@@ -129,27 +178,13 @@ class MeshGroups(MeshDevices):
             owner = self.layout.resolve(*dims)
         except ValueError:
             return False
-        return tuple(d for d in owner.names if d in dims) in self._handles
-
-    def _key(self, dims: tuple[str, ...]) -> Hashable:
-        self._check_open()
-        if len(dims) == 1 and dims[0] in self._subsets:
-            return dims[0]
-        if not dims:
-            raise MeshConfigError("name at least one dim (or a subset), e.g. group('tp')")
-        owner = self.layout.resolve(*dims)
-        key = tuple(d for d in owner.names if d in dims)
-        if key not in self._handles:
-            raise MeshConfigError(
-                f"group {key} was not built; declare it with init_mesh(..., flatten=[{key!r}]) or add it "
-                f"with mg.flatten{key!r} on every rank (groups are created collectively)"
-            )
-        return key
+        return tuple(d for d in owner.names if d in dims) in self._families.handles
 
     def group(self, *dims: str, gloo: bool = False) -> dist.ProcessGroup | None:
         """This rank's group varying ``dims`` (or the subset named ``dims[0]``); ``None`` if this
         rank is in none. ``gloo=True`` gives the gloo twin (``init_mesh(gloo_twins=True)``)."""
-        handle = self._handles[self._key(dims)]
+        self._check_open()
+        handle = self._families.handles[self._families.key_of(self.layout, dims)]
         if gloo:
             if handle.ranks is not None and handle.gloo is None:
                 raise MeshConfigError("no gloo twins were built; pass init_mesh(..., gloo_twins=True)")
@@ -158,8 +193,8 @@ class MeshGroups(MeshDevices):
 
     def _ranks(self, dims: tuple[str, ...]) -> tuple[int, ...] | None:
         self._check_open()
-        if len(dims) == 1 and dims[0] in self._subsets:
-            return self._handles[dims[0]].ranks
+        if len(dims) == 1 and dims[0] in self._families.subsets:
+            return self._families.handles[dims[0]].ranks
         if not dims:
             raise MeshConfigError("name at least one dim (or a subset), e.g. ranks('tp')")
         owner = self.layout.resolve(*dims)
@@ -180,20 +215,20 @@ class MeshGroups(MeshDevices):
 
     def size(self, *dims: str) -> int:
         """Size of the groups varying ``dims`` (or of the subset's groups); any dims, built or not."""
-        if len(dims) == 1 and dims[0] in self._subsets:
-            return self._subsets[dims[0]].size
+        if len(dims) == 1 and dims[0] in self._families.subsets:
+            return self._families.subsets[dims[0]].size
         return self.layout.size(*dims)
 
     @property
     def families(self) -> list[Hashable]:
         """Keys of every group family built: dim tuples (layout order) and subset names."""
-        return list(self._handles)
+        return list(self._families.handles)
 
     def __repr__(self) -> str:
         state = ", closed" if self._closed else ""
         return (
             f"MeshGroups(rank={dist.get_rank()}, layout={self.layout!r}, strategy={self.strategy!r}, "
-            f"families={len(self._handles)}, groups_held={len(self.cache)}{state})"
+            f"families={len(self._families.handles)}, groups_held={len(self.cache)}{state})"
         )
 
     def _repr_html_(self) -> str:
