@@ -309,7 +309,16 @@ def test_fuzz_covers_every_combination():
 def test_core_modules_use_public_layout_api_only():
     root = pathlib.Path(__file__).resolve().parent.parent
     private = re.compile(r"\b(layout|main|view|other|a|b|owner|source|out)\._[a-z]")
-    for module in ("algebra.py", "views.py", "_serialize.py", "topology.py", "render.py"):
+    for module in (
+        "algebra.py",
+        "views.py",
+        "_serialize.py",
+        "topology.py",
+        "render.py",
+        "_render_grid.py",
+        "render_plot.py",
+        "render_spans.py",
+    ):
         text = (root / "meshgroups" / module).read_text()
         assert not private.search(text), f"{module} reaches into a Layout's private fields"
     layout_src = (root / "meshgroups" / "layout.py").read_text()
