@@ -20,8 +20,8 @@ Schemes (their data movement modelled in closed form; the plan's is the real pla
 - ``plan``: :func:`meshgroups.transfer.plan_transfer` with ``Topology(node=8)``.
 
 A table feeds a small rollout (4 nodes) from the same trainers: the plan's send balance with
-whole pieces and with pieces cut into parts of at least 1 MiB (the default) and 64 KiB, each
-against the issue's ideal (step-0 bytes over the ranks holding data) and against the achievable
+pieces never cut and cut on multiples of 1 MiB and of 64 KiB (``min_part_bytes``, the default),
+each against the issue's ideal (step-0 bytes over the ranks holding data) and against the achievable
 bound (``Plan.send_lower_bound``: a pipeline stage's bytes can only leave from its ranks).
 
 A last table times one rank's part (``plan_transfer(..., rank=r)``), each in a fresh process
