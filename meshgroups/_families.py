@@ -47,13 +47,13 @@ class Families:
         self.pads += built.builder.pads
         return built.handles[key]
 
-    def key_of(self, layout: Layout, dims: tuple[str, ...], what: str = "group") -> Hashable:
+    def key_of(self, layout: Layout, dims: tuple[str, ...]) -> Hashable:
         """The family key of ``dims`` (a subset name, or the dims in their layout's order);
         ``MeshConfigError`` naming how to build it if it was not built."""
         if len(dims) == 1 and dims[0] in self.subsets:
             return dims[0]
         if not dims:
-            raise MeshConfigError(f"name at least one dim (or a subset), e.g. {what}('tp')")
+            raise MeshConfigError("name at least one dim (or a subset), e.g. group('tp')")
         owner = layout.resolve(*dims)
         key = tuple(d for d in owner.names if d in dims)
         if key not in self.handles:

@@ -206,7 +206,7 @@ class Stream:
         lo = 0
         while lo < self.length:
             slot = int(self._owner(offset, lo))
-            hi = self.length if slot == self.set.h - 1 else int(self._cut(offset, self._edge(slot + 1)))
+            hi = int(self._cut(offset, self._edge(slot + 1)))  # the last slot's edge is X: length
             out.append((lo, hi, int(self._holder(slot))))
             lo = hi
         return out
@@ -226,8 +226,7 @@ class Stream:
         out = []
         for k in range(first, last):
             offset = self._offset_of(k)
-            lo = 0 if slot == 0 else int(self._cut(offset, a))
-            hi = self.length if slot == self.set.h - 1 else int(self._cut(offset, b))
+            lo, hi = int(self._cut(offset, a)), int(self._cut(offset, b))
             if lo < hi:
                 out.append((k, lo, hi))
         return out
