@@ -252,6 +252,8 @@ def worker_cycles(rank, world, cycles):
             verify_groups(mg, lay, rank)  # warm-up: gloo's first-collective threads are not leaks
         dist.barrier()
         before = _resources()
+        # Every rank measures before any starts the next call, whose store keys would count.
+        dist.barrier()
         for _ in range(cycles):
             with init_mesh(
                 lay, flatten=FLATTEN, subsets=_subsets(lay), strategy=strategy, timeout=scaled(20)
@@ -259,6 +261,7 @@ def worker_cycles(rank, world, cycles):
                 verify_groups(mg, lay, rank)
         dist.barrier()
         after = _resources()
+        dist.barrier()
         out[strategy] = (before, after)
     # Two meshes sharing a cache: closing one keeps the groups the other still uses.
     cache = GroupCache()
