@@ -199,3 +199,49 @@ def test_cast_per_weight_pattern() -> None:
         ("k", "float16", True),
         ("emb", "float32", False),
     ]
+
+
+@pytest.mark.parametrize("module", ["names", "mapped", "expand", "conventions", "presets"])
+def test_docstring_examples(module: str) -> None:
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(f"meshgroups.transfer.{module}"))
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_name_map_forms_round_trip(tmp_path: object) -> None:
+    import pathlib
+
+    nm = NameMap(
+        {
+            "qkv": ["q", "k", "v"],
+            "head": "emb",
+            "half": {"source": "w", "start": 2, "stop": 4, "axis": 1},
+            "mix": {"segments": [["a", 0, 2], "b", {"source": "a", "start": 2}], "sharding": "whole"},
+            "cols": {"parts": ["x", ["y", ["z", 1, 3]]], "axis": 1},
+        }
+    )
+    assert nm.rule("half").segments[0].stop == 4 and nm.rule("half").axis == 1
+    assert nm.rule("mix").sources == ("a", "b") and nm.rule("mix").sharding == "whole"
+    assert [len(p) for p in nm.rule("cols").parts] == [1, 2]
+    path = pathlib.Path(str(tmp_path)) / "map.json"
+    nm.save(path)
+    assert NameMap.load(path) == nm and NameMap.loads(nm.dumps()).to_dict() == nm.to_dict()
+    assert (nm | {"head": "lm"}).rule("head").sources == ("lm",)
+
+
+@pytest.mark.parametrize(
+    ("rules", "error", "match"),
+    [
+        ({"a": 3}, TypeError, "rollout weight 'a': a rule is a name"),
+        ({"a": {"parts": ["x"], "segments": ["y"]}}, LayoutError, "exactly one of 'parts' or 'segments'"),
+        ({"a": {"parts": ["x"], "sharding": "rows"}}, LayoutError, "sharding must be one of"),
+        ({"a": {"source": "x", "start": 3, "stop": 3}}, LayoutError, r"\[3, 3\) must have 0 <= start < stop"),
+        ({"a": {"parts": []}}, LayoutError, "at least one part"),
+        ({"a": {"parts": ["x"], "axis": -1}}, LayoutError, "axis must be an int >= 0"),
+    ],
+)
+def test_bad_rules_name_the_weight(rules: dict, error: type, match: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(error, match=match):
+        NameMap(rules)
