@@ -178,9 +178,19 @@ def mapped_worlds(
                 pl[d] = Shard(axis if c == 1 else 1 - axis)
         return pl
 
+    def trainer_weight(i: int, n: int) -> Weight:
+        pl = placements(src)
+        # FSDP2 over TP: sharding dims nested against layout order; a pipeline stage
+        order = tuple(reversed([d for d, p in pl.items() if isinstance(p, Shard)])) or None
+        free = [d for d, k in zip(src.names, src.shape) if d not in pl and k > 1]
+        stage = (
+            (free[0], draw(st.integers(0, src.size(free[0]) - 1))) if free and draw(st.booleans()) else None
+        )
+        return Weight(f"t{i}", shape(n), "float32", pl, stage, order if draw(st.booleans()) else None)
+
     n_t = draw(st.integers(1, 4))
     sizes = [draw(st.integers(1, 7)) for _ in range(n_t)]
-    sws = [Weight(f"t{i}", shape(n), "float32", placements(src)) for i, n in enumerate(sizes)]
+    sws = [trainer_weight(i, n) for i, n in enumerate(sizes)]
     rules: dict[str, object] = {}
     lengths: dict[str, int] = {}
     i = 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from ..errors import LayoutError
 from ..layout import Layout
@@ -57,13 +58,17 @@ class SegmentWeight(Weight):
             (self.name, self.shape, self.dtype, p, self.stage, self.shard_order, self.window),
         )
 
-    def full_weight(self) -> Weight:
-        """The uncut weight (same placements)."""
+    @cached_property
+    def _full(self) -> Weight:
         if self.window is None:
             return Weight(self.name, self.shape, self.dtype, self.placements, self.stage, self.shard_order)
         axis, _, full = self.window
         shape = (*self.shape[:axis], full, *self.shape[axis + 1 :])
         return Weight(self.name, shape, self.dtype, self.placements, self.stage, self.shard_order)
+
+    def full_weight(self) -> Weight:
+        """The uncut weight (same placements; built once)."""
+        return self._full
 
     def box_at(self, layout: Layout, coords: Mapping[str, int]) -> Box | None:
         box = self.full_weight().box_at(layout, coords)
