@@ -3,6 +3,8 @@ brute force that fills every rollout buffer element by element (``tests/_mapped_
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -10,6 +12,7 @@ from meshgroups import Layout, LayoutError, Topology
 from meshgroups.transfer import NameMap, Shard, Weight, plan_transfer
 
 from ._mapped_oracle import check_mapped, check_mapped_local, mapped_worlds, node_of
+from ._transfer_oracle import check_balance, check_plan
 
 T2 = Topology(node=2)
 
@@ -25,6 +28,15 @@ def _check(
 ) -> None:
     plan = plan_transfer(src, sws, dst, dws, topo, name_map=nm, cast=True, **kw)  # type: ignore[arg-type]
     check_mapped(plan, src, sws, dst, dws, nm, node_of(topo))
+    # The links are weights like any other: the unmapped oracle's checks hold on them too
+    # (messages element by element in window coordinates, the senders' balance and its bounds).
+    assert plan.mapping is not None
+    links = list(plan.mapping.links.values())
+    # (in wire bytes: the oracle reads a source weight's itemsize)
+    src_l = [dataclasses.replace(ln.src, dtype=ln.dst.dtype) for ln in links]
+    dst_l = [ln.dst for ln in links]
+    check_plan(plan, src, src_l, dst, dst_l, node_of(topo))  # type: ignore[arg-type]
+    check_balance(plan, src, src_l, dst, dst_l, node_of(topo))  # type: ignore[arg-type]
     check_mapped_local(plan, src, sws, dst, dws, topology=topo, name_map=nm, cast=True, **kw)
 
 

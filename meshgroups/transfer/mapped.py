@@ -124,7 +124,8 @@ class Link:
         if own is None:
             return None
         full = self.src.full_weight().box(self.src_layout, rank)
-        assert full is not None
+        if full is None:  # a window of a shard implies the shard
+            raise LayoutError(f"link {self.name!r}: rank {rank} holds a window of no shard")
         box = own if box is None else box
         shift = [0] * len(box)
         if self.axis is not None:
@@ -140,7 +141,8 @@ class Link:
             return None
         boxes = [p.box(self.dst_layout, rank) for p in self.parts]
         mine = boxes[self.part]
-        assert mine is not None
+        if mine is None:  # a window of a part implies the part
+            raise LayoutError(f"link {self.name!r}: rank {rank} holds a window of no part")
         box = own if box is None else box
         out = []
         for a, (lo, hi) in enumerate(box):
