@@ -22,11 +22,17 @@ they are compared at bf16 — gathering fp32 first would double their gather byt
 - ``plan, no fusion``: the same plan with the rollout in Hugging Face names (the unmapped
   problem, bf16): fusing costs the plan no byte;
 - ``plan, fp32 on the wire``: the mapped plan to a float32 rollout (no cast): twice the bytes.
+
+A second table times one rank's part (``rank=r``), each in a fresh process, mapped against the
+unmapped problem (both sides in Hugging Face names, bf16), from 16k to 1M ranks: a rank's part
+stays O(its shards) through the map.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import time
 
 from bench_transfer import NODE, PP, TP_ROLL, TP_TRAIN, Row, baselines, plan_row
@@ -49,10 +55,41 @@ def staged(rollout_w: list[Weight], trainer_w: list[Weight], name_map: object) -
     ]
 
 
+def layouts(world: int) -> tuple[Layout, Layout]:
+    half = world // 2
+    return (
+        Layout(pp=PP, dp=half // (PP * TP_TRAIN), tp=TP_TRAIN),
+        Layout(dp=half // TP_ROLL, tp=TP_ROLL, rank_offset=half),
+    )
+
+
+def rank_part(world: int, mapped: bool, rank: int) -> None:
+    """Print the CPU seconds of ``rank``'s part (run in a fresh process by :func:`fresh`)."""
+    trainer, rollout = layouts(world)
+    dtype = "float32" if mapped else "bfloat16"
+    t_w = model_weights(MODEL, trainer, names="hf", dtype=dtype)
+    r_w = model_weights(MODEL, rollout, names="vllm" if mapped else "hf", dtype="bfloat16")
+    kw = {"name_map": vllm_map(model_config(MODEL)), "cast": "bfloat16"} if mapped else {}
+    c0 = time.process_time()
+    plan_transfer(trainer, t_w, rollout, r_w, Topology(node=NODE), rank=rank, **kw)  # type: ignore[arg-type]
+    print(time.process_time() - c0)
+
+
+def fresh(world: int, mapped: bool, rank: int) -> float:
+    args = [sys.executable, __file__, "--rank-part", f"{world},{int(mapped)},{rank}"]
+    return float(subprocess.run(args, check=True, capture_output=True, text=True).stdout)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="1024,16384")
+    parser.add_argument("--rank-worlds", default="16384,131072,1048576")
+    parser.add_argument("--rank-part", help=argparse.SUPPRESS)  # world,mapped,rank: one timing
     args = parser.parse_args()
+    if args.rank_part:
+        world, mapped, rank = args.rank_part.split(",")
+        rank_part(int(world), bool(int(mapped)), int(rank))
+        return
     cfg = model_config(MODEL)
     nm = vllm_map(cfg)
     topo = Topology(node=NODE)
@@ -62,9 +99,7 @@ def main() -> None:
     print("| ranks | scheme | cross-node GB | busiest sender GB | messages | est. time (s) | vs plan |")
     print("|---|---|---|---|---|---|---|")
     for world in (int(x) for x in args.worlds.split(",")):
-        half = world // 2
-        trainer = Layout(pp=PP, dp=half // (PP * TP_TRAIN), tp=TP_TRAIN)
-        rollout = Layout(dp=half // TP_ROLL, tp=TP_ROLL, rank_offset=half)
+        trainer, rollout = layouts(world)
         t_w = model_weights(MODEL, trainer, names="hf", dtype="float32")
         r_w = model_weights(MODEL, rollout, names="vllm", dtype="bfloat16")
         t0 = time.process_time()
@@ -90,6 +125,14 @@ def main() -> None:
                 f"| {row.messages:,.0f} | {row.seconds:,.2f} | {row.seconds / mine.seconds:,.1f}× |"
             )
         print(f"<!-- {world:,} ranks: the mapped plan took {seconds:.2f} CPU s -->")
+    print()
+    print("One rank's part alone, CPU seconds, each in a fresh process: mapped (fp32 HF names into")
+    print("bf16 vLLM names) against unmapped (bf16 HF names on both sides):\n")
+    print("| ranks | trainer rank 0: mapped | unmapped | rollout rank 0: mapped | unmapped |")
+    print("|---|---|---|---|---|")
+    for world in (int(x) for x in args.rank_worlds.split(",")):
+        cells = [f"{fresh(world, m, rank):.3f}" for rank in (0, world // 2) for m in (True, False)]
+        print(f"| {world:,} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":
