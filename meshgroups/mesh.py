@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ._families import Families
 from ._root_meshes import RootMeshes
 from ._torch_seam import flattened_dim, forget_dtensor_caches, set_group_timeout, use_collective_calls
-from .build import Built, build, check_new_name
+from .build import Built, build, check_device_index, check_new_name
 from .collective import collective_call
 from .errors import MeshConfigError
 from .groups import GroupCache
@@ -305,6 +305,7 @@ def init_mesh(
             created, and retrying the same call on every rank is safe.
     """
     if not dist.is_available() or not dist.is_initialized():
+        check_device_index(device_type)  # torch tells this first, with or without a default group
         raise RuntimeError(
             "init_mesh needs an initialised default process group: call dist.init_process_group first"
         )
