@@ -26,6 +26,7 @@ from typing import Any
 
 _TORCH_KEYS = ("_init_backend", "_rank", "_layout", "_rank_map", "_root_mesh")
 _OPEN: list[Any] = []  # MeshGroups built during the current test (closed after it)
+_BUILT = [0]  # init_mesh calls made by the current test
 
 
 def _names(count: int, given: Any) -> tuple[str, ...]:
@@ -37,6 +38,7 @@ def _build(device_type: str, grid: Any, names: Any, backend_override: Any) -> An
     from meshgroups import Layout, init_mesh
 
     layout = Layout.from_grid(grid, _names(grid.ndim, names))
+    _BUILT[0] += 1
     mg = init_mesh(layout, device_type, backend_override=backend_override)
     _OPEN.append(mg)
     return mg.mesh
@@ -172,7 +174,8 @@ def run_one(module: Any, cls_name: str, test: str, rank: int, file_name: str) ->
 
 
 def serve(rank: int, mode: str, paths: list[str], pg_timeout: float, conn: Any) -> None:
-    """Worker loop: receive ``(module, class, test, file_name)``, send ``(status, detail)``."""
+    """Worker loop: receive ``(module, class, test, file_name)``, send ``(status, detail, number
+    of meshes the test built through init_mesh)``."""
     import warnings
 
     warnings.simplefilter("ignore")
@@ -191,4 +194,5 @@ def serve(rank: int, mode: str, paths: list[str], pg_timeout: float, conn: Any) 
         if job is None:
             return
         module, cls_name, test, file_name = job
-        conn.send(run_one(modules[module], cls_name, test, rank, file_name))
+        _BUILT[0] = 0
+        conn.send((*run_one(modules[module], cls_name, test, rank, file_name), _BUILT[0]))
