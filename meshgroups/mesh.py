@@ -27,7 +27,7 @@ from ._root_meshes import RootMeshes
 from ._torch_seam import flattened_dim, forget_dtensor_caches, set_group_timeout, use_collective_calls
 from .build import Built, build, check_device_index, check_new_name
 from .collective import collective_call
-from .errors import MeshConfigError
+from .errors import DuplicateNameError, MeshConfigError, UnknownDimError, torch_says
 from .groups import GroupCache
 from .layout import Layout
 from .plan import SubsetSpec
@@ -158,7 +158,15 @@ class MeshGroups:
             return self._roots.subset(dims[0])
         if not dims:
             raise MeshConfigError("name at least one dim (or a subset), e.g. submesh('tp')")
-        owner = self.layout.resolve(*dims)
+        try:
+            owner = self.layout.resolve(*dims)
+        except (UnknownDimError, DuplicateNameError) as exc:  # torch's words for mesh[dims] too
+            said = (
+                f"Invalid mesh_dim_names {dims} specified. Valid mesh_dim_names are {list(self.layout.names)}."
+                if isinstance(exc, UnknownDimError)
+                else f"Slicing overlapping dim_names {dims} is not allowed."
+            )
+            raise type(exc)(torch_says(str(exc), said)) from None
         key = tuple(d for d in owner.names if d in dims)
         root = self._roots.root(owner)
         if flatten and len(key) > 1:

@@ -257,7 +257,11 @@ def _full_layout(rank, p):
             "Mesh should not be bigger than default world size 8, but found 16 ranks!",
         ),
         "unknown dim": (lambda: torch_mesh["nope"], lambda: root["nope"], "Invalid mesh_dim_name"),
-        "unknown dim, meshgroups API": (lambda: torch_mesh["nope"], lambda: mg.submesh("nope"), None),
+        "unknown dim, meshgroups API": (
+            lambda: torch_mesh["nope"],
+            lambda: mg.submesh("nope"),
+            "Invalid mesh_dim_name",
+        ),
         "descending dims": (
             lambda: torch_mesh["tp", "dp"],
             lambda: root["tp", "dp"],
@@ -271,7 +275,7 @@ def _full_layout(rank, p):
         "repeated dim, meshgroups API": (
             lambda: torch_mesh["dp", "dp"],
             lambda: mg.submesh("dp", "dp"),
-            None,
+            "Slicing overlapping dim_names",
         ),
         "flatten into a root dim": (
             lambda: torch_mesh["dp", "cp"]._flatten("tp"),

@@ -160,6 +160,13 @@ def test_torch_sentences_in_meshgroups_errors(fake8):
     assert "already exists for submesh of the DeviceMesh" in str(
         _raised(lambda: mg.flatten("dp", "cp", name="tp"))
     )
+    _same_misuse(lambda: theirs["nope"], lambda: mg.submesh("nope"), KeyError, "Invalid mesh_dim_name")
+    _same_misuse(
+        lambda: theirs["dp", "dp"],
+        lambda: mg.submesh("dp", "dp"),
+        RuntimeError,
+        "Slicing overlapping dim_names",
+    )
     mg.close()
 
 
