@@ -16,7 +16,7 @@ and a test still running after ``--timeout`` seconds (default 120 s times
 
 Prints, per test class, tests run / pass on torch / pass on meshgroups, then every test that
 passes on torch but not on meshgroups with the reason, marking those that cannot apply to a
-named layout (``CANNOT_APPLY``). Needs ``expecttest`` (torch's test utilities import it).
+named layout (``CANNOT_APPLY``). Needs ``expecttest`` (torch's test utilities import it: the ``torch-ref`` extra).
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def report(
 ) -> None:
     """The per-class table, then what passes on torch but not on meshgroups, and why."""
     torch_r, ours = results.get("torch", {}), results.get("meshgroups", {})
-    print("\n| class | tests | run | pass on torch | pass on meshgroups | built through init_mesh |")
+    print("\n| class | tests | run | pass on torch | pass on meshgroups | called init_mesh |")
     print("|---|---|---|---|---|---|")
     totals = [0] * 5
     for cls in dict.fromkeys(c for _, c, _, _ in tests):
