@@ -272,7 +272,14 @@ def _resolve_overrides(
                     f"Found redundant dim index {index} and name {dim} in backend_override",
                 )
             )
-    invalid = [k for k in overrides if not (k in known if isinstance(k, str) else 0 <= k < layout.ndim)]
+
+    def names_a_family(key: int | str) -> bool:  # an index must name a dim that is built (``only=``)
+        if isinstance(key, str):
+            return key in known
+        return 0 <= key < layout.ndim and layout.names[key] in known
+
+    invalid = [k for k in overrides if not names_a_family(k)]
+
     if invalid:
         raise BackendOverrideError(
             torch_says(
