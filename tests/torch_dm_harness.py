@@ -215,7 +215,9 @@ def report(
         if failed and (mode == "torch" or not torch_r):
             print(f"\nfail on {mode} ({len(failed)}):")
             for cls, test in failed:
-                print(f"- {cls}.{test}: {got[(cls, test)][0]}: {reason(got[(cls, test)][1])}")
+                why = CANNOT_APPLY.get(f"{cls}.{test}") if mode == "meshgroups" else None
+                tag = f" [cannot apply: {why}]" if why else ""
+                print(f"- {cls}.{test}{tag}: {got[(cls, test)][0]}: {reason(got[(cls, test)][1])}")
 
 
 if __name__ == "__main__":
