@@ -25,7 +25,7 @@ from .checks import (
     product,
     short_repr,
 )
-from .errors import LayoutError
+from .errors import LayoutError, NameCountError, torch_says
 
 
 def readonly(arr: np.ndarray) -> np.ndarray:
@@ -182,7 +182,13 @@ def rank_grid(grid: Any, names: tuple[str, ...]) -> np.ndarray:
         raise LayoutError("a Layout needs at least one dim; give one name per grid dim")
     arr = _as_rank_array(grid)
     if arr.ndim != len(names):
-        raise LayoutError(f"grid has {arr.ndim} dims but {len(names)} names were given: {names}")
+        raise NameCountError(
+            torch_says(
+                f"grid has {arr.ndim} dims but {len(names)} names were given: {names}; give one name per dim",
+                "mesh_shape and mesh_dim_names should have same length! "
+                f"Found len(mesh_dim_names): {len(names)} and len(mesh_shape):{arr.ndim}.",
+            )
+        )
     if arr.size == 0:
         raise LayoutError(f"grid of shape {arr.shape} is empty; every dim needs size >= 1")
     check_world(names, arr.shape)

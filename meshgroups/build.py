@@ -28,7 +28,7 @@ from ._torch_seam import (
     is_backend_options,
 )
 from .collective import Call, collective_call
-from .errors import DeviceTypeError, MeshConfigError, WorldSizeError
+from .errors import DeviceTypeError, MeshConfigError, WorldSizeError, torch_says
 from .groups import GroupCache, GroupHandle
 from .layout import Layout
 from .plan import BackendConfig, Plan, SubsetSpec, as_timedelta, make_plan
@@ -79,6 +79,7 @@ def build(
                 "check=False is only allowed on torch's 'fake' backend: on a real backend every call "
                 "meets the other ranks (that is what keeps calls in step); leave check at None or True"
             )
+        check_device_index(device_type)  # first, as torch (and before the default group, in init_mesh)
         timeout_td = as_timedelta(timeout, default_timeout())
         check_options(device_type, backend, gloo_twins, cache, fake)
         overrides = normalize_overrides(backend_override)
@@ -96,6 +97,9 @@ def build(
             backend_override=overrides,
             labels=labels,
         )
+        for key, (name, _) in overrides.items():  # after the keys, as torch: a bad key is told first
+            if name is not None:
+                check_backend_name(name, f"backend_override[{key!r}]")
         for spec in plan.specs:
             check_in_world(spec.layout, world_size, spec.key)
         creator.validate(plan.specs)
@@ -160,9 +164,7 @@ def normalize_overrides(value: object) -> dict[int | str, BackendConfig]:
                 f"backend_override[{key!r}] must be a backend name, backend options or (name, options), "
                 f"got {given!r}"
             )
-        if config[0] is not None:
-            check_backend_name(config[0], f"backend_override[{key!r}]")
-        out[key] = config
+        out[key] = config  # backend names are checked once the keys are (build)
     return out
 
 
@@ -213,13 +215,29 @@ def eager_gloo(backend: str | None) -> bool:
     return all(part.rsplit(":", 1)[-1].strip() == "gloo" for part in spec.split(","))
 
 
+def check_device_index(device_type: object) -> None:
+    """A device type with an index (``"cuda:0"``) is refused before anything else, as torch's
+    ``init_device_mesh`` refuses it (whether or not a default group exists).
+
+    Raises:
+        DeviceTypeError: ``device_type`` carries an index.
+    """
+    if isinstance(device_type, str) and ":" in device_type:
+        raise DeviceTypeError(
+            torch_says(
+                f"device_type={device_type!r}: give the device type only, e.g. 'cpu' or 'cuda'",
+                f"Device type with index is not supported but got {device_type}. "
+                "If you maintained a 'torch.device' object, it's recommended to pass in 'device.type'.",
+            )
+        )
+
+
 def check_options(
     device_type: object, backend: object, gloo_twins: object, cache: object, fake: bool = False
 ) -> None:
     if not isinstance(device_type, str):
         raise TypeError(f"device_type must be a str such as 'cpu' or 'cuda', got {device_type!r}")
-    if ":" in device_type:
-        raise DeviceTypeError(f"device_type={device_type!r}: give the device type only, e.g. 'cpu' or 'cuda'")
+    check_device_index(device_type)
     try:
         torch.device(device_type)
     except RuntimeError:
@@ -256,10 +274,17 @@ def check_backend_name(backend: str, what: str) -> None:
 def check_in_world(layout: Layout, world_size: int, key: Any) -> None:
     top = layout.max_rank
     if top >= world_size:
-        raise WorldSizeError(
+        message = (
             f"group {key!r} uses rank {top}, outside the default group's world (ranks 0..{world_size - 1}); "
             "a layout may cover part of the world but not more"
         )
+        if layout.world_size > world_size:  # torch's words for a mesh with more ranks than the world
+            message = torch_says(
+                message,
+                f"Mesh should not be bigger than default world size {world_size}, "
+                f"but found {layout.world_size} ranks!",
+            )
+        raise WorldSizeError(message)
 
 
 def check_new_name(name: object, taken: Iterable[str], what: str = "") -> None:
@@ -272,5 +297,8 @@ def check_new_name(name: object, taken: Iterable[str], what: str = "") -> None:
         raise MeshConfigError(f"{what} {name!r} is not a Python identifier (or is a keyword)")
     if name in taken:
         raise MeshConfigError(
-            f"{what} {name!r} names an existing dim (or subset) of this mesh; pick another name"
+            torch_says(
+                f"{what} {name!r} names an existing dim (or subset) of this mesh; pick another name",
+                f"{name} already exists for submesh of the DeviceMesh. Please specify another valid mesh_dim_name.",
+            )
         )

@@ -19,7 +19,7 @@ from typing import cast
 
 import numpy as np
 
-from .errors import DuplicateNameError, LayoutError, UnknownDimError
+from .errors import DuplicateNameError, LayoutError, UnknownDimError, torch_says
 
 #: Keyword arguments of ``Layout(...)``/``Layout.from_order`` that are options, not dim names.
 #: Every other parameter of a method taking ``**dims`` is positional-only, so it cannot clash.
@@ -142,7 +142,13 @@ def check_names(names: object, what: str = "dim name", limit: int = MAX_NDIM) ->
     seen: set[str] = set()
     for name in checked:
         if name in seen:
-            raise DuplicateNameError(f"duplicate {what} {name!r} in {checked}; {what}s must be unique")
+            message = f"duplicate {what} {name!r} in {checked}; {what}s must be unique"
+            if what == "dim name":  # what init_device_mesh says of repeated mesh_dim_names
+                message = torch_says(
+                    message,
+                    f"Each mesh_dim_name must be unique. Found repeated mesh_dim_name in mesh_dim_names {checked}",
+                )
+            raise DuplicateNameError(message)
         seen.add(name)
     return checked
 

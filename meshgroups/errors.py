@@ -58,7 +58,25 @@ class ConcurrentInitError(RuntimeError):
 
 # Errors that are also the class torch raises for the same misuse, so code written against
 # torch (``except RuntimeError`` around ``init_device_mesh``, ``except KeyError`` around
-# ``mesh["nope"]``) catches meshgroups' error too, which keeps its own, clearer message.
+# ``mesh["nope"]``) catches meshgroups' error too, which keeps its own, clearer message and
+# quotes torch's sentence for the misuse after it (``torch_says``), so a match on torch's text
+# (``assertRaisesRegex(RuntimeError, "Each mesh_dim_name must be unique.")``) matches ours.
+
+
+def torch_says(message: str, torch_sentence: str) -> str:
+    """meshgroups' ``message`` followed by torch 2.13's own sentence for the same misuse::
+
+        >>> torch_says("duplicate dim name 'dp'", "Each mesh_dim_name must be unique.")
+        "duplicate dim name 'dp' [torch: Each mesh_dim_name must be unique.]"
+
+    Args:
+        message: meshgroups' explanation (the value and the rule).
+        torch_sentence: torch's text, verbatim (with torch's values filled in).
+
+    Returns:
+        The message an error raises.
+    """
+    return f"{message} [torch: {torch_sentence}]"
 
 
 class DuplicateNameError(LayoutError, RuntimeError):
@@ -72,6 +90,11 @@ class DuplicateNameError(LayoutError, RuntimeError):
     ...     print(type(exc).__name__, isinstance(exc, ValueError))
     DuplicateNameError True
     """
+
+
+class NameCountError(LayoutError, RuntimeError):
+    """The number of names differs from the number of dims (``init_device_mesh(mesh_shape=(8,),
+    mesh_dim_names=("dp", "tp"))``); torch raises ``RuntimeError``."""
 
 
 class UnknownDimError(LayoutError, KeyError):
@@ -104,8 +127,10 @@ __all__ = [
     "MeshBuildError",
     "MeshConfigError",
     "MismatchError",
+    "NameCountError",
     "RendezvousTimeout",
     "StoreConnectionError",
     "UnknownDimError",
     "WorldSizeError",
+    "torch_says",
 ]

@@ -25,9 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from ._families import Families
 from ._root_meshes import RootMeshes
 from ._torch_seam import flattened_dim, forget_dtensor_caches, set_group_timeout, use_collective_calls
-from .build import Built, build, check_new_name
+from .build import Built, build, check_device_index, check_new_name
 from .collective import collective_call
-from .errors import MeshConfigError
+from .errors import DuplicateNameError, MeshConfigError, UnknownDimError, torch_says
 from .groups import GroupCache
 from .layout import Layout
 from .plan import SubsetSpec
@@ -158,7 +158,15 @@ class MeshGroups:
             return self._roots.subset(dims[0])
         if not dims:
             raise MeshConfigError("name at least one dim (or a subset), e.g. submesh('tp')")
-        owner = self.layout.resolve(*dims)
+        try:
+            owner = self.layout.resolve(*dims)
+        except (UnknownDimError, DuplicateNameError) as exc:  # torch's words for mesh[dims] too
+            said = (
+                f"Invalid mesh_dim_names {dims} specified. Valid mesh_dim_names are {list(self.layout.names)}."
+                if isinstance(exc, UnknownDimError)
+                else f"Slicing overlapping dim_names {dims} is not allowed."
+            )
+            raise type(exc)(torch_says(str(exc), said)) from None
         key = tuple(d for d in owner.names if d in dims)
         root = self._roots.root(owner)
         if flatten and len(key) > 1:
@@ -305,6 +313,7 @@ def init_mesh(
             created, and retrying the same call on every rank is safe.
     """
     if not dist.is_available() or not dist.is_initialized():
+        check_device_index(device_type)  # torch tells this first, with or without a default group
         raise RuntimeError(
             "init_mesh needs an initialised default process group: call dist.init_process_group first"
         )

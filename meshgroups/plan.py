@@ -14,7 +14,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from .errors import BackendOverrideError, MeshConfigError
+from .errors import BackendOverrideError, MeshConfigError, torch_says
 from .layout import Layout
 
 SubsetSpec = tuple[Layout, "str | Sequence[str]"]
@@ -261,24 +261,32 @@ def _resolve_overrides(
     """torch's ``backend_override`` keys (dim index or name) as family labels; torch's rules:
     a dim given by name *and* index, or a key naming nothing, is an error (its ``RuntimeError``)."""
     known = set(names.values())
-    out: dict[str, BackendConfig] = {}
-    for key, config in overrides.items():
+    for key in overrides:
         if isinstance(key, bool) or not isinstance(key, (int, str)):
             raise TypeError(f"backend_override keys are dim names or indices, got {key!r}")
-        if isinstance(key, int):
-            if not 0 <= key < layout.ndim:
-                raise BackendOverrideError(
-                    f"backend_override has dim index {key}; indices of {layout!r} are 0..{layout.ndim - 1}"
-                )
-            label = layout.names[key]
-        else:
-            label = key
-        if label not in known:
+    for index, dim in enumerate(layout.names):  # torch's order: a dim given twice, then bad keys
+        if index in overrides and dim in overrides:
             raise BackendOverrideError(
-                f"backend_override names {key!r}, which is no dim, declared flattened dim or subset "
-                f"(those are {', '.join(sorted(known))})"
+                torch_says(
+                    f"backend_override gives dim {dim!r} twice (by name and by index {index})",
+                    f"Found redundant dim index {index} and name {dim} in backend_override",
+                )
             )
-        if label in out:
-            raise BackendOverrideError(f"backend_override gives dim {label!r} twice (by name and by index)")
-        out[label] = config
-    return out
+
+    def names_a_family(key: int | str) -> bool:  # an index must name a dim that is built (``only=``)
+        if isinstance(key, str):
+            return key in known
+        return 0 <= key < layout.ndim and layout.names[key] in known
+
+    invalid = [k for k in overrides if not names_a_family(k)]
+
+    if invalid:
+        raise BackendOverrideError(
+            torch_says(
+                f"backend_override keys {invalid} name no dim, declared flattened dim or subset "
+                f"(those are {', '.join(sorted(known))}; dim indices are 0..{layout.ndim - 1})",
+                f"Found invalid keys in backend_override: got {invalid}, "
+                f"expected integers in range [0, {layout.ndim}) or one of {layout.names}",
+            )
+        )
+    return {layout.names[k] if isinstance(k, int) else k: config for k, config in overrides.items()}

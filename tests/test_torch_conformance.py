@@ -9,13 +9,17 @@ Each placement (row-major and permuted) runs one job with every check:
   slicing take part collectively on members and non-members alike;
 - ``copy.deepcopy`` / pickle round trips keep ``_flatten``/``_unflatten`` in the building process;
   another process and a closed ``MeshGroups`` are told exactly why not;
-- every misuse torch refuses raises, from meshgroups, an error of torch's class for it;
+- every misuse torch refuses raises, from meshgroups, an error of torch's class for it, whose
+  message holds the text torch's own tests match (``assertRaisesRegex``); a list of names
+  slices like the tuple;
 - ``backend_override`` by name, by index, on ``_flatten`` and ``_unflatten``, with gloo twins, and
   a mismatch on one rank -> ``MismatchError`` on every rank naming ``backend_override``;
 - ``group_desc`` of every group is torch's ``mesh_<dim>`` (flattened dims and subsets by name).
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -233,61 +237,100 @@ def _full_layout(rank, p):
     torch_mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
     torch_mesh["dp", "cp"]._flatten("dc")
     root["dp", "cp"]._flatten("dc")
+    for names in (["dp", "tp"], ["tp"]):  # a list of names slices like the tuple, as in torch
+        assert root[names] == root[tuple(names)] and root[names].mesh_dim_names == tuple(names)
+        assert root[names]._dim_group_names == root[tuple(names)]._dim_group_names
     misuses = {
         "repeated dim names": (
             lambda: init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "dp")),
             lambda: Layout.from_grid(grid.reshape(2, 4), ("dp", "dp")),
+            "Each mesh_dim_name must be unique.",
         ),
-        "device index": (lambda: init_device_mesh("cpu:0", (8,)), lambda: init_mesh(lay, "cpu:0")),
-        "bigger than the world": (lambda: init_device_mesh("cpu", (16,)), lambda: init_mesh(Layout(dp=16))),
-        "unknown dim": (lambda: torch_mesh["nope"], lambda: root["nope"]),
-        "unknown dim, meshgroups API": (lambda: torch_mesh["nope"], lambda: mg.submesh("nope")),
-        "descending dims": (lambda: torch_mesh["tp", "dp"], lambda: root["tp", "dp"]),
-        "repeated dim": (lambda: torch_mesh["dp", "dp"], lambda: root["dp", "dp"]),
-        "repeated dim, meshgroups API": (lambda: torch_mesh["dp", "dp"], lambda: mg.submesh("dp", "dp")),
+        "device index": (
+            lambda: init_device_mesh("cpu:0", (8,)),
+            lambda: init_mesh(lay, "cpu:0"),
+            "Device type with index is not supported",
+        ),
+        "bigger than the world": (
+            lambda: init_device_mesh("cpu", (16,)),
+            lambda: init_mesh(Layout(dp=16)),
+            "Mesh should not be bigger than default world size 8, but found 16 ranks!",
+        ),
+        "unknown dim": (lambda: torch_mesh["nope"], lambda: root["nope"], "Invalid mesh_dim_name"),
+        "unknown dim, meshgroups API": (
+            lambda: torch_mesh["nope"],
+            lambda: mg.submesh("nope"),
+            "Invalid mesh_dim_name",
+        ),
+        "descending dims": (
+            lambda: torch_mesh["tp", "dp"],
+            lambda: root["tp", "dp"],
+            "Invalid mesh_dim_names",
+        ),
+        "repeated dim": (
+            lambda: torch_mesh["dp", "dp"],
+            lambda: root["dp", "dp"],
+            "Slicing overlapping dim_names",
+        ),
+        "repeated dim, meshgroups API": (
+            lambda: torch_mesh["dp", "dp"],
+            lambda: mg.submesh("dp", "dp"),
+            "Slicing overlapping dim_names",
+        ),
         "flatten into a root dim": (
             lambda: torch_mesh["dp", "cp"]._flatten("tp"),
             lambda: root["dp", "cp"]._flatten("tp"),
+            "tp already exists for submesh of the DeviceMesh",
         ),
         "flatten name taken": (
             lambda: torch_mesh["cp", "tp"]._flatten("dc"),
             lambda: root["cp", "tp"]._flatten("dc"),
+            "Flatten mesh with mesh_dim_name dc has been created before",
         ),
         "unflatten sizes": (
             lambda: torch_mesh["tp"]._unflatten(0, (3,), ("a",)),
             lambda: root["tp"]._unflatten(0, (3,), ("a",)),
+            "These must be equal for unflatten to work correctly.",
         ),
         "unflatten name count": (
             lambda: torch_mesh["tp"]._unflatten(0, (2, 1), ("a",)),
             lambda: root["tp"]._unflatten(0, (2, 1), ("a",)),
+            "mesh_dim_names must have same length as mesh_sizes in _unflatten!",
         ),
         "unflatten dim": (
             lambda: torch_mesh._unflatten(5, (2,), ("a",)),
             lambda: root._unflatten(5, (2,), ("a",)),
+            "specified in `_unflatten` is out of range",
         ),
         "unflatten unknown dim": (
             lambda: torch_mesh._unflatten("nope", (2,), ("a",)),
             lambda: root._unflatten("nope", (2,), ("a",)),
+            "specified in `_unflatten` is not in",
         ),
         "backend_override twice": (
             lambda: init_device_mesh(
                 "cpu", (8,), mesh_dim_names=("dp",), backend_override={0: "gloo", "dp": "gloo"}
             ),
             lambda: init_mesh(lay, backend_override={0: "gloo", "dp": "gloo"}),
+            "Found redundant dim index 0 and name dp in backend_override",
         ),
         "backend_override unknown key": (
             lambda: init_device_mesh("cpu", (8,), mesh_dim_names=("dp",), backend_override={"xx": "gloo"}),
             lambda: init_mesh(lay, backend_override={"xx": "gloo"}),
+            r"Found invalid keys in backend_override: got \['xx'\]",
         ),
         "backend_override index out of range": (
             lambda: init_device_mesh("cpu", (8,), mesh_dim_names=("dp",), backend_override={3: "gloo"}),
             lambda: init_mesh(lay, backend_override={3: "gloo"}),
+            r"Found invalid keys in backend_override: got \[3\]",
         ),
     }
-    for name, (theirs, ours) in misuses.items():
+    for name, (theirs, ours, pattern) in misuses.items():
         expected, got = _raised(theirs), _raised(ours)
         assert expected is not None and got is not None, (name, expected, got)
         assert isinstance(got, type(expected)), (name, type(expected).__name__, type(got).__mro__)
+        if pattern is not None:  # the text torch's own tests match (assertRaisesRegex) is in ours too
+            assert re.search(pattern, str(expected)) and re.search(pattern, str(got)), (name, expected, got)
         if type(got).__module__.startswith("meshgroups"):
             assert isinstance(got, ValueError), name  # still meshgroups' (ValueError) error too
 

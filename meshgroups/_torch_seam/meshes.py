@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..errors import torch_says
 from .builders import GroupBuilder
 from .rooted_mesh import RootedMesh, _new_mesh, flattened_layout, register_flattened
 
@@ -81,7 +82,13 @@ def flatten_on_root(
     existing = root._flatten_mapping.get(name)
     if existing is not None:
         if existing._layout != layout:
-            raise ValueError(f"flattened dim {name!r} already exists over other dims; pick another name")
+            raise ValueError(
+                torch_says(
+                    f"flattened dim {name!r} already exists over other dims; pick another name",
+                    f"Flatten mesh with mesh_dim_name {name} has been created before, "
+                    "Please specify another valid mesh_dim_name.",
+                )
+            )
         return existing
     return register_flattened(root, layout, name, group, coordinate)
 

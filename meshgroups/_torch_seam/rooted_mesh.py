@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh, _normalize_backend_override
 
-from ..errors import UnknownDimError
+from ..errors import UnknownDimError, torch_says
 from .builders import _CALLS, BackendConfig, GroupBuilder, _lookup
 
 # ---------------------------------------------------------------------------------------------
@@ -56,17 +56,17 @@ class RootedMesh(DeviceMesh):
     def _flatten_rank_map(self, value: tuple[int, ...]) -> None:
         pass  # always derived from _rank_map (torch's constructor sets it from there too)
 
-    def __getitem__(self, mesh_dim_names: str | tuple[str, ...]) -> DeviceMesh:
+    def __getitem__(self, mesh_dim_names: str | tuple[str, ...] | list[str]) -> DeviceMesh:
         if not self._mesh_dim_names:
             raise RuntimeError("Cannot slice a DeviceMesh without mesh_dim_names!")
         if isinstance(mesh_dim_names, str):
             names: tuple[str, ...] = (mesh_dim_names,)
-        elif isinstance(mesh_dim_names, tuple) and all(isinstance(n, str) for n in mesh_dim_names):
-            names = mesh_dim_names
+        elif isinstance(mesh_dim_names, (tuple, list)) and all(isinstance(n, str) for n in mesh_dim_names):
+            names = tuple(mesh_dim_names)  # a list of names slices like the tuple, as in torch
         else:
             # torch would iterate b"2" into (50,) and raise KeyError: a KeyError that also says why
             raise UnknownDimError(
-                f"mesh dim names must be a str or a tuple of str, got {mesh_dim_names!r}; "
+                f"mesh dim names must be a str or a tuple (or list) of str, got {mesh_dim_names!r}; "
                 f"dims of this mesh are {', '.join(self._mesh_dim_names)}"
             )
         if names == self._mesh_dim_names:
@@ -157,8 +157,12 @@ class RootedMesh(DeviceMesh):
         root = self._get_root_mesh()
         if name in (root._mesh_dim_names or ()):
             raise ValueError(
-                f"{name!r} is already a dim of the root mesh {root._mesh_dim_names}; "
-                "pick another name for the flattened dim"
+                torch_says(
+                    f"{name!r} is already a dim of the root mesh {root._mesh_dim_names}; "
+                    "pick another name for the flattened dim",
+                    f"{name} already exists for submesh of the {root!r}. The mesh_dim_names of submesh and "
+                    f"flattened mesh are {root._mesh_dim_names}. Please specify another valid mesh_dim_name.",
+                )
             )
         layout = _MeshLayout([self._layout.collapse()])
         existing = root._flatten_mapping.get(name)
@@ -166,8 +170,11 @@ class RootedMesh(DeviceMesh):
             if existing._layout == layout:
                 return existing
             raise ValueError(
-                f"Flatten mesh with mesh_dim_name {name} has been created before over other dims; "
-                "pick another name for the flattened dim"
+                torch_says(
+                    f"the flattened dim {name!r} exists already, over other dims; pick another name for this one",
+                    f"Flatten mesh with mesh_dim_name {name} has been created before, "
+                    "Please specify another valid mesh_dim_name.",
+                )
             )
         (group_name,) = self._init_process_groups(layout, root._rank_map, (name,), (override,)) or (None,)
         group = None if group_name is None else root._pg_registry[group_name]
@@ -205,8 +212,13 @@ class RootedMesh(DeviceMesh):
         inner = _MeshLayout.from_sizes_strides(tuple(mesh_sizes))
         if inner.numel() != self._layout[index].numel():
             raise ValueError(
-                f"The product of mesh_sizes={tuple(mesh_sizes)} is {inner.numel()}, but dim {dim!r} has size "
-                f"{self._layout[index].numel()}; they must be equal to unflatten"
+                torch_says(
+                    f"dim {dim!r} has size {self._layout[index].numel()} but mesh_sizes={tuple(mesh_sizes)} "
+                    f"multiply to {inner.numel()}: unflatten splits a dim into sizes that multiply to its size",
+                    f"The product of mesh_sizes={mesh_sizes} is {inner.numel()}, but the original dimension at "
+                    f"dim={index} has size {self._layout[index].numel()}. "
+                    "These must be equal for unflatten to work correctly.",
+                )
             )
         partial = self._layout[index].composition(inner)
         root = self._get_root_mesh()
