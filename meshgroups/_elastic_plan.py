@@ -236,6 +236,7 @@ class RecoveryPlan:
         return new_rank if new_rank in self.layout and not self._gone(new_rank) else None
 
     def _family(self, family: Hashable) -> tuple[str, tuple[str, ...]]:
+        asked = family
         if isinstance(family, str) and family not in self._families:
             family = (family,)
         if isinstance(family, list):
@@ -247,7 +248,7 @@ class RecoveryPlan:
                 if isinstance(key, tuple) and set(key) == set(family) and len(key) == len(family):
                     return label, dims
         known = ", ".join(_label(k) for k in self._families)
-        raise RecoveryError(f"no group family {family!r} in this plan; families are {known}")
+        raise RecoveryError(f"no group family {asked!r} in this plan; families are {known}")
 
     def status(self, rank: int, family: Hashable) -> Status | None:
         """``"kept"`` / ``"created"`` for ``rank``'s group of ``family`` in the new layout
