@@ -20,7 +20,7 @@ from typing import Any
 
 from ._cli_args import bounded_int, rank_arg
 from .checks import MAX_RANK, formula
-from .elastic import RecoveryPlan, plan_grow, plan_shrink, plan_substitute
+from .elastic import RecoveryPlan, family_label, plan_grow, plan_shrink, plan_substitute
 from .layout import Layout
 from .topology import Topology
 
@@ -125,9 +125,9 @@ def report(plan: RecoveryPlan, rank: int | None = None, full: bool = False) -> s
         lines.append(f"drained (alive, on a lost {plan.topology.names[0]}): {ranges(plan.drained, limit)}")  # type: ignore[union-attr]
     if plan.replacements:
         pairs = sorted(plan.replacements.items())
-        shown = pairs if full else pairs[:SHOWN]
-        more = "" if len(shown) == len(pairs) else f", … ({len(pairs)} in all)"
-        lines.append("replacements: " + ", ".join(f"{a}->{b}" for a, b in shown) + more)
+        some = pairs if full else pairs[:SHOWN]
+        more = "" if len(some) == len(pairs) else f", … ({len(pairs)} in all)"
+        lines.append("replacements: " + ", ".join(f"{a}->{b}" for a, b in some) + more)
     if plan.admitted and not plan.replacements:
         lines.append(f"admitted: {ranges(plan.admitted, limit)}")
     lines.append(f"spares (idle): {ranges(plan.spares, limit)}")
@@ -159,9 +159,8 @@ def report(plan: RecoveryPlan, rank: int | None = None, full: bool = False) -> s
         ]
         for key in plan.families:
             group = plan.new_group(rank, key)
-            label = key if isinstance(key, str) else "_".join(key)
-            shown = "" if group is None else f" {ranges(group.tolist(), limit)}"
-            lines.append(f"  {label:<14}{plan.status(rank, key) or '-'}{shown}")
+            members = "" if group is None else f" {ranges(group.tolist(), limit)}"
+            lines.append(f"  {family_label(key):<14}{plan.status(rank, key) or '-'}{members}")
     return "\n".join(lines)
 
 
@@ -187,10 +186,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 "role": plan.role(args.rank),
                 "old_coords": plan.old_coords(args.rank),
                 "new_coords": plan.new_coords(args.rank),
-                "status": {
-                    (k if isinstance(k, str) else "_".join(k)): plan.status(args.rank, k)
-                    for k in plan.families
-                },
+                "status": {family_label(k): plan.status(args.rank, k) for k in plan.families},
             }
         print(json.dumps(data))
     else:

@@ -247,7 +247,7 @@ class RecoveryPlan:
             for key, (label, dims) in self._families.items():
                 if isinstance(key, tuple) and set(key) == set(family) and len(key) == len(family):
                     return label, dims
-        known = ", ".join(_label(k) for k in self._families)
+        known = ", ".join(family_label(k) for k in self._families)
         raise RecoveryError(f"no group family {asked!r} in this plan; families are {known}")
 
     def status(self, rank: int, family: Hashable) -> Status | None:
@@ -339,8 +339,9 @@ class RecoveryPlan:
         key = next(k for k, v in self._families.items() if v == (label, dims))
         changed = self._changed[label]
         kept, created, gone = changed.listing(dims)
-        name = key if isinstance(key, str) else "_".join(key)  # type: ignore[arg-type]
-        return FamilyChange(key, name, label, dims, changed.owner.old, changed.new, kept, created, gone)
+        return FamilyChange(
+            key, family_label(key), label, dims, changed.owner.old, changed.new, kept, created, gone
+        )
 
     def changes(self) -> dict[Hashable, FamilyChange]:
         """``{family key: FamilyChange}`` for every family."""
@@ -385,7 +386,8 @@ class RecoveryPlan:
         )
 
 
-def _label(key: Hashable) -> str:
+def family_label(key: Hashable) -> str:
+    """A family key as torch names it: ``("dp", "cp")`` → ``"dp_cp"``, a subset's name as is."""
     return key if isinstance(key, str) else "_".join(key)  # type: ignore[arg-type]
 
 

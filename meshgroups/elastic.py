@@ -29,7 +29,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 import numpy as np
 
 from ._elastic_owners import Owner, grow_owner, rename_owner, shrink_owner
-from ._elastic_plan import FamilyChange, RecoveryPlan
+from ._elastic_plan import FamilyChange, RecoveryPlan, family_label
 from .checks import formula, is_int, product, short_repr
 from .errors import RecoveryError
 from .layout import Layout
@@ -39,6 +39,7 @@ __all__ = [
     "REPLICATE_DIMS",
     "FamilyChange",
     "RecoveryPlan",
+    "family_label",
     "plan_grow",
     "plan_shrink",
     "plan_substitute",
