@@ -161,7 +161,7 @@ def report(plan: RecoveryPlan, rank: int | None = None, full: bool = False) -> s
             group = plan.new_group(rank, key)
             members = "" if group is None else f" {ranges(group.tolist(), limit)}"
             lines.append(f"  {family_label(key):<14}{plan.status(rank, key) or '-'}{members}")
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

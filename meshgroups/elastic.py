@@ -38,6 +38,7 @@ from .topology import WORLD, Topology
 __all__ = [
     "REPLICATE_DIMS",
     "FamilyChange",
+    "RecoveryError",
     "RecoveryPlan",
     "family_label",
     "plan_grow",
