@@ -101,6 +101,7 @@ class RecoveryPlan:
         self.replacements: Mapping[int, int] = dict(replacements or {})
         self._inverse = {new: old for old, new in self.replacements.items()}
         self._unused = unused
+        self._unused_set = frozenset(unused)
         self._slabs = slabs
         main = self._owners["main"]
         self.dropped: tuple[int, ...] = main.indices if kind == "shrink" else ()
@@ -192,7 +193,7 @@ class RecoveryPlan:
             return "drained"
         if rank in self.layout:
             return "spare" if self._gone(rank) else "survivor"
-        return "spare" if rank in set(self._unused) else "outside"
+        return "spare" if rank in self._unused_set else "outside"
 
     def old_coords(self, rank: int) -> dict[str, int] | None:
         """``rank``'s coordinates in the old layout, or None."""

@@ -124,3 +124,23 @@ def test_runs_as_a_module():
     res = cli("shrink", "--layout", "pp=2,dp=4,tp=8", "--lost", "13,14", "--node", "8")
     assert res.returncode == 0, res.stderr
     assert "spares (idle): 40-47" in res.stdout
+
+
+def test_plot_marks_ranks():
+    """render.plot(marked=...) puts one symbol per marked rank on its cell, with a legend."""
+    pytest.importorskip("matplotlib")
+    from meshgroups.render import plot
+
+    lay = Layout(pp=2, dp=4, tp=8)
+    plan = plan_shrink(lay, [13, 14], topology=Topology(node=8))
+    fig = plot(lay, "dp", ranks_per_node=8, marked={"lost": plan.lost, "spare": plan.spares})
+    ax = fig.axes[0]
+    from matplotlib.collections import PathCollection  # what scatter draws
+
+    points = [coll.get_offsets().tolist() for coll in ax.collections if isinstance(coll, PathCollection)]
+    assert points == [[[5, 1], [6, 1]], [[c, 5] for c in range(8)]]  # (column, row) of 13, 14 and 40..47
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["lost (2)", "spare (8)"]
+    with pytest.raises(TypeError, match="marked\\['lost'\\] must hold int ranks"):
+        plot(lay, "dp", marked={"lost": ["13"]})
+    with pytest.raises(TypeError, match="marked maps at most 5 labels"):
+        plot(lay, "dp", marked={str(i): [i] for i in range(6)})
