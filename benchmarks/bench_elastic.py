@@ -15,8 +15,9 @@ so the dp replica 1 is dropped (its other ranks become spares) and the survivors
 dp_cp_tp (FSDP/HSDP's data dims).
 
 - ``elastic``: ``plan_shrink`` (and its new layout), then the new ``MeshGroups`` through the old
-  mesh's GroupCache (``meshgroups.recover.rebuild`` from the torch side when it is installed,
-  else ``init_mesh`` on the same cache, which is what it does), then the root mesh.
+  mesh's GroupCache — ``meshgroups.recover.rebuild`` (the torch side; local meshes only), or for
+  the global strategy ``init_mesh`` on the same cache and closing the old mesh — then the root
+  mesh.
 - ``restart``: the old mesh closed, ``destroy_process_group()``, ``init_process_group`` on the
   survivors renumbered densely, ``init_mesh`` of the renumbered layout, the root mesh.
 - ``torchft``: one ``new_group`` over this rank's new dp group (what torchft's replicate-only
@@ -77,7 +78,7 @@ def one_fake(method: str, strategy: str, world: int) -> dict[str, float]:
         plan = plan_shrink(layout, lost, topology=Topology(node=sizes["tp"]), flatten=FLATTEN)
         new_layout = plan.new_layout
         plan_seconds = time.perf_counter() - t0
-        if rebuild is not None:
+        if rebuild is not None and strategy == "local":  # rebuild() is for local meshes only
             new = rebuild(old, new_layout)
         else:
             new = init_mesh(new_layout, flatten=FLATTEN, strategy=strategy, cache=cache, check=False)
@@ -115,7 +116,7 @@ def one_fake(method: str, strategy: str, world: int) -> dict[str, float]:
         "plan": plan_seconds,
         "calls": counts[0],
         "created": counts[1],
-        "reused": rebuild is not None,
+        "rebuild": rebuild is not None and strategy == "local" and method == "elastic",
     }
 
 
