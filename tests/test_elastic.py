@@ -441,3 +441,14 @@ def test_a_view_follows_a_shrink_through_its_own_dim():
     assert plan.new_layout.views["expert"].shape == (2, 4)
     assert plan.change("ep").counts() == {"kept": 0, "created": 2, "gone": 2}
     assert plan.status(4, "ep") == "created" and plan.status(0, "ep") == "gone"
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from meshgroups import _elastic_plan, elastic
+
+    for module in (elastic, _elastic_plan):
+        result = doctest.testmod(module, extraglobs={"Layout": Layout, "Topology": Topology})
+        assert result.failed == 0
+    assert doctest.testmod(elastic, extraglobs={"Layout": Layout}).attempted >= 5
