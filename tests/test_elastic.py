@@ -452,3 +452,12 @@ def test_docstring_examples_run():
         result = doctest.testmod(module, extraglobs={"Layout": Layout, "Topology": Topology})
         assert result.failed == 0
     assert doctest.testmod(elastic, extraglobs={"Layout": Layout}).attempted >= 5
+
+
+def test_a_spare_node_partly_used_leaves_the_rest_idle():
+    """A layout starting mid-node (offset 4, nodes of 8): the lost node holds 4 layout ranks, so
+    4 ranks of the spare node take their places and the other 4 stay spares."""
+    plan = plan_substitute(Layout(dp=2, tp=4, rank_offset=4), [5], range(16, 24), topology=Topology(node=8))
+    assert plan.replacements == {4: 20, 5: 21, 6: 22, 7: 23}
+    assert plan.spares == (16, 17, 18, 19) and plan.drained == (4, 6, 7)
+    assert [plan.role(r) for r in (16, 20, 5, 4, 8)] == ["spare", "admitted", "lost", "drained", "survivor"]
