@@ -182,6 +182,7 @@ def report(plan: RecoveryPlan, rank: int | None = None, full: bool = False) -> s
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run ``shrink``/``grow`` for parsed ``args``; bad input exits 2 through ``parser.error``."""
     layout = _layout(parser, args)
     topology = _topology(parser, args)
     common: dict[str, Any] = {"topology": topology, "flatten": dim_sets(args.flatten or "")}
