@@ -12,17 +12,21 @@ from typing import TYPE_CHECKING, Any
 from ._layout_topology import Locality
 from .errors import (
     ConcurrentInitError,
+    Excluded,
     LayoutError,
     MeshBuildError,
     MeshConfigError,
     MismatchError,
+    RanksLost,
     RendezvousTimeout,
+    StepFailed,
     StoreConnectionError,
 )
 from .layout import Layout
 from .topology import Topology
 
 if TYPE_CHECKING:
+    from .elastic_mesh import Elastic
     from .groups import GroupCache
     from .mesh import MeshGroups, init_mesh, layout_of
     from .plan import GroupSpec
@@ -30,6 +34,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ConcurrentInitError",
+    "Elastic",
+    "Excluded",
     "GroupCache",
     "GroupSpec",
     "Layout",
@@ -39,7 +45,9 @@ __all__ = [
     "MeshConfigError",
     "MeshGroups",
     "MismatchError",
+    "RanksLost",
     "RendezvousTimeout",
+    "StepFailed",
     "StoreConnectionError",
     "Strategy",
     "Topology",
@@ -49,6 +57,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 _TORCH_NAMES = {
+    "Elastic": "elastic_mesh",
     "init_mesh": "mesh",
     "layout_of": "mesh",
     "MeshGroups": "mesh",

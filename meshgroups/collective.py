@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from ._torch_seam import default_backend_name, default_store, default_timeout
+from .cohort import current_cohort
 from .errors import ConcurrentInitError, StoreConnectionError
 from .rendezvous import PREFIX, Meeting, is_shared, shared
 
@@ -59,7 +60,7 @@ _OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH = os.path.dirname(os.path.dirname(os.path.abspath(dist.__file__))) + os.sep
 _PLUMBING = {os.path.abspath(f.__code__.co_filename) for f in (contextmanager, functools.wraps)}
 _lock = threading.Lock()
-_state: dict[str, Any] = {"group": None, "n": 0, "active": None, "thread": None}
+_state: dict[str, Any] = {"group": None, "n": 0, "active": None, "thread": None, "cohort": ""}
 
 
 def _call_site() -> tuple[str, str]:
@@ -88,7 +89,14 @@ class Call:
         self.site_key, self.site = site
         self.enabled = enabled
         self.what = f"{operation} call #{number}"
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.rank = dist.get_rank()
+        # Over a cohort (the live ranks after a loss) only its members meet, in a namespace of
+        # the cohort's own: a dead rank's keys of an earlier epoch are never read.
+        cohort = current_cohort()
+        self.members = cohort.members if cohort is not None else None
+        self.world_size = len(cohort.members) if cohort is not None else dist.get_world_size()
+        self.base = f"{PREFIX}/{cohort.tag if cohort is not None else ''}{number}"
+        self.groups_base = f"meshgroups/g{cohort.tag if cohort is not None else ''}{number}."
         self.store = default_store() if enabled else None
         self.timeout = default_timeout()
         self.meetings: list[Meeting] = []
@@ -145,7 +153,7 @@ class Call:
 
     def creation_prefix(self) -> str:
         """A store namespace of the groups created at the current meeting."""
-        return f"meshgroups/g{self.number}.{len(self.meetings)}"
+        return f"{self.groups_base}{len(self.meetings)}"
 
     # ------------------------------------------------------------------ bookkeeping
     def _next_meeting(self) -> Meeting:
@@ -155,15 +163,16 @@ class Call:
             self.rank,
             self.world_size,
             self.what,
-            f"{PREFIX}/{self.number}/{len(self.meetings) + 1}",
+            f"{self.base}/{len(self.meetings) + 1}",
             self.timeout,
             self.last_words,
+            self.members,
         )
         self.meetings.append(meeting)
         return meeting
 
     def _key(self, name: str) -> str:
-        return f"{PREFIX}/{self.number}/{name}"
+        return f"{self.base}/{name}"
 
     def progress(self, text: str) -> None:
         """Publish what this rank is doing, so a rank that dies is named with its last words."""
@@ -248,9 +257,9 @@ class Call:
             return
         # The last rank out: nobody reads this call's keys any more.
         if failed or self.sweep_prefixes:
-            prefixes = (f"{PREFIX}/{self.number}/", *self.sweep_prefixes)
+            prefixes = (f"{self.base}/", *self.sweep_prefixes)
             if failed:
-                prefixes += (f"meshgroups/g{self.number}.",)
+                prefixes += (self.groups_base,)
             for key in self._op("list_keys"):
                 if key.startswith(prefixes):
                     self._op("delete_key", key)
@@ -276,8 +285,11 @@ def _next_number() -> int:
     # reference: a strong one kept the destroyed default group alive until interpreter exit,
     # where its destructor could abort the process (the demo's exit status 1 under torchrun).
     known = _state["group"]() if _state["group"] is not None else None
-    if known is not dist.group.WORLD:
-        _state["group"], _state["n"] = weakref.ref(dist.group.WORLD), 0
+    cohort = current_cohort()
+    epoch = cohort.tag if cohort is not None else ""  # epoch 0 shares the world's numbering
+    if known is not dist.group.WORLD or _state["cohort"] != epoch:
+        # a new cohort numbers its calls from 1 again, in its own namespace
+        _state["group"], _state["n"], _state["cohort"] = weakref.ref(dist.group.WORLD), 0, epoch
     _state["n"] += 1
     return int(_state["n"])
 
@@ -305,6 +317,12 @@ def collective_call(operation: str) -> Iterator[Call]:
             "collective: make them one at a time, from one thread"
         )
     try:
+        cohort = current_cohort()
+        if cohort is not None and dist.get_rank() not in cohort:
+            raise RuntimeError(
+                f"{operation} was called on rank {dist.get_rank()}, which is not in the cohort of live ranks "
+                f"(epoch {cohort.epoch}: ranks {list(cohort.members)}); only members make collective calls"
+            )
         call = Call(operation, _next_number(), _call_site(), default_backend_name() != "fake")
         _state["active"], _state["thread"] = call, threading.get_ident()
         call.enter()

@@ -21,6 +21,11 @@ class LayoutError(ValueError):
     """A layout, or an argument about a layout, breaks a rule (size, name, rank, index)."""
 
 
+class RecoveryError(LayoutError):
+    """A recovery plan (``meshgroups.elastic``) cannot be made from these arguments: the lost
+    ranks hit every replica, a rank is not in the layout, too few spares, an unknown dim, ..."""
+
+
 class MeshConfigError(ValueError):
     """An ``init_mesh`` argument is invalid on this rank (found before any collective)."""
 
@@ -54,6 +59,38 @@ class MeshBuildError(RuntimeError):
 
 class ConcurrentInitError(RuntimeError):
     """``init_mesh`` was called from a second thread while another call was in progress."""
+
+
+class StepFailed(RuntimeError):
+    """A guarded training step failed on some rank (``Elastic.step()``); raised on every live
+    rank alike once the ranks agreed who is still alive.
+
+    Attributes:
+        lost: the ranks the verdict declared lost (empty: every rank is alive, the step failed
+            for another reason, ``cause`` says which). epoch: the verdict's epoch. survivors:
+            the live ranks. cause: the first failure a rank published (``"rank r: Class: msg"``).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        lost: tuple[int, ...] = (),
+        epoch: int = 0,
+        survivors: tuple[int, ...] = (),
+        cause: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.lost, self.epoch, self.survivors, self.cause = lost, epoch, survivors, cause
+
+
+class RanksLost(StepFailed):
+    """Ranks died (or hung past the verdict's timeout): ``lost`` names them, on every survivor."""
+
+
+class Excluded(RuntimeError):
+    """This rank was declared lost by the verdict (it reported after the decision, or never
+    reported while it hung); it must not take part in the survivors' collectives. Exit, or
+    wait to be re-admitted as a spare."""
 
 
 # Errors that are also the class torch raises for the same misuse, so code written against
@@ -123,12 +160,16 @@ __all__ = [
     "ConcurrentInitError",
     "DeviceTypeError",
     "DuplicateNameError",
+    "Excluded",
     "LayoutError",
     "MeshBuildError",
     "MeshConfigError",
     "MismatchError",
     "NameCountError",
+    "RanksLost",
+    "RecoveryError",
     "RendezvousTimeout",
+    "StepFailed",
     "StoreConnectionError",
     "UnknownDimError",
     "WorldSizeError",

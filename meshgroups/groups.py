@@ -96,6 +96,22 @@ class GroupCache:
             self.strategy = self.since = None
         return destroyed
 
+    def evict(self, key: GroupKey) -> bool:
+        """Forget ``key``'s group now, whoever uses it, and destroy it (a group that cannot be
+        reused, e.g. out of step after a failure); the next build creates a new one. The
+        holders must drop ``key`` from what they release (``MeshGroups`` does, through
+        ``meshgroups.recover``). Returns whether there was a group to destroy."""
+        group = self._groups.pop(key, None)
+        self._refs.pop(key, None)
+        if group is None or group is dist.group.WORLD:
+            return False
+        dist.destroy_process_group(group)
+        return True
+
+    def items(self) -> list[tuple[GroupKey, dist.ProcessGroup | None]]:
+        """Every (key, group) entry (``None``: this rank made the call but is no member)."""
+        return list(self._groups.items())
+
     def destroy(self) -> None:
         """Destroy every group the cache holds (and the pads), whoever uses them, then forget them."""
         for group in self.groups() + self.pads:

@@ -5,7 +5,7 @@ are numbered within it, and a meeting's keys live under ``meshgroups/rdzv/<call>
 A meeting has three phases, each a barrier whose outcome is decided exactly once, by
 ``compare_set`` on a state key (first writer wins):
 
-1. *arrive* — rank 0 publishes its argument digests, every rank raises torch's group counters to
+1. *arrive* — rank 0 (a cohort's first member) publishes its argument digests, every rank raises torch's group counters to
    the common maximum and counts itself in; the last arrival sets ``arrived``. A rank that gave
    up waiting sets ``abandoned`` instead, so a rank arriving later raises rather than passing
    alone; a rank that failed sets ``failed`` so the others stop waiting.
@@ -29,7 +29,7 @@ import builtins
 import json
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -107,6 +107,7 @@ class Meeting:
         base: str,
         timeout: timedelta,
         last_words: Callable[[list[int]], str] = lambda ranks: "",
+        members: Sequence[int] | None = None,
     ) -> None:
         self.store = store
         self.rank = rank
@@ -115,6 +116,10 @@ class Meeting:
         self.base = base
         self.timeout = timeout
         self.last_words = last_words  # what the named ranks last published
+        # The ranks that meet (a cohort of live ranks; default the whole world) and the one
+        # that publishes the reference arguments.
+        self.members: Sequence[int] = tuple(members) if members is not None else range(world_size)
+        self.leader = self.members[0]
 
     def _key(self, name: str) -> str:
         return f"{self.base}/{name}"
@@ -195,7 +200,7 @@ class Meeting:
     def _absent(self, phase: str) -> list[int] | None:
         if self.world_size > NAME_MISSING_UP_TO:
             return None
-        return [r for r in range(self.world_size) if not self.op("check", [self._key(f"{phase}/here/{r}")])]
+        return [r for r in self.members if not self.op("check", [self._key(f"{phase}/here/{r}")])]
 
     def _missing(self, phase: str) -> str:
         arrived = int(self.op("add", self._key(f"{phase}/count"), 0))
@@ -231,9 +236,9 @@ class Meeting:
         message prints for each argument; ``call_site`` is compared only between ranks that run
         the same ``program``)."""
         started = time.monotonic()
-        if self.rank == 0:
+        if self.rank == self.leader:
             self.op("set", self._key("ref"), json.dumps(digests))
-            self.op("set", self._key("mine/0"), json.dumps(shown))
+            self.op("set", self._key(f"mine/{self.leader}"), json.dumps(shown))
         for name, value in counters.items():
             self._raise_up_to_max(name, value)
         self._barrier("state", "arrived", "the cross-rank check", started)
@@ -263,10 +268,10 @@ class Meeting:
         order = list(reference)
         first = min(by_arg, key=lambda a: order.index(a) if a in order else len(order))
         ranks = sorted(by_arg[first])
-        odd, usual = ranks[0], 0
+        odd, usual = ranks[0], self.leader
         if len(ranks) > self.world_size // 2 and len(set(by_arg[first].values())) == 1:
-            # Most ranks agree with each other, not with rank 0: rank 0 is the odd one out.
-            odd, usual, ranks = 0, ranks[0], [0]
+            # Most ranks agree with each other, not with the leader: the leader is the odd one out.
+            odd, usual, ranks = self.leader, ranks[0], [self.leader]
         odd_shown = json.loads(self.op("get", self._key(f"mine/{odd}")))
         usual_shown = json.loads(self.op("get", self._key(f"mine/{usual}")))
         others = [a for a in by_arg if a != first]

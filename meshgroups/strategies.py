@@ -30,6 +30,7 @@ import numpy as np
 import torch.distributed as dist
 
 from ._torch_seam import bound_device_id
+from .cohort import current_cohort
 from .errors import MeshConfigError
 from .groups import GroupCache, GroupHandle, GroupKey, backend_key
 from .layout import Layout
@@ -118,6 +119,9 @@ class Builder:
     def is_world(self, row: tuple[int, ...]) -> bool:
         # An overridden backend gets a group of its own even over the whole world (as in torch).
         if self.overridden:
+            return False
+        cohort = current_cohort()  # after a loss WORLD holds a dead rank: never hand it out
+        if cohort is not None and len(cohort) != self.world_size:
             return False
         return len(row) == self.world_size and row[0] == 0 and row == tuple(range(self.world_size))
 

@@ -27,9 +27,11 @@ from .c10d import (
     default_store,
     default_timeout,
     group_count,
+    group_sequence,
     held_group_count,
     is_backend_options,
     set_group_timeout,
+    shrink_nccl_group,
 )
 from .meshes import (
     detach_builder,
@@ -58,6 +60,7 @@ __all__ = [
     "flattened_layout",
     "forget_dtensor_caches",
     "group_count",
+    "group_sequence",
     "held_group_count",
     "is_backend_options",
     "make_group_mesh",
@@ -65,6 +68,7 @@ __all__ = [
     "register_builder",
     "register_flattened",
     "set_group_timeout",
+    "shrink_nccl_group",
     "unregister_builder",
     "use_collective_calls",
 ]

@@ -93,3 +93,26 @@ def set_group_timeout(group: dist.ProcessGroup | None, timeout: timedelta) -> No
     """Change the timeout of ``group`` (None: the default group) after creation, what
     megatron-core's ``update_pg_timeout`` does (torch has no public API for it)."""
     _c10d._set_pg_timeout(timeout, group)
+
+
+def group_sequence(group: dist.ProcessGroup) -> int:
+    """How many collectives ``group`` has issued on this rank (torch's per-group sequence
+    number): members that disagree are out of step (one posted an operation the others never
+    did, e.g. when a step failed part-way), and the group cannot be reused."""
+    return int(group._get_sequence_number_for_group())  # type: ignore[attr-defined]
+
+
+def shrink_nccl_group(group: dist.ProcessGroup, exclude: list[int]) -> dist.ProcessGroup | None:
+    """``dist.shrink_group`` of ``group`` without the global ranks ``exclude`` (ncclCommShrink:
+    no new bootstrap), or ``None`` where it does not apply (not NCCL, or torch/NCCL cannot
+    shrink). Never the default group: shrinking it destroys every other group."""
+    if group is _c10d._get_default_group() or "nccl" not in str(dist.get_backend(group)).lower():
+        return None
+    shrink = getattr(dist, "shrink_group", None)
+    if shrink is None:
+        return None
+    ranks = dist.get_process_group_ranks(group)
+    try:
+        return shrink([ranks.index(r) for r in exclude if r in ranks], group=group)
+    except (RuntimeError, ValueError, NotImplementedError):
+        return None

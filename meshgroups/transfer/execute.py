@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from .._torch_seam import default_timeout
+from ..cohort import current_cohort
 from ..errors import MeshConfigError
 from ..layout import Layout
 from ..plan import as_timedelta
@@ -296,7 +297,8 @@ def execute(
             group's.
         groups: ``TransferGroups`` of this plan: fan-outs go as broadcasts over them; without,
             every slice goes point-to-point.
-        group: the ranks that take part and exchange status (default: the whole world).
+        group: the ranks that take part and exchange status (default: the whole world, or the
+            live ranks' group of the current cohort after a loss, ``meshgroups.cohort``).
 
     Raises:
         TransferError: on every rank, when any rank failed (a bad input, a failed or timed-out
@@ -313,7 +315,10 @@ def execute(
         wait = as_timedelta(timeout, default_timeout())
     except Exception as exc:
         error, wait = exc, default_timeout()
-    status = Status(group if group is not None else dist.group.WORLD, wait)  # type: ignore[arg-type]
+    if group is None:  # over a cohort of live ranks (after a loss): its group, not the world
+        cohort = current_cohort()
+        group = cohort.group if cohort is not None and cohort.group is not None else dist.group.WORLD
+    status = Status(group, wait)  # type: ignore[arg-type]
     src, dst, pairs = plan.src, plan.dst, plan.weights
     report = Report()
     parts: dict[int, list[Part]] = {}

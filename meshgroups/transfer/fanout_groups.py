@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .._torch_seam import default_backend_name, default_timeout
+from ..cohort import current_cohort
 from ..collective import collective_call
 from ..errors import MeshConfigError
 from ..groups import GroupCache
@@ -252,14 +253,16 @@ class TransferGroups:
             sent, received = message_sums(mine, me)
             talks = any(m.src != m.dst for m in mine)
             mine_out = (sorted(set(own.values())), talks, sent, received)
-            gathered: list[tuple[list[tuple[int, ...]], bool, int, int] | None] = [
-                None
-            ] * dist.get_world_size()
-            dist.all_gather_object(gathered, mine_out)
+            # Over the live ranks after a loss (a cohort): its group, never the world with a dead rank.
+            cohort = current_cohort()
+            over = cohort.group if cohort is not None else None
+            order = list(cohort.members) if cohort is not None else list(range(dist.get_world_size()))
+            gathered: list[tuple[list[tuple[int, ...]], bool, int, int] | None] = [None] * len(order)
+            dist.all_gather_object(gathered, mine_out, group=over)
             parts = [part for part in gathered if part]
             check_sums(sum(p[2] for p in parts) % _MOD, sum(p[3] for p in parts) % _MOD)
             self.sets = sorted({tuple(s) for part in parts for s in part[0]})
-            talking = [r for r, part in enumerate(gathered) if part and part[1]]
+            talking = [order[i] for i, part in enumerate(gathered) if part and part[1]]
             self.routes = dict(own)
             try:
                 self.p2p = self._p2p_group(talking, device_type, backend, timeout, strategy, check)

@@ -1,0 +1,339 @@
+"""A training job that loses ranks and keeps going: ``Elastic`` holds the mesh, the live ranks,
+the spares and the verdicts.
+
+    >>> el = Elastic(Layout(dp_replicate=2, dp_shard=2, tp=2), spares=(8, 9))   # doctest: +SKIP
+    >>> while training:                                                          # doctest: +SKIP
+    ...     try:
+    ...         with el.step():
+    ...             train_step(el.mg)
+    ...     except RanksLost as lost:           # every survivor, the same lost ranks
+    ...         mg = el.shrink()                 # None on a rank that became a spare
+    ...         ...                              # rebuild the model on el.mg, from the state kept
+
+- ``Elastic(...)`` is collective over the layout's ranks and the spares (every one calls it):
+  it starts a heartbeat thread and builds the layout with ``strategy="local"``.
+- ``step()`` guards one training step: an exception inside (a collective that lost its peer:
+  gloo's ``Connection closed by peer``, or a timeout) is published, the ranks agree who is lost
+  (``meshgroups.verdict``), and every survivor raises ``RanksLost`` naming the same ranks (or
+  ``StepFailed`` when every rank is alive); a rank that was too late raises ``Excluded``.
+- ``shrink()`` drops the replicas that hold lost ranks and rebuilds over the survivors
+  (``meshgroups.recover.rebuild``: unchanged groups are the same objects); ``grow(ranks)``
+  admits spares as new replicas; spares wait in ``standby()``.
+- ``group``: a process group over the live members — what needs a world-wide group (the
+  default group holds the dead ranks forever).
+
+The store must outlive every worker (torchrun's agent store, or a store process): the default
+``tcp://`` rendezvous hosts it in rank 0, and losing rank 0 then loses the store.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from ._torch_seam import default_store, default_timeout
+from .cohort import Cohort, set_cohort
+from .collective import collective_call
+from .errors import MeshConfigError, RanksLost, StepFailed
+from .groups import GroupCache
+from .layout import Layout
+from .mesh import MeshGroups, init_mesh
+from .plan import as_timedelta
+from .recover import rebuild
+from .verdict import KEY, Heartbeat, Verdict, agree_lost, commit, failure_published, publish_failure
+
+REPLICATE_NAMES = ("dp_replicate", "replicate", "dp", "ddp", "data")
+
+
+class Elastic:
+    """See the module docstring.
+
+    Args:
+        layout: the starting layout (over part or all of the default group's world).
+        spares: idle ranks outside the layout that may be admitted later (they call
+            ``standby()`` after the constructor).
+        flatten: ``init_mesh``'s flattened dims.
+        dim: the replicate dim that shrinks and grows (default: the outermost dim named
+            ``dp_replicate``, ``replicate``, ``dp``, ``ddp`` or ``data``).
+        timeout: bound on each group's collectives and creation (default: the default group's).
+        verdict_timeout: how long the survivors wait for a rank that is alive (heartbeat
+            beating) but has not reported (default: twice ``timeout`` plus 5 s: a rank blocked
+            in a collective with a failed peer reports when that collective times out).
+        heartbeat: seconds between heartbeats; stale_after: a rank whose heartbeat did not
+            change for this long is dead (default ``max(10 * heartbeat, 5)``).
+        device_type, backend: as for ``init_mesh``.
+
+    Raises:
+        MeshConfigError: spares inside the layout, no replicate dim; what ``init_mesh`` raises.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        *,
+        spares: Iterable[int] = (),
+        flatten: Iterable[Sequence[str]] = (),
+        dim: str | None = None,
+        timeout: timedelta | float | None = None,
+        verdict_timeout: float | None = None,
+        heartbeat: float = 1.0,
+        stale_after: float | None = None,
+        device_type: str = "cpu",
+        backend: str | None = None,
+    ) -> None:
+        self.rank = dist.get_rank()
+        self.layout = layout
+        self.spares: tuple[int, ...] = tuple(sorted(int(r) for r in spares))
+        inside = [r for r in self.spares if r in layout]
+        if inside:
+            raise MeshConfigError(f"spares {inside} are inside the layout; spares are idle ranks outside it")
+        self.dim = dim if dim is not None else _replicate_dim(layout)
+        wait = as_timedelta(timeout, default_timeout())
+        self.verdict_timeout = float(verdict_timeout) if verdict_timeout else 2 * wait.total_seconds() + 5
+        self.stale_after = float(stale_after) if stale_after else max(10 * heartbeat, 5.0)
+        self.options: dict[str, Any] = {
+            "device_type": device_type,
+            "flatten": tuple(tuple(f) for f in flatten),
+            "only": None,
+            "backend": backend,
+            "timeout": wait,
+            "gloo_twins": False,
+            "strategy": "local",
+            "backend_override": None,
+        }
+        self.store = default_store()
+        self.epoch = 0
+        self._commits = 0
+        self.members: tuple[int, ...] = tuple(sorted(layout.grid.ravel().tolist()))
+        self.verdicts: list[Verdict] = []
+        self.grown: tuple[int, ...] = ()  # the replica indices the last grow() added
+        self._beat = Heartbeat(self.store, self.rank, heartbeat)
+        self.cache = GroupCache()
+        self.cohort = Cohort(tuple(sorted({*self.members, *self.spares})), 0)
+        set_cohort(self.cohort)
+        self.mg: MeshGroups | None = init_mesh(layout, cache=self.cache, **self.options)
+        self._world: MeshGroups | None = self._world_mesh(self.members)
+        if self.is_spare:  # spares hold no group; they wait in standby()
+            self._drop_meshes()
+        self.cohort = Cohort(self.members, 0, self.group)
+        set_cohort(self.cohort)
+
+    # ------------------------------------------------------------------ live ranks
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """A process group over the live members (``None`` on a spare)."""
+        return None if self._world is None else self._world.group("member")
+
+    @property
+    def is_spare(self) -> bool:
+        return self.rank not in self.members
+
+    def _world_mesh(self, members: Sequence[int]) -> MeshGroups | None:
+        """A 1-D mesh over ``members`` (its group: ``self.group``), through the shared cache."""
+        grid = np.asarray([list(members)], dtype=np.int64)
+        return init_mesh(
+            Layout.from_grid(grid, ("world", "member")),
+            cache=self.cache,
+            only=[("member",)],
+            **_no_only(self.options),
+        )
+
+    # ------------------------------------------------------------------ failures
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Guard one step (see the module docstring). Raises ``RanksLost`` / ``StepFailed`` on
+        every live member alike, ``Excluded`` on a rank declared lost."""
+        if self.is_spare:
+            raise MeshConfigError(f"rank {self.rank} is a spare: call standby(), not step()")
+        try:
+            yield
+        except Exception as exc:
+            raise self._fail(exc) from exc
+        if failure_published(self.store, self.epoch):  # a peer failed while this rank got through
+            raise self._fail(None)
+
+    def commit(self) -> None:
+        """Inside ``step()``, between ``backward()`` and ``optimizer.step()``: returns once every
+        live member got this far, so no rank applies a step that failed elsewhere (a replica
+        whose collectives all succeeded would otherwise step while its peers did not). Raises
+        (turned into the verdict by ``step()``) as soon as a failure is published or a member's
+        heartbeat stops. One store ``add`` and a wait per rank."""
+        number, self._commits = self._commits, self._commits + 1
+        commit(
+            self.store,
+            self.epoch,
+            number,
+            self.members,
+            self.rank,
+            timeout=self.verdict_timeout,
+            stale_after=self.stale_after,
+        )
+
+    def _fail(self, exc: BaseException | None) -> StepFailed:
+        publish_failure(self.store, self.epoch, self.rank, exc)
+        verdict = agree_lost(
+            self.store,
+            self.epoch,
+            self.members,
+            self.rank,
+            timeout=self.verdict_timeout,
+            stale_after=self.stale_after,
+        )
+        self.verdicts.append(verdict)
+        self.epoch += 1
+        self._commits = 0
+        self.members = verdict.survivors
+        self.cohort = Cohort(self.members, self.epoch)
+        set_cohort(self.cohort)
+        lost = ", ".join(map(str, verdict.lost))
+        if verdict.lost:
+            return RanksLost(
+                f"rank {self.rank}: rank{'s' if len(verdict.lost) > 1 else ''} {lost} lost in epoch {verdict.epoch} "
+                f"({verdict.why}); survivors {list(verdict.survivors)}; first failure: {verdict.cause}",
+                verdict.lost,
+                verdict.epoch,
+                verdict.survivors,
+                verdict.cause,
+            )
+        return StepFailed(
+            f"rank {self.rank}: the step failed in epoch {verdict.epoch} with every rank alive; first failure: "
+            f"{verdict.cause}. Rebuild (el.rebuild()) before the next step: groups may be out of step",
+            (),
+            verdict.epoch,
+            verdict.survivors,
+            verdict.cause,
+        )
+
+    # ------------------------------------------------------------------ new layouts
+    def rebuild(self, layout: Layout | None = None, site: str | None = None) -> MeshGroups | None:
+        """Build ``layout`` (default: the current one, e.g. after ``StepFailed``) over the live
+        members that it holds; members outside it become spares. Collective over the new
+        layout's ranks (the others only close their mesh). Returns the mesh, ``None`` on a
+        rank that became a spare."""
+        layout = layout if layout is not None else self.layout
+        ranks = tuple(sorted(layout.grid.ravel().tolist()))
+        dropped = [r for r in self.members if r not in ranks]
+        self.spares = tuple(sorted({*self.spares, *dropped} - set(ranks)))
+        self.layout, self.members = layout, ranks
+        if self.rank not in ranks:
+            self._drop_meshes()
+            return None
+        self.cohort = Cohort(ranks, self.epoch)
+        set_cohort(self.cohort)
+        old_world = self._world
+        with collective_call("Elastic.rebuild") as call:  # one call: the mesh and the world group
+            if site is not None:
+                call.site_key = call.site = site
+            self.mg = rebuild(self.mg, layout, options=self.options, cache=self.cache)
+            self._world = self._world_mesh(ranks)
+        if old_world is not None:
+            old_world.close()
+        self.cohort.group = self.group
+        return self.mg
+
+    def shrink(self, lost: Iterable[int] | None = None) -> MeshGroups | None:
+        """Drop every replica (index of ``dim``) holding a lost rank (default: the last
+        verdict's) and rebuild over the rest; the dropped replicas' live ranks become spares.
+        Returns the mesh, ``None`` on a rank that became a spare."""
+        gone = set(lost if lost is not None else (self.verdicts[-1].lost if self.verdicts else ()))
+        return self.rebuild(shrink_layout(self.layout, self.dim, gone))
+
+    def grow(self, ranks: Sequence[int]) -> MeshGroups:
+        """Admit ``ranks`` (spares in ``standby()``) as new replicas along ``dim`` (each replica's
+        ranks fill it in row-major order) and rebuild over everyone; collective over the
+        current members, the admitted ranks join through ``standby()``."""
+        admitted = [int(r) for r in ranks]
+        missing = [r for r in admitted if r not in self.spares]
+        if missing:
+            raise MeshConfigError(f"ranks {missing} are not spares of this job (spares: {list(self.spares)})")
+        layout = grow_layout(self.layout, self.dim, admitted)
+        self.grown = tuple(range(self.layout.size(self.dim), layout.size(self.dim)))
+        self.epoch += 1
+        self._commits = 0
+        if self.rank == self.members[0]:
+            spares = sorted(set(self.spares) - set(admitted))
+            record = json.dumps(
+                {"epoch": self.epoch, "layout": layout.to_dict(), "spares": spares, "grown": self.grown}
+            )
+            for r in admitted:
+                self.store.set(f"{KEY}/admit/{r}", record)
+        return self._admit(layout)
+
+    def standby(self, timeout: float | None = None) -> MeshGroups:
+        """On a spare: wait (``timeout`` seconds, default forever) until ``grow`` admits this
+        rank; returns the new mesh. Raises ``TimeoutError`` when not admitted in time."""
+        key = f"{KEY}/admit/{self.rank}"
+        wait = timedelta(seconds=timeout) if timeout is not None else timedelta(days=365)
+        try:
+            self.store.wait([key], wait)
+        except (RuntimeError, dist.DistError) as exc:
+            raise TimeoutError(f"spare rank {self.rank} was not admitted within {timeout}s ({exc})") from None
+        record = json.loads(self.store.get(key))
+        self.store.delete_key(key)
+        self.epoch = int(record["epoch"])
+        self._commits = 0
+        self.spares = tuple(record["spares"])
+        self.grown = tuple(record["grown"])
+        layout = Layout.from_dict(record["layout"])
+        self.members = tuple(r for r in sorted(layout.grid.ravel().tolist()) if r != self.rank)
+        return self._admit(layout)
+
+    def _admit(self, layout: Layout) -> MeshGroups:
+        mg = self.rebuild(layout, site="Elastic.grow / Elastic.standby")
+        assert mg is not None
+        return mg
+
+    def _drop_meshes(self) -> None:
+        for m in (self.mg, self._world):
+            if m is not None:
+                m.close()
+        self.mg = self._world = None
+
+    def close(self) -> None:
+        """Stop the heartbeat, close the meshes, leave the cohort (local)."""
+        self._drop_meshes()
+        self._beat.stop()
+        set_cohort(None)
+
+
+def _no_only(options: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k not in ("only", "flatten")}
+
+
+def _replicate_dim(layout: Layout) -> str:
+    for name in layout.names:
+        if name in REPLICATE_NAMES:
+            return name
+    raise MeshConfigError(
+        f"no replicate dim in {layout!r} (one of {', '.join(REPLICATE_NAMES)}); pass Elastic(..., dim=...)"
+    )
+
+
+def shrink_layout(layout: Layout, dim: str, lost: set[int]) -> Layout:
+    """``layout`` without the indices of ``dim`` that hold a lost rank (renumbered densely)."""
+    hit = sorted({layout.coords(r)[dim] for r in lost if r in layout})
+    kept = [i for i in range(layout.size(dim)) if i not in hit]
+    if not kept:
+        raise MeshConfigError(f"ranks {sorted(lost)} hit every {dim} replica of {layout!r}: nothing survives")
+    return layout.select(dim, kept) if hit else layout
+
+
+def grow_layout(layout: Layout, dim: str, ranks: Sequence[int]) -> Layout:
+    """``layout`` with new indices of ``dim`` after the last, ``ranks`` filling each new replica in
+    row-major order of the other dims."""
+    axis = layout.names.index(dim)
+    grid = np.moveaxis(layout.grid, axis, 0)
+    per = int(np.prod(grid.shape[1:]))
+    if not ranks or len(ranks) % per:
+        raise MeshConfigError(f"grow needs a multiple of the replica size {per} ranks, got {len(ranks)}")
+    extra = np.asarray(ranks, dtype=np.int64).reshape((-1, *grid.shape[1:]))
+    return Layout.from_grid(np.moveaxis(np.concatenate([grid, extra]), 0, axis), layout.names)
+
+
+__all__ = ["Elastic", "grow_layout", "shrink_layout"]

@@ -1,0 +1,164 @@
+"""Rebuild a mesh for a new layout over the live ranks, keeping every group that did not change.
+
+``rebuild(old, new_layout)`` is one collective call over the current cohort (the live ranks,
+``meshgroups.cohort``; the default group's world when there is none):
+
+1. **Out-of-step groups are retired.** Every group this rank holds whose members are all live
+   is a candidate for reuse. Its members publish their torch sequence number for it (how many
+   collectives each issued on it) and meet once; a group whose members disagree — one posted an
+   operation the others never did when the step failed part-way — is destroyed on every member
+   alike (they read the same numbers) and created anew below.
+2. **The new layout is built through the old mesh's ``GroupCache``** (groups keyed by their
+   ranks in mesh order) with the old mesh's options: every group whose rank set is unchanged is
+   the *same* ``ProcessGroup`` object; only the others are created, over live ranks only.
+3. **The old mesh is closed** locally: the groups only it used (those with a dead rank, or no
+   longer in the layout) are destroyed — no collective; destroying a gloo group whose peer died
+   returns at once.
+
+Elastic meshes are built with ``strategy="local"`` (each rank creates only its own groups, with
+local synchronisation): after a loss the ranks' caches differ (a survivor holds groups a spare
+never made), and only the local strategy lets each rank skip the groups it already has.
+
+    >>> new = rebuild(old_mg, plan.new_layout)       # doctest: +SKIP
+    >>> new.group("tp") is old_tp_group               # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from ._torch_seam import group_sequence
+from .collective import Call, collective_call
+from .errors import MeshConfigError
+from .groups import GroupCache, GroupKey
+from .layout import Layout
+from .mesh import MeshGroups, init_mesh
+from .plan import SubsetSpec
+
+
+def mesh_options(mg: MeshGroups) -> dict[str, Any]:
+    """The ``init_mesh`` options ``mg`` was built with (subsets excepted: they belong to its
+    layout), to build another layout alike."""
+    plan = mg._families.plan
+    return {
+        "device_type": plan.device_type,
+        "flatten": plan.flatten,
+        "only": plan.only,
+        "backend": plan.backend,
+        "timeout": plan.timeout,
+        "gloo_twins": plan.gloo_twins,
+        "strategy": plan.strategy,
+        "backend_override": dict(plan.backend_override) or None,
+    }
+
+
+def rebuild(
+    old: MeshGroups | None,
+    new_layout: Layout,
+    *,
+    subsets: Mapping[str, SubsetSpec] | None = None,
+    options: Mapping[str, Any] | None = None,
+    cache: GroupCache | None = None,
+    also_close: Sequence[MeshGroups] = (),
+    site: str | None = None,
+) -> MeshGroups:
+    """Build ``new_layout`` over the current cohort, reusing ``old``'s unchanged groups, then
+    close ``old`` (see the module docstring). Collective over the cohort's members.
+
+    Args:
+        old: the live mesh of the previous layout; ``None`` on a rank that holds none (a spare
+            being admitted), which then needs ``options``.
+        new_layout: the layout to build (every rank in it must be a live member).
+        subsets: the new layout's subsets (``init_mesh``'s argument).
+        options: ``init_mesh`` options (default: ``old``'s, see ``mesh_options``).
+        cache: the group cache to build through (default: ``old``'s, else a new one).
+        also_close: other meshes built through the same cache to close with ``old`` (e.g. a
+            world-wide group's); their out-of-step groups are forgotten too.
+        site: compared instead of the caller's line (ranks that reach the same rebuild from
+            different places on purpose, e.g. ``Elastic.grow`` and ``Elastic.standby``).
+
+    Returns:
+        The new ``MeshGroups``.
+
+    Raises:
+        MeshConfigError: the strategy is not ``"local"``, no options, a rank of ``new_layout``
+            is not a live member; and whatever ``init_mesh`` raises (on every member alike).
+    """
+    with collective_call("rebuild") as call:
+        if site is not None:
+            call.site_key = call.site = site
+        if old is not None and old.closed:
+            raise MeshConfigError(
+                "rebuild needs the old MeshGroups open (it reuses its groups); it was closed"
+            )
+        opts = dict(options if options is not None else mesh_options(old) if old is not None else {})
+        if not opts:
+            raise MeshConfigError("rebuild without an old mesh needs options= (init_mesh's arguments)")
+        if opts.get("strategy") != "local":
+            raise MeshConfigError(
+                f"rebuild needs meshes built with strategy='local' (got {opts.get('strategy')!r}): after a loss "
+                "the ranks hold different groups, and only local synchronisation lets each skip its own"
+            )
+        cache = cache if cache is not None else old.cache if old is not None else GroupCache()
+        members = call.members if call.members is not None else range(dist.get_world_size())
+        outside: list[int] = []
+        if call.members is not None:  # (O(world) numpy, once per rebuild)
+            grid = new_layout.grid.ravel()
+            outside = grid[~np.isin(grid, np.asarray(call.members))].tolist()
+        if outside:
+            raise MeshConfigError(
+                f"the new layout holds rank(s) {outside[:8]} that are not live members of this cohort "
+                f"({list(members)[:16]}); build only over survivors and admitted ranks"
+            )
+        call.compare(layout=new_layout.fingerprint())
+        holders = [m for m in (old, *also_close) if m is not None]
+        mine = _retire_out_of_step(call, cache, holders, set(members))
+        # Every rank's cache must look alike to the cross-rank check: it is in use, by design.
+        cache.since, cache.strategy = -1, "local"
+        try:
+            mg = init_mesh(new_layout, cache=cache, subsets=subsets, **opts)
+        finally:
+            for key in mine:
+                try:
+                    call.store.delete_key(key)  # type: ignore[union-attr]
+                except Exception:
+                    pass
+    for m in holders:
+        m.close()
+    return mg
+
+
+def _retire_out_of_step(
+    call: Call, cache: GroupCache, holders: Sequence[MeshGroups], live: set[int]
+) -> list[str]:
+    """Step 1 of the module docstring; returns this rank's store keys (deleted after the build)."""
+    if not call.enabled:
+        return []
+    rank, store = dist.get_rank(), call.store
+    assert store is not None
+    candidates: list[tuple[GroupKey, dist.ProcessGroup]] = [
+        (key, group)
+        for key, group in cache.items()
+        if group is not None and group is not dist.group.WORLD and len(key[0]) > 1 and live.issuperset(key[0])
+    ]
+    mine = []
+    for _, group in candidates:
+        name = f"{call.base}/seq/{group.group_name}/{rank}"
+        store.set(name, str(group_sequence(group)))
+        mine.append(name)
+    call.agree({}, {})  # every member has published its numbers
+    for key, group in candidates:
+        values = store.multi_get([f"{call.base}/seq/{group.group_name}/{r}" for r in key[0]])
+        if len(set(values)) > 1:
+            cache.evict(key)
+            for holder in holders:
+                holder._families.keys[:] = [k for k in holder._families.keys if k != key]
+    return mine
+
+
+__all__ = ["mesh_options", "rebuild"]

@@ -1,0 +1,138 @@
+"""Elastic meshes on real gloo processes: lose a rank mid-step, agree, shrink, keep training, heal.
+
+The store is hosted by this (parent) test process, outside the workers, as torchrun's agent
+store is: losing any worker, rank 0 included, leaves it up. Every wait is scaled
+(MESHGROUPS_TEST_TIME_SCALE); collectives of the mesh time out after ``T`` seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from meshgroups import Layout
+
+from ._dist import run, scaled
+from ._elastic_train import LAYOUT_SIZES, build, connect, load, replicas_equal, snapshot, train_step
+
+T = 6.0  # nominal seconds: the mesh's collective timeout
+
+
+def _elastic(layout, spares):
+    from meshgroups.elastic_mesh import Elastic
+
+    return Elastic(layout, spares=spares, timeout=scaled(T), heartbeat=scaled(0.2), stale_after=scaled(3))
+
+
+def worker_core(rank, world, port):
+    """HSDP × TP on ranks 0-7, spare 8. Rank 5 dies mid-step 2; survivors shrink to
+    dp_replicate=1, keep training (checked against a reference run), then heal with 4, 6, 7, 8."""
+    from meshgroups import GroupCache, RanksLost, init_mesh
+
+    connect(rank, world, port, scaled(60))
+    out = {}
+    layout = Layout(**LAYOUT_SIZES)
+    el = _elastic(layout, spares=(8,))
+    if rank == 8:
+        return _spare_heals(el, out)
+    mg = el.mg
+    model, opt = build(mg)
+    for step in range(2):
+        with el.step():
+            train_step(model, opt, el.layout, rank, step, el=el)
+    before = {"tp": mg.group("tp"), "dp_shard": mg.group("dp_shard")}
+    known = {id(g) for g in el.cache.groups()}
+    started = time.monotonic()
+    try:
+        with el.step():
+            train_step(model, opt, el.layout, rank, 2, die_rank=5, el=el)
+        raise AssertionError("the step did not fail")
+    except RanksLost as exc:
+        out["lost"], out["elapsed"], out["message"] = exc.lost, time.monotonic() - started, str(exc)
+        out["bound"] = el.verdict_timeout + scaled(T)
+    assert out["lost"] == (5,) and "rank 5 lost" in out["message"], out
+    assert out["elapsed"] < out["bound"], out
+    snap = snapshot(model, opt)  # step 2 never reached the optimizer: the state after step 1
+    del model, opt
+    mg = el.shrink()
+    if mg is None:  # 4, 6, 7: their replica was dropped; they wait as spares
+        assert rank in (4, 6, 7) and el.is_spare
+        out["spare"] = True
+        return _spare_heals(el, out)
+    # Kept groups are the same objects; no group made after the failure holds rank 5.
+    out["kept"] = {d: mg.group(d) is g for d, g in before.items()}
+    assert all(out["kept"].values()), out["kept"]
+    created = [dist.get_process_group_ranks(g) for g in el.cache.groups() if id(g) not in known]
+    assert created and all(5 not in r for r in created), created
+    assert dist.get_process_group_ranks(el.group) == [0, 1, 2, 3]
+    # Keep training on dp_replicate=1; a reference run on a fresh mesh from the same state.
+    runs = {}
+    for name in ("recovered", "reference"):
+        ref = None if name == "recovered" else init_mesh(el.layout, cache=GroupCache(), strategy="local")
+        model, opt = build(mg if ref is None else ref)
+        load(model, opt, snap)
+        losses = [train_step(model, opt, el.layout, rank, s) for s in (3, 4)]
+        runs[name] = (losses, snapshot(model, opt))
+        if ref is not None:
+            del model, opt
+            ref.close()
+        else:
+            kept_model, kept_opt = model, opt
+    assert runs["recovered"][0] == runs["reference"][0], runs
+    for k, v in runs["recovered"][1].items():
+        assert v.equal(runs["reference"][1][k]), k
+    out["losses"] = runs["recovered"][0]
+    # Heal: 4, 6, 7 and 8 come back as replica 1.
+    snap = snapshot(kept_model, kept_opt)
+    del kept_model, kept_opt
+    mg = el.grow([4, 6, 7, 8])
+    return _after_heal(el, mg, rank, out, snap)
+
+
+def _spare_heals(el, out):
+    mg = el.standby(timeout=scaled(120))
+    out["admitted"] = True
+    return _after_heal(el, mg, dist.get_rank(), out, None)
+
+
+def _after_heal(el, mg, rank, out, snap):
+    from meshgroups.heal import fill_replicas, init_optimizer_state, training_state
+
+    assert el.layout.size("dp_replicate") == 2 and el.grown == (1,)
+    model, opt = build(mg)
+    if snap is not None:
+        load(model, opt, snap)
+    else:
+        init_optimizer_state(model, opt)
+    report = fill_replicas(el.layout, "dp_replicate", el.grown, training_state(model, opt))
+    out["received"] = report.bytes_received
+    same = replicas_equal(snapshot(model, opt), mg.group("dp_replicate"))
+    assert same is True, same
+    out["losses_after_heal"] = [train_step(model, opt, el.layout, rank, s) for s in (5, 6)]
+    same = replicas_equal(snapshot(model, opt), mg.group("dp_replicate"))
+    assert same is True, same
+    el.close()
+    return out
+
+
+def _host_store():
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=scaled(300))
+    )
+
+
+def test_lose_a_rank_shrink_keep_training_and_heal():
+    store = _host_store()
+    results = run(worker_core, 9, store.port, backend=None, may_exit={5}, timeout=300, port_retries=0)
+    assert results[5] is None
+    for r in (0, 1, 2, 3):
+        assert results[r]["kept"] == {"tp": True, "dp_shard": True}
+    for r in (4, 6, 7):
+        assert results[r]["spare"] and results[r]["admitted"]
+    assert results[8]["admitted"]
+    for r in (0, 1, 2, 3, 4, 6, 7):
+        assert results[r]["lost"] == (5,)
+    for r in (4, 6, 7, 8):
+        assert results[r]["received"] > 0
