@@ -50,7 +50,8 @@ def model_weights(model: str, layout: Layout) -> list[Weight]:
 
     Raises ``ValueError`` for a name not in ``MODELS``, naming the presets.
 
-    >>> [w.name for w in model_weights("tiny", Layout(tp=2))][:3]
+    >>> names = [w.name for w in model_weights("tiny", Layout(tp=2))]
+    >>> names[:3]
     ['embed', 'layers.0.q', 'layers.0.k']
     """
     if model not in MODELS:
