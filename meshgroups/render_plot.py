@@ -41,7 +41,23 @@ def plot(
     cells), coloured by the groups of ``color_by``, node boundaries as thick lines,
     ``highlight_rank``'s group outlined. Worlds beyond ``max_cells`` ranks show a window, their
     first ``max_cells`` ranks (the title says so), so a 16k-rank layout draws in about a second;
-    grids wider than ``MAX_COLUMNS`` show their first columns (``pp=2 tp=4096``: 64 columns)."""
+    grids wider than ``MAX_COLUMNS`` show their first columns (``pp=2 tp=4096``: 64 columns).
+
+    Args:
+        layout: the layout drawn.
+        color_by: a dim or dims whose groups colour the cells (default: the innermost dim).
+        ranks_per_node: draw node boundaries every that many ranks, or None.
+        highlight_rank: a rank whose group is outlined, or None.
+        max_cells: the most ranks drawn (a window of the first ones beyond).
+        ax: a matplotlib ``Axes`` to draw into, or None for a new figure.
+
+    Returns:
+        The matplotlib ``Figure`` (``fig.savefig(...)`` writes it; ``display(fig)`` in Jupyter).
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install 'meshgroups[plot]'``).
+        TypeError / LayoutError: a bad argument, naming it.
+    """
     if ax is not None and not hasattr(ax, "imshow"):
         raise TypeError(f"ax must be a matplotlib Axes, got {type(ax).__name__}")
     try:

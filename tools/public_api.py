@@ -20,6 +20,24 @@ import pkgutil
 from types import ModuleType
 
 PACKAGES = ("meshgroups", "meshgroups.transfer", "meshgroups.compat")
+# The modules the docs tell users to import (besides the packages): their docstrings name every
+# argument and the return value (tests/test_docstrings.py).
+USER_MODULES = (
+    "meshgroups",
+    "meshgroups.collective",
+    "meshgroups.errors",
+    "meshgroups.render",
+    "meshgroups.transfer",
+    "meshgroups.transfer.execute",
+    "meshgroups.transfer.fanout_groups",
+    "meshgroups.transfer.jobs",
+    "meshgroups.transfer.presets",
+    "meshgroups.transfer.torch_io",
+    "meshgroups.compat.group_initializer",
+    "meshgroups.compat.megatron",
+    "meshgroups.compat.parallel_state",
+    "meshgroups.compat.process_groups_config",
+)
 SKIP_MODULES = {"meshgroups.__main__"}
 
 

@@ -84,7 +84,11 @@ class Job:
     (a mesh whose ``get_coordinate()`` is ``None``, and ``None`` groups, on ranks outside it).
     All share ``cache``, so a group two layouts both need (colocated ``tp`` groups of equal
     ranks) exists once. ``close()`` (or
-    leaving ``with job:``) releases the meshes and every ``TransferGroups`` made from the job."""
+    leaving ``with job:``) releases the meshes and every ``TransferGroups`` made from the job.
+
+    Made by ``init_job``: ``meshes`` and ``cache`` as above, ``sharing`` as passed to it,
+    ``options`` the ``init_mesh`` options every layout was built with (transfer groups use them).
+    """
 
     def __init__(
         self, meshes: Mapping[str, MeshGroups], cache: GroupCache, sharing: str, options: dict

@@ -45,7 +45,16 @@ class Message:
     """One slice of one weight from ``src`` to ``dst``; ``src == dst`` is a local copy.
 
     ``step`` 0: sent by a source holder; 1: forwarded inside a node by a destination rank after
-    it received the slice at step 0."""
+    it received the slice at step 0.
+
+    Attributes:
+        weight: the weight's name.
+        src: the sending rank.
+        dst: the receiving rank.
+        box: the slice, a global ``[start, stop)`` per axis.
+        nbytes: its size in bytes.
+        step: 0 or 1, as above.
+    """
 
     weight: str
     src: int
@@ -130,6 +139,9 @@ class Plan:
         n_messages: messages including local copies; ``n_local`` of them are local copies.
         stats: per-rank arrays (bytes and messages by step and node crossing), see
             :class:`~meshgroups.transfer.stats.RankStats`.
+
+    Made by ``plan_transfer``, not by hand: the constructor's ``tally`` (per-rank statistics),
+    ``n_holders`` and ``send_bounds`` (the send bounds above) are the planner's.
     """
 
     def __init__(
@@ -329,6 +341,9 @@ def plan_transfer(
         TypeError: an argument of the wrong kind.
         LayoutError: (a ``ValueError``) a weight names a dim its layout lacks, a destination
             weight has no source, shapes or dtypes differ, a name repeats.
+
+    Returns:
+        The ``Plan``: every message (or only ``rank``'s), with its statistics and bounds.
     """
     pairs = _match(src, src_weights, dst, dst_weights)
     # A rank's part checks its own coverage (routes.rank_chunks); the whole plan every holder's.

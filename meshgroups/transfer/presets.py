@@ -48,7 +48,9 @@ FSDP_DIMS = ("dp_shard", "fsdp")
 def model_weights(model: str, layout: Layout) -> list[Weight]:
     """The preset ``model``'s weights placed on ``layout`` (rules: the module docstring).
 
-    Raises ``ValueError`` for a name not in ``MODELS``, naming the presets.
+    Returns a list of ``Weight`` (names, shapes, dtypes and placements). Raises ``ValueError``
+    for a name not in ``MODELS``, naming the presets, and ``TypeError`` for a ``layout`` that is
+    not a ``Layout``.
 
     >>> names = [w.name for w in model_weights("tiny", Layout(tp=2))]
     >>> names[:3]
