@@ -33,9 +33,43 @@ ARGS = {
     "vp_stage": "the virtual pipeline stage asked about (default: the current one)",
     "tp_only_amax_red": "reduce FP8 amax over tensor parallelism (× cp) only, not over data parallelism",
     "group_size": "the number of ranks of the hybrid data × context group asked for",
+    "tensor_model_parallel_size": "tp, the ranks that split each layer's tensors",
+    "pipeline_model_parallel_size": "pp, the pipeline stages",
+    "virtual_pipeline_model_parallel_size": "the virtual stages per pipeline rank (interleaving), or None",
+    "pipeline_model_parallel_comm_backend": 'only None or ``"nccl"``: ``"ucc"`` raises ``NotImplementedError``',
+    "use_sharp": "only False: SHARP raises ``NotImplementedError``",
+    "context_parallel_size": "cp, the ranks that split each sequence",
+    "hierarchical_context_parallel_sizes": "cp split into levels (innermost first), or None",
+    "hybrid_context_parallel": "also build the hybrid data × context groups of every power-of-two size",
+    "expert_model_parallel_size": "ep, the ranks that split the experts",
+    "num_distributed_optimizer_instances": "how many distributed-optimizer instances share dp×cp",
+    "expert_tensor_parallel_size": "etp, the tensor split inside an expert (default: tp)",
+    "nccl_communicator_config_path": "only None: NCCL communicator configs raise ``NotImplementedError``",
+    "distributed_timeout_minutes": "the groups' timeout, in minutes",
+    "get_embedding_ranks": "``pp_ranks -> ranks`` of the embedding group (default: first and last stage)",
+    "get_position_embedding_ranks": "``pp_ranks -> ranks`` of the position-embedding group (default: first stage)",
+    "create_gloo_process_groups": "also build a gloo twin of every group",
+    "high_priority_stream_groups": "only None: high-priority streams raise ``NotImplementedError``",
+    "sharp_enabled_group": "only None (SHARP is not implemented)",
+    "create_all_gather_group": "also build a separate dp×cp communicator for all-gathers",
+    "ranks": "the global ranks of the group, in order",
+    "timeout": "the group's timeout (a ``timedelta``), or None for the default group's",
+    "backend": "the group's backend, or None for the default group's",
+    "pg_options": "backend options for the group, or None",
+    "group_desc": "the group's description (torch's logs and flight recorder show it)",
+    "hierarchical_group_sizes": "the sizes of the levels, innermost first (their product is the group's size)",
+    "key_value_pair": "``(name, value)`` of one NCCL communicator setting",
+    "nccl_comm_cfgs": "NCCL communicator settings by group name",
+    "pp_ranks": "the global ranks of one pipeline, first stage first",
+    "parallel_size": "the grid's sizes, fastest-varying first",
+    "mask": "per dim of the grid, whether it varies within a group",
+}
+# ``world_size`` and ``rank``: a setter's value, else what the name says.
+SETTER_ARGS = {
     "world_size": "the value to set (``None`` clears it, so the group's size answers again)",
     "rank": "the value to set (``None`` clears it, so the group's rank answers again)",
 }
+OTHER_ARGS = {"world_size": "the number of ranks", "rank": "a global rank"}
 
 RETURNS = {
     "group": "This rank's process group of that family (``None`` where it has none and "
@@ -58,7 +92,7 @@ def _returns(name: str, api: Api, fn: object) -> str | None:
         return None
     if name.startswith(("is_", "has_", "model_parallel_is")):
         return "True or False, as the first line says."
-    if name.endswith("_ranks"):
+    if name.endswith(("_ranks", "rank_groups")):
         return "The list of global ranks the first line describes."
     if "group" in name:
         return "The process group (or groups) the first line describes, as megatron-core returns it."
@@ -86,8 +120,9 @@ def complete(module: ModuleType) -> None:
         missing = [p for p in params if not re.search(rf"\b{p}\b", doc)]
         extra = []
         if missing:
+            words = {**ARGS, **(SETTER_ARGS if api.kind == "set" else OTHER_ARGS)}
             extra.append(
-                "Args:\n" + "\n".join(f"    {p}: {ARGS.get(p, 'as in megatron-core.')}" for p in missing)
+                "Args:\n" + "\n".join(f"    {p}: {words.get(p, 'as in megatron-core.')}" for p in missing)
             )
         if not re.search("return", doc, re.IGNORECASE) and (returns := _returns(name, api, fn)):
             extra.append(f"Returns:\n    {returns}")

@@ -7,6 +7,9 @@ names first met there, so a name exported later appears with no page edited.
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from griffe_doctests import fence_doctests
 from public_api import public_api
 
 SOURCE_TREE = "build/docs-src"  # ignored by git (build/)
@@ -36,14 +40,65 @@ def _page_of(module: str) -> str:
     raise ValueError(f"module {module!r} is in no reference page")
 
 
+def _made_at_run_time(obj: object) -> bool:
+    """Whether griffe, reading the source, would miss ``obj`` or its docstring: a function made
+    when its module runs (``parallel_state``'s table-driven getters), or one whose docstring is
+    completed then (``compat/_megatron_docs.py``)."""
+    obj = inspect.unwrap(obj)  # type: ignore[arg-type]
+    if not inspect.isfunction(obj):
+        return False
+    try:  # the source of the module that defines it (a package re-exports)
+        source = inspect.getsource(inspect.getmodule(obj))  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return True
+    last = (obj.__doc__ or "").strip().splitlines()[-1:] or [""]
+    return obj.__code__.co_name != obj.__name__ or last[0].strip() not in source
+
+
+SECTION = re.compile(r"^(Args|Arguments|Returns|Raises|Attributes|Examples?):\s*$")
+
+
+def _markdown_doc(doc: str) -> str:
+    """A Google-style docstring as Markdown: section titles in bold, their entries as a list."""
+    out: list[str] = []
+    in_section = False
+    for line in fence_doctests(inspect.cleandoc(doc)).split("\n"):
+        if SECTION.match(line):
+            out += ["", f"**{line.strip()}**", ""]
+            in_section = True
+        elif in_section and line.startswith("        "):
+            out[-1] += " " + line.strip()
+        elif in_section and line.startswith("    "):
+            out.append("- " + line.strip())
+        else:
+            in_section = False
+            out.append(line)
+    return "\n".join(out)
+
+
+def _function_section(module: str, name: str, obj: object) -> str:
+    """The reference entry of a function griffe cannot read from the source."""
+    try:
+        signature = str(inspect.signature(obj))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        signature = "(...)"
+    return (
+        f"### `{name}` {{ #{module}.{name} }}\n\n```python\n{name}{signature}\n```\n\n"
+        f"{_markdown_doc(getattr(obj, '__doc__', None) or '')}\n"
+    )
+
+
 def reference_pages() -> dict[str, str]:
     """``{path in docs: markdown}`` for the three reference pages."""
     text = {package: [f"# {title}\n", INTRO] for package, (_, title) in PAGES.items()}
     for module, names in public_api():
-        members = "[" + ", ".join(names) + "]" if names else "false"
-        text[_page_of(module)].append(
-            f"::: {module}\n    options:\n      members: {members}\n      show_root_heading: true\n"
-        )
+        mod = importlib.import_module(module)
+        runtime = [n for n in names if _made_at_run_time(getattr(mod, n))]
+        static = [n for n in names if n not in runtime]
+        members = "[" + ", ".join(static) + "]" if static else "false"
+        page = text[_page_of(module)]
+        page.append(f"::: {module}\n    options:\n      members: {members}\n      show_root_heading: true\n")
+        page += [_function_section(module, n, getattr(mod, n)) for n in runtime]
     return {PAGES[package][0]: "\n".join(parts) for package, parts in text.items()}
 
 
