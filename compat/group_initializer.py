@@ -82,7 +82,11 @@ def set_group_strategy(strategy: Strategy) -> None:
 
 
 def group_cache() -> GroupCache:
-    """The cache holding every group the compat initializers created (``.calls``, ``len()``)."""
+    """The cache holding every group the compat initializers created (``.calls``, ``len()``).
+
+    Returns:
+        The ``GroupCache``.
+    """
     return _CACHE
 
 

@@ -64,7 +64,11 @@ _SPECS = {m.__name__: m.__spec__ for m in _ALIASES.values()}
 
 
 def installed() -> bool:
-    """Whether ``install`` is in effect."""
+    """Whether ``install`` is in effect.
+
+    Returns:
+        True between ``install()`` and ``uninstall()``.
+    """
     return _saved is not None
 
 

@@ -315,7 +315,14 @@ def destroy_model_parallel() -> None:
 
 
 def get_mesh_groups() -> MeshGroups:
-    """The ``meshgroups.MeshGroups`` behind the state (``.mesh`` is the dense DeviceMesh)."""
+    """The ``meshgroups.MeshGroups`` behind the state (``.mesh`` is the dense DeviceMesh).
+
+    Returns:
+        The ``MeshGroups``.
+
+    Raises:
+        NotInitializedError: before ``initialize_model_parallel``.
+    """
     return _state("model parallel groups").mesh_groups
 
 
@@ -416,3 +423,7 @@ from .megatron_helpers import *  # noqa: E402, F403
 from .parallel_state_ranks import *  # noqa: E402, F403
 
 __all__ = [*sorted(API), "RankGenerator", "get_mesh_groups", "set_default_strategy"]  # noqa: F405
+
+from ._megatron_docs import complete as _complete_docs  # noqa: E402
+
+_complete_docs(_MODULE)  # the Args/Returns/Raises sections, from the table

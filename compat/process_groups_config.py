@@ -144,7 +144,7 @@ def _size(group: Any) -> str:
 class ModelCommProcessGroups(_ProcessGroupFields):
     """Process groups for transformer model parallelism.
 
-    Args:
+    Attributes:
         tp: Tensor parallel process group
         pp: Pipeline parallel process group
         mp: Model parallel group (tensor + pipeline)
@@ -195,7 +195,7 @@ class ModelCommProcessGroups(_ProcessGroupFields):
 class GradCommProcessGroups(_ProcessGroupFields):
     """Process groups for gradient communication in distributed training.
 
-    Args:
+    Attributes:
         dp: Data parallel process group
         dp_cp: Data and context parallel group
         expt_dp: Expert data parallel group

@@ -69,6 +69,13 @@ def group_ids(layout: Layout, *dims: str) -> np.ndarray:
 
         >>> group_ids(Layout(dp=2, tp=2), "tp").tolist()
         [[0, 0], [1, 1]]
+
+    Args:
+        layout: the layout.
+        dims: the dims varying within a group.
+
+    Returns:
+        An int array shaped like ``layout.grid``.
     """
     owner = _check_layout(layout).resolve(*dims) if dims else layout
     rows = owner.groups(*dims)
@@ -169,6 +176,13 @@ def short_list(ranks: Sequence[int], limit: int | None = 16) -> str:
 
     >>> short_list(range(100), 4)
     '[0, 1, 2, …, 99] (100 ranks)'
+
+    Args:
+        ranks: the ranks.
+        limit: members shown before the ellipsis, or None for all.
+
+    Returns:
+        The text.
     """
     if isinstance(ranks, (str, bytes)) or not isinstance(ranks, (Sequence, np.ndarray, range)):
         raise TypeError(f"short_list takes a sequence of ranks, got {type(ranks).__name__}")

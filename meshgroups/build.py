@@ -235,6 +235,20 @@ def check_device_index(device_type: object) -> None:
 def check_options(
     device_type: object, backend: object, gloo_twins: object, cache: object, fake: bool = False
 ) -> None:
+    """Refuse bad ``init_mesh`` options before any collective.
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"``, ... (a device type this torch can run, no index).
+        backend: a backend name or ``"cpu:gloo,cuda:nccl"``-style string, or None (the default group's).
+        gloo_twins: whether to build a gloo twin of every group (a bool).
+        cache: a ``GroupCache`` or None.
+        fake: True on torch's ``fake`` backend (the device check is skipped there).
+
+    Raises:
+        TypeError: a value of the wrong type.
+        DeviceTypeError: a device type with an index, or one this torch cannot run.
+        MeshConfigError: an unknown backend name.
+    """
     if not isinstance(device_type, str):
         raise TypeError(f"device_type must be a str such as 'cpu' or 'cuda', got {device_type!r}")
     check_device_index(device_type)
@@ -262,6 +276,15 @@ def check_options(
 
 
 def check_backend_name(backend: str, what: str) -> None:
+    """Refuse a backend string naming a backend torch does not know.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"``, or ``"cpu:gloo,cuda:nccl"``-style.
+        what: how the error names the argument (``"backend"``, ``"backend_override['tp']"``).
+
+    Raises:
+        MeshConfigError: a part names no backend of ``torch.distributed``.
+    """
     known = [b for b in dist.Backend.backend_list if b != "undefined"]
     for part in backend.split(","):
         name = part.rsplit(":", 1)[-1].strip().lower()
@@ -272,6 +295,16 @@ def check_backend_name(backend: str, what: str) -> None:
 
 
 def check_in_world(layout: Layout, world_size: int, key: Any) -> None:
+    """Refuse a group whose ranks leave the default group's world.
+
+    Args:
+        layout: the layout the group is built from.
+        world_size: the default group's size.
+        key: the group family, for the message.
+
+    Raises:
+        WorldSizeError: the layout's largest rank is ``world_size`` or more.
+    """
     top = layout.max_rank
     if top >= world_size:
         message = (

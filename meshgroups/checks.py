@@ -95,6 +95,22 @@ def parse_int(text: object, what: str) -> int:
 
 
 def check_size(name: str, size: object) -> int:
+    """A dim size checked: a positive integer no larger than a layout may hold.
+
+    Args:
+        name: the dim, for the message.
+        size: the value given.
+
+    Returns:
+        ``size`` as an ``int``.
+
+    Raises:
+        TypeError: not an integer.
+        LayoutError: below 1 or above ``MAX_WORLD_SIZE``.
+
+    >>> check_size("tp", 4)
+    4
+    """
     size = check_int(size, f"size of dim {name!r}")
     if size < 1:
         raise LayoutError(f"{name}={size}: dim sizes must be positive integers")
@@ -169,6 +185,17 @@ def check_dims(requested: Sequence[object], names: Sequence[str], where: str = "
 
 
 def product(values: Iterable[int]) -> int:
+    """The product of ``values`` as a Python ``int`` (1 for none; no numpy overflow).
+
+    Args:
+        values: integers.
+
+    Returns:
+        Their product.
+
+    >>> product([2, 3, 4])
+    24
+    """
     result = 1
     for v in values:
         result *= int(v)

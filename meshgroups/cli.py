@@ -323,6 +323,11 @@ def _demo_layout(
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``meshgroups`` command line: ``show``, ``plot``, ``demo`` and ``place`` (and ``transfer``).
+
+    Returns:
+        The ``argparse`` parser; ``main`` uses it.
+    """
     parser = argparse.ArgumentParser(prog="meshgroups", description="Show, plot and demo rank layouts.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -404,6 +409,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line (``python -m meshgroups ...``).
+
+    Args:
+        argv: the words after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 on success, 1 when a demo check fails or the plot extra is missing; a
+        bad value exits with status 2 and the usage line (``SystemExit``), never a traceback.
+    """
     parser = build_parser()
     words = list(sys.argv[1:] if argv is None else argv)
     # Dims may sit anywhere among the options: the subcommand parses its words intermixed.

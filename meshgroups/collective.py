@@ -81,7 +81,14 @@ def _call_site() -> tuple[str, str]:
 
 
 class Call:
-    """One collective call on this rank: its number, operation and meetings."""
+    """One collective call on this rank: its number, operation and meetings.
+
+    Args:
+        operation: the operation's name (``"init_mesh"``, ``"flatten"``, ...).
+        number: the call's number, the same on every rank.
+        site: ``(key, text)`` of the line that made the call, compared across ranks.
+        enabled: False on torch's ``fake`` backend (no store to meet through).
+    """
 
     def __init__(self, operation: str, number: int, site: tuple[str, str], enabled: bool) -> None:
         self.operation = operation
@@ -295,13 +302,30 @@ def _next_number() -> int:
 
 
 def active_call() -> Call | None:
-    """The call this thread is inside, if any."""
+    """The call this thread is inside, if any.
+
+    Returns:
+        The ``Call``, or None outside a collective call.
+    """
     return _state["active"] if _state["thread"] == threading.get_ident() else None
 
 
 @contextmanager
 def collective_call(operation: str) -> Iterator[Call]:
-    """Run one collective call of ``operation`` (see the module docstring); nested: the outer call."""
+    """Run one collective call of ``operation`` (see the module docstring); nested: the outer call.
+
+    Args:
+        operation: the operation's name, compared across ranks.
+
+    Returns:
+        A context manager yielding the ``Call`` (``call.compare(name=value)`` compares a value
+        across ranks at the call's first meeting).
+
+    Raises:
+        RuntimeError: no initialised default process group.
+        ConcurrentInitError: another thread of this process is inside a collective call.
+        MismatchError: the ranks made different operations, or called from different lines.
+    """
     outer = active_call()
     if outer is not None:
         yield outer
@@ -368,7 +392,15 @@ def publish_refusal(operation: str, exc: BaseException) -> None:
 def collective_entry(operation: str, method: bool = False) -> Callable[[F], F]:
     """Decorate a function so each call runs in ``collective_call(operation)``; with
     ``method=True`` the operation is named after the instance's class (``TPGroupInitializer.init_dist_group``).
-    Without an initialised default group the function runs as is (it reports that itself)."""
+    Without an initialised default group the function runs as is (it reports that itself).
+
+    Args:
+        operation: the operation's name.
+        method: name the operation after the instance's class.
+
+    Returns:
+        The decorator.
+    """
 
     def wrap(fn: F) -> F:
         @functools.wraps(fn)

@@ -103,6 +103,17 @@ def _shut_down() -> None:
 def report(
     layout: Layout, results: list[dict[str, Any]], ranks_per_node: int | None, how: str
 ) -> tuple[str, bool]:
+    """The demo's report from every rank's results.
+
+    Args:
+        layout: the layout the demo built.
+        results: one dict per rank (``checks``, ``failures``, ``build_seconds``).
+        ranks_per_node: for the node verdicts, or None.
+        how: how the processes were started, for the first line.
+
+    Returns:
+        ``(text, ok)``: the lines to print and whether every check passed.
+    """
     checks = sum(r["checks"] for r in results)
     failures = [f for r in results for f in r["failures"]]
     slowest = max(r["build_seconds"] for r in results)

@@ -36,6 +36,11 @@ class MismatchError(ValueError):
     Attributes:
         argument: the name of the first argument that differs (``"layout"``, ``"flatten"``, ...).
         ranks: the ranks whose value differs from rank 0's (as far as they were seen).
+
+    Args:
+        message: what differs, naming the ranks and both values.
+        argument: see Attributes.
+        ranks: see Attributes.
     """
 
     def __init__(self, message: str, argument: str = "", ranks: tuple[int, ...] = ()) -> None:

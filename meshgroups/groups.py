@@ -19,6 +19,17 @@ GroupKey = tuple[tuple[int, ...], str]
 
 
 def backend_key(backend: str | None) -> str:
+    """The cache key part of a backend: its name, or ``"<default>"`` for None.
+
+    Args:
+        backend: a backend name or None.
+
+    Returns:
+        The key.
+
+    >>> backend_key(None)
+    '<default>'
+    """
     return backend or "<default>"
 
 

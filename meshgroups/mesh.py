@@ -311,6 +311,11 @@ def init_mesh(
         StoreConnectionError: the connection to the store was lost (e.g. rank 0 died).
         MeshBuildError: a rank failed while creating groups; every rank destroyed what the call
             created, and retrying the same call on every rank is safe.
+
+    Returns:
+        The ``MeshGroups`` of this rank: ``mesh`` (the root ``DeviceMesh``), ``group(*dims)``,
+        ``ranks``, ``local_rank``, ``size``, ``submesh``, ``view_mesh``; ``close()`` (or ``with``)
+        destroys the groups it created.
     """
     if not dist.is_available() or not dist.is_initialized():
         check_device_index(device_type)  # torch tells this first, with or without a default group
@@ -347,6 +352,12 @@ def layout_of(device_mesh: DeviceMesh) -> Layout:
 
         >>> layout_of(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))  # doctest: +SKIP
         Layout(dp=2, tp=4)
+
+    Args:
+        device_mesh: any ``DeviceMesh`` (a root, a slice, a flattened mesh).
+
+    Returns:
+        The ``Layout`` of the ranks it holds, with its dim names.
     """
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"layout_of takes a torch DeviceMesh, got {type(device_mesh).__name__}")

@@ -27,7 +27,15 @@ MAX_TIMEOUT = timedelta(days=7)
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """One family of groups: the groups of ``layout`` varying ``dims`` (in layout order)."""
+    """One family of groups: the groups of ``layout`` varying ``dims`` (in layout order).
+
+    Attributes:
+        key: the family's name (a dim tuple, or a subset's name).
+        layout: the layout whose groups these are.
+        dims: the dims varying within a group.
+        desc: the group description torch shows (``mesh_tp``, ``mesh_dp_cp``, ``mesh_embd``).
+        backend: this family's ``backend_override``, or None for the call's ``backend``.
+    """
 
     key: Hashable
     layout: Layout

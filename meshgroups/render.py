@@ -86,7 +86,18 @@ def text(
     """A terminal table: the grid (when it has at most ``max_grid`` ranks) and, for every dim
     of the layout and its views, group size, number of groups, the first ``max_groups``
     groups (each cut to ``max_members`` ranks, saying how many it has; ``None`` for all), and
-    intra/inter-node status when ``ranks_per_node`` is given."""
+    intra/inter-node status when ``ranks_per_node`` is given.
+
+    Args:
+        layout: the layout printed.
+        ranks_per_node: adds the intra/inter-node status per dim, or None.
+        max_groups: groups listed per dim.
+        max_grid: the largest world whose grid is printed.
+        max_members: members listed per group, or None for all.
+
+    Returns:
+        The text (``print`` it).
+    """
     _check_layout(layout)
     _check_count(ranks_per_node, "ranks_per_node", MAX_RANK + 1, allow_none=True)
     _check_count(max_groups, "max_groups", MAX_WORLD_SIZE)
@@ -136,7 +147,21 @@ def html(
     max_cells: int = 1024,
 ) -> str:
     """An HTML table of the grid, cells coloured by the groups of ``color_by`` (default: the
-    innermost dim); ``highlight_rank``'s group is outlined; node changes get a thick left edge."""
+    innermost dim); ``highlight_rank``'s group is outlined; node changes get a thick left edge.
+
+    Args:
+        layout: the layout drawn.
+        color_by: a dim or dims whose groups colour the cells.
+        highlight_rank: a rank whose group is outlined, or None.
+        ranks_per_node: draw node boundaries every that many ranks, or None.
+        max_cells: a bigger grid shows a window of its first ranks (the caption says so).
+
+    Returns:
+        The HTML text (a ``<table>`` with a legend of the colours).
+
+    Raises:
+        TypeError / LayoutError: a bad argument, naming it.
+    """
     dims, rows, cols, clipped, gids = _coloured_window(layout, color_by, max_cells)
     _check_count(ranks_per_node, "ranks_per_node", MAX_RANK + 1, allow_none=True)
     _check_rank_arg(highlight_rank, "highlight_rank")

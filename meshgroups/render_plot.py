@@ -44,9 +44,24 @@ def plot(
     first ``max_cells`` ranks (the title says so), so a 16k-rank layout draws in about a second;
     grids wider than ``MAX_COLUMNS`` show their first columns (``pp=2 tp=4096``: 64 columns).
 
-    ``marked`` draws a symbol on the cells of some ranks, one symbol per label with a legend
-    under the grid, e.g. ``{"lost": [13, 14], "spare": [40, 41]}`` (at most five labels), as the
-    recovery-plan notebook marks lost ranks and spares."""
+    Args:
+        layout: the layout drawn.
+        color_by: a dim or dims whose groups colour the cells (default: the innermost dim).
+        ranks_per_node: draw node boundaries every that many ranks, or None.
+        highlight_rank: a rank whose group is outlined, or None.
+        max_cells: the most ranks drawn (a window of the first ones beyond).
+        ax: a matplotlib ``Axes`` to draw into, or None for a new figure.
+        marked: ``{label: ranks}``: a symbol on those ranks' cells, one symbol per label with a
+            legend under the grid, e.g. ``{"lost": [13, 14], "spare": [40, 41]}`` (at most five
+            labels), as the recovery-plan notebook marks lost ranks and spares.
+
+    Returns:
+        The matplotlib ``Figure`` (``fig.savefig(...)`` writes it; ``display(fig)`` in Jupyter).
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install 'meshgroups[plot]'``).
+        TypeError / LayoutError: a bad argument, naming it.
+    """
     if ax is not None and not hasattr(ax, "imshow"):
         raise TypeError(f"ax must be a matplotlib Axes, got {type(ax).__name__}")
     try:

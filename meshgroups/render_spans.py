@@ -21,6 +21,17 @@ def span_table(layout: Layout, topology: Topology, dims: Sequence[Sequence[str]]
 
         dim  size  span    groups  leave node  leave domain
         tp   8     node    16      0           0
+
+    Args:
+        layout: the layout.
+        topology: the machine's levels.
+        dims: dim sets to list instead of each dim.
+
+    Returns:
+        The table as text.
+
+    Raises:
+        LayoutError: an unknown dim, or a layout bigger than the topology allows.
     """
     _check_layout(layout)
     if not isinstance(topology, Topology):

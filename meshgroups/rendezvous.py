@@ -55,6 +55,14 @@ def shared(exc: E) -> E:
 
 
 def is_shared(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised for another rank's failure (published, not this rank's own).
+
+    Args:
+        exc: an exception raised in a collective call.
+
+    Returns:
+        True for an error re-raised from another rank's record.
+    """
     return bool(getattr(exc, "_mg_shared", False))
 
 
@@ -67,6 +75,15 @@ def waiting_on_peer(exc: BaseException) -> bool:
 
 
 def failure_record(rank: int, exc: BaseException) -> str:
+    """The store record publishing ``rank``'s failure ``exc`` to the other ranks.
+
+    Args:
+        rank: the failing rank.
+        exc: its exception (class and message are recorded).
+
+    Returns:
+        The record's text.
+    """
     cls = type(exc)
     return f"failed\n{rank}\n{cls.__module__}:{cls.__qualname__}\n{exc}"
 

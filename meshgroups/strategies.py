@@ -156,6 +156,10 @@ class CreationStrategy:
 
 
 class GlobalStrategy(CreationStrategy):
+    """``strategy="global"``: every rank makes every group-creation call, in one global order
+    (what torch requires of ``new_group``; O(world) calls per rank).
+    """
+
     name = "global"
 
     def family(self, b: Builder, rows: np.ndarray | None, mine: tuple[int, ...] | None) -> Groups:
@@ -186,6 +190,11 @@ class GlobalStrategy(CreationStrategy):
 
 
 class LocalStrategy(CreationStrategy):
+    """``strategy="local"``: each rank creates only its own groups with
+    ``use_local_synchronization=True``, one step per family (O(families) per rank); refused for a
+    device-bound default group.
+    """
+
     name = "local"
     needs_all_rows = False
 
@@ -217,6 +226,10 @@ class LocalStrategy(CreationStrategy):
 
 
 class SplitStrategy(CreationStrategy):
+    """``strategy="split"``: one ``dist.split_group`` per family, for a default group bound to a
+    device; refused where groups' ranks do not increase (split sorts them).
+    """
+
     name = "split"
 
     def validate(self, specs: Sequence[GroupSpec]) -> None:
@@ -277,6 +290,17 @@ STRATEGIES: dict[str, type[CreationStrategy]] = {
 
 
 def make_strategy(name: object) -> CreationStrategy:
+    """The strategy object for a name.
+
+    Args:
+        name: ``"global"``, ``"local"`` or ``"split"``.
+
+    Returns:
+        A new ``CreationStrategy``.
+
+    Raises:
+        MeshConfigError: any other value.
+    """
     if not isinstance(name, str) or name not in STRATEGIES:
         raise MeshConfigError(f"strategy={name!r} is not one of {', '.join(map(repr, STRATEGIES))}")
     return STRATEGIES[name]()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import queue as queue_mod
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -21,9 +22,15 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from ._reaper import die_with_parent
 from ._timing import TIME_SCALE, scaled
 
 __all__ = ["TIME_SCALE", "free_port", "run", "scaled"]
+
+if any("multiprocessing.forkserver" in arg for arg in getattr(sys, "orig_argv", ())):
+    # imported by the forkserver (this module is in its preload list): it ends with pytest, even
+    # a SIGKILLed one, and the ranks it forks end with it (``_entry``)
+    die_with_parent()
 
 
 def free_port() -> int:
@@ -33,6 +40,7 @@ def free_port() -> int:
 
 
 def _entry(fn, rank, world, port, args, queue, backend, env, pg_timeout):
+    die_with_parent()  # a rank never outlives the forkserver, hence pytest
     os.environ.update(env)
     try:
         import torch.distributed as dist
@@ -157,11 +165,19 @@ def _run_once(
                     f"ranks {missing} did not finish within {timeout:g}s (MESHGROUPS_TEST_TIME_SCALE="
                     f"{TIME_SCALE:g}); errors so far: {errors}"
                 )
-    finally:
+    except BaseException:
+        # a failure, or Ctrl-C / SIGTERM (KeyboardInterrupt): the ranks are of no use any more
         for p in procs:
-            p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        raise
+    finally:
+        deadline = time.monotonic() + 5  # one bound for all ranks, not 5 s each
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
     if errors:
         first = min(errors)
         raise AssertionError(f"{len(errors)} rank(s) failed; rank {first}:\n{errors[first]}")

@@ -1,5 +1,11 @@
 """Suite-wide settings: pytest-timeout's per-test limit scales with MESHGROUPS_TEST_TIME_SCALE,
-and hypothesis has no per-example deadline (a loaded machine misses any fixed one).
+hypothesis has no per-example deadline (a loaded machine misses any fixed one), Ctrl-C or SIGTERM
+stops the run and every process it started (``tests/_reaper.py``), and ``--fast`` runs only what
+spawns no process.
+
+``pytest --fast``: every test runs up to the point where it would start a process (a
+``subprocess``, a ``multiprocessing`` process: gloo ranks, the CLI, notebook kernels), and is
+skipped there, so the subset needs no list kept by hand and picks up new tests by itself.
 
 The limit (``timeout`` in pyproject.toml, or a test's own ``@pytest.mark.timeout(n)``) only stops
 a hang; on a loaded machine the waits inside a test grow with the scale (``tests/_timing.py``), so
@@ -8,10 +14,14 @@ the limit around them must grow with it too. An explicit ``--timeout`` or PYTEST
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
+import subprocess
+from typing import Any
 
 import pytest
 
+from ._reaper import install
 from ._timing import TIME_SCALE, scaled
 
 try:
@@ -29,6 +39,29 @@ else:
         derandomize=os.environ.get("MESHGROUPS_HYPOTHESIS_RANDOM", "0") != "1",
     )
     settings.load_profile("meshgroups")
+
+
+FAST_SKIP = "spawns a process: not in the --fast subset"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help="run only what spawns no process (no gloo ranks, CLI subprocesses or notebook "
+        "kernels): a test is skipped where it would start one",
+    )
+
+
+def _refuse_to_spawn(*args: Any, **kwargs: Any) -> Any:
+    pytest.skip(FAST_SKIP)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    install()  # Ctrl-C / SIGTERM: stop the run and kill every process it started
+    if config.getoption("fast", False):
+        subprocess.Popen.__init__ = _refuse_to_spawn  # type: ignore[method-assign]
+        multiprocessing.process.BaseProcess.start = _refuse_to_spawn  # type: ignore[method-assign]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,14 +1,15 @@
-"""Everything the README shows runs as written, so README and code cannot drift.
+"""Everything the README and the docs pages show runs as written, so pages and code cannot drift.
 
-The README's conventions, implemented here (any section added later is picked up by itself):
+The pages are README.md and every ``docs/*.md`` (a page added later is picked up by itself). Their
+conventions, implemented here (any section added later is picked up by itself too):
 
 - A ```python block runs in a fresh interpreter (its own subprocess), in a scratch directory.
 - ``<!-- run: gloo N -->`` on the line right before a block: the block runs on each of N spawned
   processes, with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), the
   variables ``rank`` and ``world_size`` defined and ``torch.distributed`` initialised (gloo) —
-  unless the block calls ``init_process_group`` itself, as a user's script does. Blocks needing the
-  same N share one spawned job, in README order, each in a fresh namespace, with a barrier after
-  each.
+  unless the block calls ``init_process_group`` itself, as a user's script does. The blocks of one
+  page needing the same N share one spawned job, in page order, each in a fresh namespace, with a
+  barrier after each.
 - ``<!-- run: skip (reason) -->``: not run; the reason is required.
 - In any fenced block, a line starting with ``$ `` is a shell command, run with the venv's
   ``python``/``meshgroups`` first on PATH. The lines after it, up to the next ``$ `` or the fence,
@@ -17,6 +18,7 @@ The README's conventions, implemented here (any section added later is picked up
 - A top-level expression whose trailing comment starts with a Python literal (up to two spaces)
   is checked: ``lay.coords(13)  # {'pp': 1, ...}`` asserts the value equals the literal.
 
+A test's id names the page and line (``docs/faults.md:42``), and so do failures and tracebacks.
 Commands and blocks run in a scratch directory holding a copy of the repository's top level
 (packages aside), so ``-o docs/layout.png`` writes there, never into the checkout.
 """
@@ -40,19 +42,30 @@ from ._dist import PortTaken, free_port, run, scaled
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(\s*)```(.*)$")
 DIRECTIVE = re.compile(r"^<!--\s*run:\s*(.*?)\s*-->\s*$")
 
 
+def _name(path: Path) -> str:
+    """The page as the repository names it: ``README.md``, ``docs/faults.md``."""
+    return path.relative_to(ROOT).as_posix()
+
+
 @dataclass(frozen=True)
 class Block:
-    line: int  # README line of the first line of code (1-based)
+    line: int  # page line of the first line of code (1-based)
     lang: str
     code: str
     directive: str | None  # "gloo N", "skip (reason)" or None
+    page: str = "README.md"  # the page, as the repository names it
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
 
 
-def parse(text: str) -> list[Block]:
+def parse(text: str, page: str = "README.md") -> list[Block]:
     """Every fenced block of a markdown text, with the run directive on the line before it."""
     lines = text.split("\n")
     blocks, i = [], 0
@@ -64,10 +77,10 @@ def parse(text: str) -> list[Block]:
         indent, lang = len(opening.group(1)), opening.group(2).strip()
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
         if end is None:
-            raise ValueError(f"README.md:{i + 1}: fence never closed")
+            raise ValueError(f"{page}:{i + 1}: fence never closed")
         before = DIRECTIVE.match(lines[i - 1].strip()) if i > 0 else None
         code = "\n".join(line[indent:] for line in lines[i + 1 : end])
-        blocks.append(Block(i + 2, lang, code, before.group(1) if before else None))
+        blocks.append(Block(i + 2, lang, code, before.group(1) if before else None, page))
         i = end + 1
     return blocks
 
@@ -82,7 +95,7 @@ def directives(text: str) -> list[tuple[int, str, str]]:
     ]
 
 
-BLOCKS = parse(README.read_text())
+BLOCKS = [block for path in PAGES for block in parse(path.read_text(), _name(path))]
 PYTHON = [b for b in BLOCKS if b.lang == "python"]
 
 
@@ -111,7 +124,7 @@ def _claim(comment: str) -> str | None:
     return None
 
 
-def with_checks(code: str, first_line: int) -> str:
+def with_checks(code: str, first_line: int, page: str = "README.md") -> str:
     """``code`` with every top-level expression whose comment states a literal turned into an
     assertion of it; line numbers unchanged (the edits stay on the expression's own lines)."""
     tree = ast.parse(code)
@@ -130,22 +143,24 @@ def with_checks(code: str, first_line: int) -> str:
         last, end = node.end_lineno - 1, node.end_col_offset
         where = first_line + node.end_lineno - 1
         lines[last] = f"{lines[last][:end]}), {claim!r}){lines[last][end:]}"
-        lines[node.lineno - 1] = f"__readme_check__({where}, ({lines[node.lineno - 1]}"
+        lines[node.lineno - 1] = f"__readme_check__({page!r}, {where}, ({lines[node.lineno - 1]}"
     return "\n".join(lines)
 
 
 CHECK = (
-    "def __readme_check__(line, value, claim):\n"
+    "def __readme_check__(page, line, value, claim):\n"
     "    assert value == __import__('ast').literal_eval(claim), "
-    "f'README.md:{line}: the README says {claim}, the code gives {value!r}'\n"
+    "f'{page}:{line}: the page says {claim}, the code gives {value!r}'\n"
 )
 
 
 def runnable(block: Block) -> str:
-    """The block as a script whose line numbers are the README's (tracebacks point there), with
+    """The block as a script whose line numbers are the page's (tracebacks point there), with
     the checking helper in the blank lines before it."""
-    assert block.line > CHECK.count("\n"), "a block starts after the README's first lines"
-    return CHECK + "\n" * (block.line - 1 - CHECK.count("\n")) + with_checks(block.code, block.line)
+    assert block.line > CHECK.count("\n"), f"{block.where}: a block starts after the page's first lines"
+    return (
+        CHECK + "\n" * (block.line - 1 - CHECK.count("\n")) + with_checks(block.code, block.line, block.page)
+    )
 
 
 SKIP_IN_SCRATCH = {
@@ -188,35 +203,36 @@ def _env() -> dict[str, str]:
 # --- python blocks ------------------------------------------------------------------------------
 
 
-def test_the_readme_has_blocks_of_every_kind():
+def test_the_pages_have_blocks_of_every_kind():
     kinds = {_kind(b)[0] for b in PYTHON}
     assert {"process", "gloo"} <= kinds, kinds
-    assert len(PYTHON) >= 7 and COMMANDS
+    readme = [b for b in PYTHON if b.page == "README.md"]
+    assert len(readme) >= 7 and len(PYTHON) >= 20 and COMMANDS
+    assert len(PAGES) >= 10, [_name(p) for p in PAGES]
 
 
 def test_every_directive_is_known_and_sits_on_a_python_block():
-    for line, directive, after in directives(README.read_text()):
-        assert after.strip() == "```python", (
-            f"README.md:{line}: <!-- run: {directive} --> must sit right before a ```python block"
-        )
+    for path in PAGES:
+        for line, directive, after in directives(path.read_text()):
+            assert after.strip() == "```python", (
+                f"{_name(path)}:{line}: <!-- run: {directive} --> must sit right before a ```python block"
+            )
     for block in PYTHON:
         kind, arg = _kind(block)
-        assert kind != "unknown", (
-            f"README.md:{block.line}: unknown directive {arg!r} (gloo N | skip (reason))"
-        )
+        assert kind != "unknown", f"{block.where}: unknown directive {arg!r} (gloo N | skip (reason))"
         if kind == "skip":
-            assert arg, f"README.md:{block.line}: `skip` needs a reason: <!-- run: skip (why) -->"
+            assert arg, f"{block.where}: `skip` needs a reason: <!-- run: skip (why) -->"
         if kind == "gloo":
-            assert 1 <= int(str(arg)) <= 16, f"README.md:{block.line}: gloo {arg}: 1..16 processes"
+            assert 1 <= int(str(arg)) <= 16, f"{block.where}: gloo {arg}: 1..16 processes"
 
 
 PROCESS = [b for b in PYTHON if _kind(b)[0] == "process"]
 
 
-@pytest.mark.parametrize("block", PROCESS, ids=[f"README.md:{b.line}" for b in PROCESS])
+@pytest.mark.parametrize("block", PROCESS, ids=[b.where for b in PROCESS])
 def test_python_block_runs_in_a_fresh_interpreter(block, tmp_path):
     scratch = _scratch(tmp_path)
-    script = tmp_path / f"readme_block_{block.line}.py"
+    script = tmp_path / f"page_block_{block.line}.py"
     script.write_text(runnable(block))
     out = subprocess.run(
         [sys.executable, str(script)],
@@ -226,12 +242,13 @@ def test_python_block_runs_in_a_fresh_interpreter(block, tmp_path):
         text=True,
         timeout=scaled(180),
     )
-    assert out.returncode == 0, f"README.md:{block.line} failed:\n{out.stdout}\n{out.stderr}"
+    assert out.returncode == 0, f"{block.where} failed:\n{out.stdout}\n{out.stderr}"
 
 
-def _run_blocks(rank: int, world: int, blocks: list[tuple[int, str, bool]], ports: list[int]) -> int:
-    """In one spawned process: every block of this world size, in README order (see the module
-    docstring); torchrun's variables set, a fresh default group for a block that makes its own."""
+def _run_blocks(rank: int, world: int, blocks: list[tuple[str, int, str, bool]], ports: list[int]) -> int:
+    """In one spawned process: every block of one page and world size, in page order (see the
+    module docstring); torchrun's variables set, a fresh default group for a block that makes its
+    own."""
     import torch.distributed as dist
 
     os.environ.update(
@@ -242,7 +259,7 @@ def _run_blocks(rank: int, world: int, blocks: list[tuple[int, str, bool]], port
         LOCAL_WORLD_SIZE=str(world),
         GROUP_RANK="0",
     )
-    for (line, code, initialises), port in zip(blocks, ports):
+    for (page, line, code, initialises), port in zip(blocks, ports):
         os.environ["MASTER_PORT"] = str(port)
         if initialises and dist.is_initialized():
             dist.destroy_process_group()
@@ -250,9 +267,9 @@ def _run_blocks(rank: int, world: int, blocks: list[tuple[int, str, bool]], port
             dist.init_process_group("gloo")
         namespace = {"__name__": "__main__", "rank": rank, "world_size": world}
         try:
-            exec(compile(code, str(README), "exec"), namespace)
+            exec(compile(code, str(ROOT / page), "exec"), namespace)
         except BaseException as exc:
-            raise AssertionError(f"README.md block at line {line} failed on rank {rank}: {exc!r}") from exc
+            raise AssertionError(f"{page}:{line}: the block failed on rank {rank}: {exc!r}") from exc
         if dist.is_initialized():
             dist.barrier()
     if dist.is_initialized():
@@ -260,15 +277,16 @@ def _run_blocks(rank: int, world: int, blocks: list[tuple[int, str, bool]], port
     return len(blocks)
 
 
-GLOO: dict[int, list[Block]] = {}
+GLOO: dict[tuple[str, int], list[Block]] = {}  # (page, N): one spawned job each
 for _b in PYTHON:
     if _kind(_b)[0] == "gloo":
-        GLOO.setdefault(int(str(_kind(_b)[1])), []).append(_b)
+        GLOO.setdefault((_b.page, int(str(_kind(_b)[1]))), []).append(_b)
 
 
-@pytest.mark.parametrize("world", sorted(GLOO), ids=[f"gloo{w}" for w in sorted(GLOO)])
-def test_gloo_blocks_run_on_real_processes(world):
-    blocks = [(b.line, runnable(b), "init_process_group(" in b.code) for b in GLOO[world]]
+@pytest.mark.parametrize("job", list(GLOO), ids=[f"{page}-gloo{world}" for page, world in GLOO])
+def test_gloo_blocks_run_on_real_processes(job):
+    world = job[1]
+    blocks = [(b.page, b.line, runnable(b), "init_process_group(" in b.code) for b in GLOO[job]]
     for attempt in range(3):
         ports = [free_port() for _ in blocks]  # fresh ones if another process took one meanwhile
         try:
@@ -293,8 +311,8 @@ def test_skipped_blocks_give_a_reason_and_compile():
     for block in PYTHON:
         kind, reason = _kind(block)
         if kind == "skip":
-            assert reason, f"README.md:{block.line}: `skip` needs a reason"
-            compile(runnable(block), str(README), "exec")
+            assert reason, f"{block.where}: `skip` needs a reason"
+            compile(runnable(block), str(ROOT / block.page), "exec")
 
 
 # --- shell commands -----------------------------------------------------------------------------
@@ -305,6 +323,11 @@ class Command:
     line: int
     command: str
     output: str | None  # None: nothing shown, the command must succeed
+    page: str = "README.md"
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
 
 
 def commands(blocks: list[Block]) -> list[Command]:
@@ -319,7 +342,9 @@ def commands(blocks: list[Block]) -> list[Command]:
             shown = [line.rstrip() for line in lines[i + 1 : stop]]
             while shown and not shown[-1]:
                 shown.pop()
-            found.append(Command(block.line + i, lines[i][2:], "\n".join(shown) if shown else None))
+            found.append(
+                Command(block.line + i, lines[i][2:], "\n".join(shown) if shown else None, block.page)
+            )
     return found
 
 
@@ -340,7 +365,7 @@ def test_output_matching():
     assert not matches("a\nb", "a\nc")
 
 
-@pytest.mark.parametrize("cmd", COMMANDS, ids=[f"README.md:{c.line}" for c in COMMANDS])
+@pytest.mark.parametrize("cmd", COMMANDS, ids=[c.where for c in COMMANDS])
 def test_shell_command_gives_the_output_shown(cmd, tmp_path):
     out = subprocess.run(
         ["bash", "-c", cmd.command],
@@ -352,20 +377,18 @@ def test_shell_command_gives_the_output_shown(cmd, tmp_path):
         timeout=scaled(300),
     )
     if cmd.output is None:
-        assert out.returncode == 0, (
-            f"README.md:{cmd.line}: `{cmd.command}` exited {out.returncode}:\n{out.stdout}"
-        )
+        assert out.returncode == 0, f"{cmd.where}: `{cmd.command}` exited {out.returncode}:\n{out.stdout}"
     else:
         assert matches(cmd.output, out.stdout), (
-            f"README.md:{cmd.line}: `{cmd.command}`\n--- the README shows:\n{cmd.output}\n--- it prints:\n{out.stdout}"
+            f"{cmd.where}: `{cmd.command}`\n--- the page shows:\n{cmd.output}\n--- it prints:\n{out.stdout}"
         )
 
 
-# --- what the README says about the extras ------------------------------------------------------
+# --- what the pages say about the extras -------------------------------------------------------
 
 
-def test_plot_without_matplotlib_says_what_the_readme_says(tmp_path):
-    """Without the plot extra, `plot` prints an install hint; the README quotes that hint."""
+def test_plot_without_matplotlib_says_what_the_docs_say(tmp_path):
+    """Without the plot extra, `plot` prints an install hint; the CLI page quotes that hint."""
     hide = "import sys; sys.modules['matplotlib'] = None; from meshgroups.cli import main; sys.exit(main())"
     out = subprocess.run(
         [sys.executable, "-c", hide, "plot", "tp=2", "-o", "x.png"],
@@ -377,5 +400,5 @@ def test_plot_without_matplotlib_says_what_the_readme_says(tmp_path):
     assert out.returncode != 0 and not (tmp_path / "x.png").exists()
     hint = re.search(r"pip install \S+", out.stderr)
     assert hint, out.stderr
-    flat = " ".join(README.read_text().split())  # a quote may wrap across lines
-    assert " ".join(out.stderr.split()) in flat, (out.stderr, "is not quoted in the README")
+    flat = " ".join((ROOT / "docs" / "cli.md").read_text().split())  # a quote may wrap across lines
+    assert " ".join(out.stderr.split()) in flat, (out.stderr, "is not quoted in docs/cli.md")

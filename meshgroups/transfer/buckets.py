@@ -92,6 +92,17 @@ class Part:
 
 
 def count(box: Box) -> int:
+    """The number of elements in ``box`` (a ``[start, stop)`` range per axis).
+
+    Args:
+        box: the box.
+
+    Returns:
+        The product of its extents.
+
+    >>> count(((0, 2), (1, 4)))
+    6
+    """
     n = 1
     for a, b in box:
         n *= b - a

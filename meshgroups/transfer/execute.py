@@ -70,7 +70,15 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class Progress:
-    """Handed to ``progress`` after each bucket, once every rank has finished it."""
+    """Handed to ``progress`` after each bucket, once every rank has finished it.
+
+    Attributes:
+        bucket: buckets finished so far (1-based).
+        buckets: the number of buckets.
+        weights_done: the weights now complete on every rank (this bucket's).
+        bytes_done: this rank's bytes sent, received or copied so far.
+        bytes_total: this rank's bytes in all.
+    """
 
     bucket: int  # buckets finished so far (1-based)
     buckets: int
@@ -81,7 +89,17 @@ class Progress:
 
 @dataclass
 class Report:
-    """What ``execute`` did on this rank."""
+    """What ``execute`` did on this rank.
+
+    Attributes:
+        buckets: the number of buckets.
+        messages: this rank's sends, receives and local copies (after bucketing).
+        bytes_sent: bytes this rank sent.
+        bytes_received: bytes this rank received.
+        bytes_copied: bytes this rank copied locally.
+        broadcasts: the broadcasts this rank took part in.
+        weights: the weights written on this rank.
+    """
 
     buckets: int = 0
     messages: int = 0  # this rank's sends, receives and local copies (after bucketing)
@@ -306,6 +324,9 @@ def execute(
             reasons. After one in stage ``"transfer"`` an immediate retry is safe on gloo (new
             tags; rebuild ``groups``); on NCCL see the module docstring.
         RuntimeError: no default process group.
+
+    Returns:
+        This rank's ``Report``.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("execute needs an initialised default process group (dist.init_process_group)")

@@ -69,6 +69,9 @@ def fanouts(plan: Plan | Sequence[Message], rank: int) -> dict[RouteKey, tuple[i
     >>> w = [Weight("w", (4,))]
     >>> fanouts(plan_transfer(Layout(tp=1), w, Layout(dp=3, rank_offset=1), w), 0)
     {('w', 0, ((0, 4),), 0): (0, 1, 2, 3)}
+
+    Returns:
+        The fan-outs, as above.
     """
     messages = plan.for_rank(rank) if isinstance(plan, Plan) else plan
     receivers: dict[RouteKey, list[int]] = {}
@@ -80,7 +83,14 @@ def fanouts(plan: Plan | Sequence[Message], rank: int) -> dict[RouteKey, tuple[i
 
 def plan_identity(plan: Plan) -> str:
     """What every rank's plan must share (whole or a rank's part): the layouts' fingerprints,
-    the node size and a digest of the weights (canonical JSON, so dict order does not count)."""
+    the node size and a digest of the weights (canonical JSON, so dict order does not count).
+
+    Args:
+        plan: a plan, whole or a rank's part.
+
+    Returns:
+        A string, equal on every rank that holds a part of the same plan.
+    """
     weights = json.dumps([[s.to_dict(), d.to_dict()] for s, d in plan.weights], sort_keys=True, default=str)
     digest = hashlib.sha256(weights.encode()).hexdigest()[:16]
     return (
@@ -99,7 +109,23 @@ def exchange_routes(
     timeout: timedelta,
 ) -> dict[RouteKey, tuple[int, ...]]:
     """The fan-outs ``me`` receives, told by their senders over ``group`` (see the module
-    docstring, step 5); ``own`` are the fan-outs ``me`` sends, ``mine`` its messages."""
+    docstring, step 5); ``own`` are the fan-outs ``me`` sends, ``mine`` its messages.
+
+    Args:
+        own: the fan-outs ``me`` sends.
+        mine: ``me``'s messages.
+        me: this rank.
+        sets: every fan-out set, the same list on every rank.
+        group: the point-to-point group.
+        device: where the integers travel (a CUDA device on NCCL).
+        timeout: bounds the exchange.
+
+    Returns:
+        ``{(weight, sender, box, step): ranks}`` for the fan-outs ``me`` receives.
+
+    Raises:
+        MeshConfigError: a sender's set does not name it and ``me``.
+    """
     index = {ranks: i for i, ranks in enumerate(sets)}
     told = sorted({r for ranks in own.values() for r in ranks[1:]})  # receivers of my fan-outs
     out: dict[int, list[int]] = {r: [] for r in told}
@@ -146,7 +172,15 @@ def _message_hash(m: Message) -> int:
 def message_sums(mine: Sequence[Message], me: int) -> tuple[int, int]:
     """Sums (mod 2^61 - 1) of the hashes of the messages ``me`` sends and receives (local
     copies aside). Every message is in its sender's part and in its receiver's, so over all
-    ranks the two sums are equal when the ranks hold parts of one plan."""
+    ranks the two sums are equal when the ranks hold parts of one plan.
+
+    Args:
+        mine: the rank's messages.
+        me: the rank.
+
+    Returns:
+        ``(sent, received)``.
+    """
     sent = received = 0
     for m in mine:
         if m.src == m.dst:
@@ -160,7 +194,15 @@ def message_sums(mine: Sequence[Message], me: int) -> tuple[int, int]:
 
 def check_sums(sent: int, received: int) -> None:
     """The same verdict on every rank, from the gathered sums: what the ranks plan to send is
-    what they plan to receive (else some send would pair with a different receive)."""
+    what they plan to receive (else some send would pair with a different receive).
+
+    Args:
+        sent: the sum of every rank's sent-message hashes.
+        received: the sum of every rank's received-message hashes.
+
+    Raises:
+        MeshConfigError: the sums differ (the ranks hold parts of different plans).
+    """
     if sent != received:
         raise MeshConfigError(
             "the ranks' plans do not pair up: the messages they plan to send are not the messages "
@@ -220,6 +262,15 @@ class TransferGroups:
     Raises (on every rank alike): TypeError (not a ``Plan``), LayoutError (another rank's
     part), MismatchError (ranks hold different plans: ``argument == "plan"``), MeshConfigError
     (a sender's routes that do not fit the receiver's plan), and what ``init_mesh`` raises.
+
+    Args:
+        plan: the whole plan or this rank's part.
+        cache: a ``GroupCache`` for the groups (default: one of their own).
+        device_type: as for ``init_mesh``.
+        backend: as for ``init_mesh``.
+        timeout: as for ``init_mesh``.
+        strategy: as for ``init_mesh``.
+        check: as for ``init_mesh``.
     """
 
     def __init__(

@@ -84,7 +84,11 @@ class Job:
     (a mesh whose ``get_coordinate()`` is ``None``, and ``None`` groups, on ranks outside it).
     All share ``cache``, so a group two layouts both need (colocated ``tp`` groups of equal
     ranks) exists once. ``close()`` (or
-    leaving ``with job:``) releases the meshes and every ``TransferGroups`` made from the job."""
+    leaving ``with job:``) releases the meshes and every ``TransferGroups`` made from the job.
+
+    Made by ``init_job``: ``meshes`` and ``cache`` as above, ``sharing`` as passed to it,
+    ``options`` the ``init_mesh`` options every layout was built with (transfer groups use them).
+    """
 
     def __init__(
         self, meshes: Mapping[str, MeshGroups], cache: GroupCache, sharing: str, options: dict
@@ -172,14 +176,23 @@ def init_job(
         sharing: ``"disjoint"`` (no rank in two layouts), ``"colocated"`` (every layout over the
             same ranks) or ``"any"``; checked before anything is built.
         flatten: per layout name, the flattened dim sets to build (``{"trainer": [("dp", "cp")]}``).
-        device_type, backend, timeout, strategy, check: as for ``init_mesh``, for every layout.
+        device_type: as for ``init_mesh``, for every layout.
+        backend: as for ``init_mesh``, for every layout.
+        timeout: as for ``init_mesh``, for every layout.
+        strategy: as for ``init_mesh``, for every layout.
+        check: as for ``init_mesh``, for every layout.
+
+    Returns:
+        The ``Job``: ``job[name]`` is that layout's ``MeshGroups``; ``close()`` releases them all.
 
     Raises:
-        TypeError / MeshConfigError: bad arguments. LayoutError: the layouts break ``sharing``
-        (naming a rank). MismatchError: ranks passed a different ``sharing``, ``layouts`` or
-        ``flatten`` (``argument`` names which, ``ranks`` the odd ones). Everything ``init_mesh``
-        raises; a failure in a later layout closes the earlier ones before it propagates. Each
-        on every rank alike; the identical call can be retried at once.
+        TypeError: bad argument types (also ``MeshConfigError`` for bad values).
+        LayoutError: the layouts break ``sharing`` (naming a rank).
+        MismatchError: ranks passed a different ``sharing``, ``layouts`` or ``flatten``
+            (``argument`` names which, ``ranks`` the odd ones).
+        Exception: everything ``init_mesh`` raises; a failure in a later layout closes the
+            earlier ones before it propagates. Each on every rank alike; the identical call
+            can be retried at once.
     """
     with collective_call("init_job") as call:  # numbered before anything is checked
         flat = _check_job(layouts, sharing, flatten)

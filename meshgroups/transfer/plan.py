@@ -48,7 +48,16 @@ class Message:
     """One slice of one weight from ``src`` to ``dst``; ``src == dst`` is a local copy.
 
     ``step`` 0: sent by a source holder; 1: forwarded inside a node by a destination rank after
-    it received the slice at step 0."""
+    it received the slice at step 0.
+
+    Attributes:
+        weight: the weight's name.
+        src: the sending rank.
+        dst: the receiving rank.
+        box: the slice, a global ``[start, stop)`` per axis.
+        nbytes: its size in bytes.
+        step: 0 or 1, as above.
+    """
 
     weight: str
     src: int
@@ -135,6 +144,9 @@ class Plan:
             (:class:`~meshgroups.transfer.mapped.Mapped`; see :meth:`moves`), else ``None``.
         stats: per-rank arrays (bytes and messages by step and node crossing), see
             :class:`~meshgroups.transfer.stats.RankStats`.
+
+    Made by ``plan_transfer``, not by hand: the constructor's ``tally`` (per-rank statistics),
+    ``n_holders`` and ``send_bounds`` (the send bounds above) are the planner's.
     """
 
     def __init__(
@@ -333,6 +345,9 @@ def plan_transfer(
         TypeError: an argument of the wrong kind.
         LayoutError: (a ``ValueError``) a weight names a dim its layout lacks, a destination
             weight has no source, shapes or dtypes differ, a name repeats.
+
+    Returns:
+        The ``Plan``: every message (or only ``rank``'s), with its statistics and bounds.
     """
     mapping = None
     if name_map is None and cast is None and allow_unused is False:

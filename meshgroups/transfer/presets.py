@@ -76,13 +76,19 @@ def model_weights(
     Args:
         model: a name in ``MODELS``, or a ``ModelConfig`` (dense; needs a convention's
             ``names``; dtype default float32).
+        layout: the layout the weights are placed on.
         names: ``"preset"`` (short names), or a convention: ``"hf"``, ``"vllm"``, ``"megatron"``.
         dtype: every weight's dtype (default: the preset's).
 
-    Raises ``ValueError`` for a name not in ``MODELS`` or an unknown convention, naming the
-    choices.
+    Returns:
+        A list of ``Weight`` (names, shapes, dtypes and placements).
 
-    >>> [w.name for w in model_weights("tiny", Layout(tp=2))][:3]
+    Raises:
+        ValueError: a name not in ``MODELS`` or an unknown convention, naming the choices.
+        TypeError: a ``layout`` that is not a ``Layout``.
+
+    >>> names = [w.name for w in model_weights("tiny", Layout(tp=2))]
+    >>> names[:3]
     ['embed', 'layers.0.q', 'layers.0.k']
     """
     if isinstance(model, ModelConfig):

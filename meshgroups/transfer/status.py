@@ -42,6 +42,13 @@ class TransferError(RuntimeError):
             check before the first). stage: ``"check"``, ``"prepare"`` (nothing of the bucket
             moved yet), ``"transfer"`` or ``"progress"`` (the bucket is complete). done: weights
             complete on every rank before the failure (the others may be partly written).
+
+    Args:
+        message: what failed, naming the ranks and their reasons, the bucket and the stage.
+        ranks: see Attributes.
+        bucket: see Attributes.
+        stage: see Attributes.
+        done: see Attributes.
     """
 
     def __init__(self, message: str, ranks: tuple[int, ...], bucket: int, stage: str, done: tuple[str, ...]):
@@ -152,6 +159,15 @@ def agree(
 
 
 def where(bucket: int, stage: str) -> str:
+    """How a ``TransferError`` names the place of a failure.
+
+    Args:
+        bucket: the bucket's index, or -1 for the check before the first bucket.
+        stage: the stage within the bucket.
+
+    Returns:
+        The words, e.g. ``"bucket 2 (transfer)"``.
+    """
     return "the check before the first bucket" if bucket < 0 else f"bucket {bucket} ({stage})"
 
 

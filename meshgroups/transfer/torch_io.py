@@ -119,7 +119,16 @@ def local_weights(
     ``module``: an ``nn.Module`` (its ``named_parameters``) or a ``{name: tensor}`` mapping such
     as a state dict; ``None`` on a rank that holds none. ``dims`` renames mesh dims to layout dims
     (``{"dp_shard": "dp"}``). When ``stage_dim`` is a layout dim the DTensor meshes do not
-    cover, each weight lives on this rank's stage only (``stage=("pp", k)``)."""
+    cover, each weight lives on this rank's stage only (``stage=("pp", k)``).
+
+    Returns:
+        A ``ModuleWeights``: ``weights`` (this rank's ``Weight`` list), ``tensors`` (its local
+        shards by name) and ``layout``.
+
+    Raises:
+        ValueError: a DTensor whose mesh is not the layout's group of this rank, a
+            ``Partial`` placement, a dim missing from ``layout`` (``TypeError`` for a wrong type).
+    """
     if module is None:
         return [], {}
     rank = dist.get_rank()
@@ -165,7 +174,21 @@ def module_weights(
 ) -> ModuleWeights:
     """Collective (``group``, default the world; ranks without a part pass ``module=None``):
     every rank's ``local_weights`` gathered into one list (first seen in rank order), checked
-    to agree where two ranks describe the same weight."""
+    to agree where two ranks describe the same weight.
+
+    Args:
+        module: as for ``local_weights``.
+        layout: the layout the weights live on.
+        dims: as for ``local_weights``.
+        stage_dim: as for ``local_weights``.
+        group: the ranks taking part (default: the world).
+
+    Returns:
+        A ``ModuleWeights`` with every rank's weights and this rank's tensors.
+
+    Raises:
+        ValueError: two ranks describe one weight differently; what ``local_weights`` raises.
+    """
     weights, tensors = local_weights(module, layout, dims=dims, stage_dim=stage_dim)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, weights, group=group)
