@@ -69,6 +69,8 @@ def map_weights(
     """Every rollout weight's links under ``name_map``, checked both ways.
 
     Args:
+        src, src_weights: the trainer's layout and weights.
+        dst, dst_weights: the rollout's layout and weights (its dtypes are the wire dtypes).
         name_map: rollout name -> rule (see :mod:`~meshgroups.transfer.names`); names it lacks
             mean the same-named trainer weight.
         cast: where a trainer dtype differs from the rollout's, a cast to the rollout's dtype is
@@ -77,6 +79,9 @@ def map_weights(
             always the rollout's (the sender casts).
         allow_unused: ``True`` or names/patterns of trainer weights that may go unused (listed
             on :attr:`Mapped.unused`).
+
+    Returns:
+        The :class:`Mapped` links (one per segment of every rollout weight), in plan order.
 
     Raises:
         LayoutError: a rule names a trainer weight that does not exist, a segment outside its

@@ -35,7 +35,16 @@ from .spec import Box, Weight
 class SegmentWeight(Weight):
     """A weight cut to ``window = (axis, start, full)``: indices ``[start, start + shape[axis])``
     of an axis of ``full`` elements, keeping the full weight's shard boundaries (a rank holds
-    its full shard clipped to the window, in window coordinates). ``None``: the whole weight."""
+    its full shard clipped to the window, in window coordinates). ``None``: the whole weight.
+
+    Args:
+        name, shape, dtype, placements, stage, shard_order: as :class:`Weight` (``shape`` is the
+            window's: the full weight's with ``shape[axis]`` cut to the window's length).
+        window: ``(axis, start, full)``, or ``None`` for the whole weight.
+
+    Raises:
+        LayoutError: the window does not fit the shape (or a :class:`Weight` field is bad).
+    """
 
     window: tuple[int, int, int] | None = None
 
@@ -93,6 +102,7 @@ class Link:
         parts: the rollout weight's parts as weights (one per part with ``sharding="per_part"``,
             else one), and ``part`` the index of this link's part.
         offset: where the segment starts inside its part along ``axis``.
+        src_layout, dst_layout: the trainer's and the rollout's layouts (for the local slices).
     """
 
     name: str
@@ -163,7 +173,8 @@ class Move:
     shard, cast to ``dtype`` when ``cast``) or, for a forward (``step`` 1), a rollout weight
     (read ``src_local`` of the forwarder's buffer, already in ``dtype``); ``dst_local`` is the
     slice of the receiver's buffer of rollout weight ``dst_name`` to write. ``nbytes``: in
-    ``dtype``. ``box``: the message's box in the link's window coordinates."""
+    ``dtype``. ``box``: the message's box in the link's window coordinates. ``link``: the
+    plan's weight name; ``src``, ``dst``: the sending and the receiving rank."""
 
     link: str
     src: int

@@ -56,6 +56,15 @@ FSDP_DIMS = ("dp_shard", "fsdp")
 def model_config(model: str) -> ModelConfig:
     """A dense preset's sizes as a :class:`~meshgroups.transfer.conventions.ModelConfig`.
 
+    Args:
+        model: a dense preset's name in ``MODELS``.
+
+    Returns:
+        Its ``ModelConfig`` (layers, hidden, heads, kv heads, ffn, vocab).
+
+    Raises:
+        ValueError: an unknown name, or a preset with experts.
+
     >>> model_config("llama-70b").kv_heads
     8
     """
