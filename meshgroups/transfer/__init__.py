@@ -13,17 +13,27 @@ placements) lives in its own modules, imported explicitly::
 from __future__ import annotations
 
 from .assign import PlanError
+from .mapped import Link, Mapped, Move, SegmentWeight, map_weights
+from .names import NameMap, Rule, Segment
 from .plan import Message, Plan, plan_transfer
 from .spec import Box, Placement, Replicate, Shard, Weight
 
 __all__ = [
     "Box",
+    "Link",
+    "Mapped",
     "Message",
+    "Move",
+    "NameMap",
     "Placement",
     "Plan",
     "PlanError",
     "Replicate",
+    "Rule",
+    "Segment",
+    "SegmentWeight",
     "Shard",
     "Weight",
+    "map_weights",
     "plan_transfer",
 ]

@@ -35,6 +35,8 @@ import numpy as np
 from ..errors import LayoutError
 from ..layout import Layout
 from ..topology import Topology
+from .mapped import Cast, Mapped, Move, check_weights, map_weights
+from .names import NameMap
 from .routes import Chunk, Planner
 from .spec import Box, Weight
 from .stats import HolderSets, RankStats, Tally
@@ -128,6 +130,8 @@ class Plan:
             cut's granularity.
         busiest_forward_bytes: the most any rank forwards inside its node (step 1).
         n_messages: messages including local copies; ``n_local`` of them are local copies.
+        mapping: with a name map or a cast, the links each plan weight stands for
+            (:class:`~meshgroups.transfer.mapped.Mapped`; see :meth:`moves`), else ``None``.
         stats: per-rank arrays (bytes and messages by step and node crossing), see
             :class:`~meshgroups.transfer.stats.RankStats`.
     """
@@ -164,6 +168,7 @@ class Plan:
         self.n_messages = tally.n_messages
         self.n_local = tally.n_local
         self.node_size = planner.node_size
+        self.mapping: Mapped | None = None
 
     @property
     def src(self) -> Layout:
@@ -225,6 +230,12 @@ class Plan:
             raise LayoutError(f"this plan holds rank {self.rank}'s messages only, not rank {r}'s")
         return list(self.messages)
 
+    def moves(self, r: int) -> list[Move]:
+        """:meth:`for_rank` resolved to tensor names and local slices (a mapped plan only)."""
+        if self.mapping is None:
+            raise LayoutError("moves() needs a plan made with name_map= or cast=")
+        return [self.mapping.resolve(m) for m in self.for_rank(r)]
+
     def summary(self) -> str:
         """A text table of the plan's figures."""
         rows = [
@@ -271,21 +282,7 @@ def _node_size(topology: Topology | None) -> int:
 def _match(
     src: Layout, src_weights: Sequence[Weight], dst: Layout, dst_weights: Sequence[Weight]
 ) -> list[tuple[Weight, Weight]]:
-    for what, layout, weights in (("src", src, src_weights), ("dst", dst, dst_weights)):
-        if not isinstance(layout, Layout):
-            raise TypeError(f"{what} must be a meshgroups.Layout, got {layout!r}")
-        if isinstance(weights, (str, bytes, Weight)) or not isinstance(weights, Sequence):
-            raise TypeError(f"{what}_weights must be a sequence of Weight, got {weights!r}")
-        seen: set[str] = set()
-        for w in weights:
-            if not isinstance(w, Weight):
-                raise TypeError(f"{what}_weights must hold Weight objects, got {w!r}")
-            if w.name in seen:
-                raise LayoutError(
-                    f"weight {w.name!r} is listed twice in {what}_weights; names must be unique"
-                )
-            seen.add(w.name)
-            w.check(layout)
+    check_weights(src, src_weights, dst, dst_weights)
     by_name = {w.name: w for w in src_weights}
     pairs = []
     for dw in dst_weights:
@@ -312,6 +309,9 @@ def plan_transfer(
     rank: int | None = None,
     *,
     min_part_bytes: int = 1 << 16,
+    name_map: NameMap | Mapping[str, object] | None = None,
+    cast: Cast = None,
+    allow_unused: bool | Sequence[str] = False,
 ) -> Plan:
     """Plan moving ``dst_weights`` (matched by name to ``src_weights``) from ``src`` to ``dst``.
 
@@ -324,13 +324,21 @@ def plan_transfer(
             many bytes (rounded up to whole indices of its longest axis) from its start. Finer
             is better balanced (a sender's bytes stay within one quantum of its share) and
             costs no more messages (at most one per holder more than whole pieces).
+        name_map, cast, allow_unused: given any (``name_map={}`` for same names), the plan
+            maps rollout weights to trainer weights (fusions, splits, ties, casts; coverage
+            checked both ways): see :func:`~meshgroups.transfer.mapped.map_weights`.
 
     Raises:
         TypeError: an argument of the wrong kind.
         LayoutError: (a ``ValueError``) a weight names a dim its layout lacks, a destination
             weight has no source, shapes or dtypes differ, a name repeats.
     """
-    pairs = _match(src, src_weights, dst, dst_weights)
+    mapping = None
+    if name_map is None and cast is None and allow_unused is False:
+        pairs = _match(src, src_weights, dst, dst_weights)
+    else:
+        mapping = map_weights(src, src_weights, dst, dst_weights, name_map, cast, allow_unused)
+        pairs = mapping.pairs
     # A rank's part checks its own coverage (routes.rank_chunks); the whole plan every holder's.
     if isinstance(min_part_bytes, bool) or not isinstance(min_part_bytes, int) or min_part_bytes < 1:
         raise TypeError(f"min_part_bytes must be a positive int, got {min_part_bytes!r}")
@@ -345,8 +353,11 @@ def plan_transfer(
         for c in chunks:
             tally.add(c.src, c.dst, np.full(c.src.size, c.nbytes, np.int64), c.step)
         msgs = list(_messages([w.name for w in planner.weights], iter(chunks)))
-        return Plan(planner, int(rank), msgs, tally, None, -1)
-    return _whole(planner, src, dst)
+        plan = Plan(planner, int(rank), msgs, tally, None, -1)
+    else:
+        plan = _whole(planner, src, dst)
+    plan.mapping = mapping
+    return plan
 
 
 def _whole(planner: Planner, src: Layout, dst: Layout) -> Plan:

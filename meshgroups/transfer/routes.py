@@ -84,7 +84,8 @@ class Planner(Choices):
         cache: dict[tuple[object, ...], Side] = {}
 
         def side(which: int, layout: Layout, wt: Weight) -> Side:
-            key = (which, wt.shape, tuple(wt.placements.items()), wt.stage, wt.shard_order)
+            window = getattr(wt, "window", None)  # a SegmentWeight's cut axis (mapped.py)
+            key = (which, wt.shape, tuple(wt.placements.items()), wt.stage, wt.shard_order, window)
             got = cache.get(key)
             if got is None:
                 got = cache[key] = Side(layout, wt)
@@ -147,8 +148,7 @@ class Planner(Choices):
             return got
         ss, ds = self.sides[w]
         per_axis = [
-            axis_pairs(n, s_sizes, d_sizes, b, None)
-            for n, s_sizes, d_sizes, b in zip(ss.weight.shape, ss.axis_sizes, ds.axis_sizes, s_block)
+            axis_pairs(s_t, d_t, b, None) for s_t, d_t, b in zip(ss.axis_tilings, ds.axis_tilings, s_block)
         ]
         got = [
             (d_block, box, self.route(ss, s_block, ds, d_block))
@@ -175,10 +175,8 @@ class Planner(Choices):
         that they tile it exactly (``PlanError`` otherwise)."""
         ss, ds = self.sides[w]
         per_axis = []
-        for axis, (n, s_sizes, d_sizes, b) in enumerate(
-            zip(ss.weight.shape, ss.axis_sizes, ds.axis_sizes, d_block)
-        ):
-            rows = axis_pairs(n, s_sizes, d_sizes, None, b)
+        for axis, (s_t, d_t, b) in enumerate(zip(ss.axis_tilings, ds.axis_tilings, d_block)):
+            rows = axis_pairs(s_t, d_t, None, b)
             covered = sum(r[3] - r[2] for r in rows)
             lo, hi = ds.axis_intervals[axis][b].tolist()
             if covered != hi - lo:

@@ -24,6 +24,12 @@ import numpy as np
 from ..layout import Layout
 from .spec import Box, Weight, intervals
 
+#: One axis's tiling: ``(full extent, sharding dim sizes, window start, window stop)`` — the
+#: pieces of the full axis clipped to the window and counted from its start (a whole axis:
+#: ``(n, sizes, 0, n)``). Pieces keep their block index, so a rank's piece of a window is its
+#: full piece's share of it.
+Tiling = tuple[int, tuple[int, ...], int, int]
+
 #: A block's identity, independent of the weight's shape: the stage and the coordinates of the
 #: sharding dims. Weights with the same key have the same holders.
 BlockKey = tuple[tuple[str, int], ...]
@@ -51,6 +57,13 @@ class Side:
         if self.stage_key is not None:
             keyed.add(self.stage_key[0])
         self.keyed_dims = frozenset(keyed)
+        window = getattr(weight, "window", None)  # a SegmentWeight (mapped.py): one axis cut
+        self.axis_tilings: tuple[Tiling, ...] = tuple(
+            (window[2], s, window[1], window[1] + n)
+            if window is not None and a == window[0]
+            else (n, s, 0, n)
+            for a, (n, s) in enumerate(zip(weight.shape, self.axis_sizes))
+        )
 
     def like(self, weight: Weight) -> Side:
         """This side for another weight of the same shape and placement (nothing recomputed)."""
@@ -62,7 +75,7 @@ class Side:
     @cached_property
     def axis_intervals(self) -> tuple[np.ndarray, ...]:
         """Per axis, every piece as ``[start, stop)`` rows, in block-index order."""
-        return tuple(_intervals(n, sizes) for n, sizes in zip(self.weight.shape, self.axis_sizes))
+        return tuple(_intervals(*t) for t in self.axis_tilings)
 
     def block_of(self, rank: int, coords: dict[str, int] | None = None) -> tuple[int, ...] | None:
         """The block ``rank`` holds (one piece index per axis), or ``None`` (outside the layout,
@@ -115,20 +128,23 @@ def _block_key(
 
 
 @lru_cache(maxsize=4096)
-def _intervals(extent: int, sizes: tuple[int, ...]) -> np.ndarray:
-    """:func:`intervals`, cached: the layers of a model repeat a few shapes."""
+def _intervals(extent: int, sizes: tuple[int, ...], start: int = 0, stop: int = -1) -> np.ndarray:
+    """:func:`intervals` of one :data:`Tiling`, cached: the layers of a model repeat a few shapes."""
     out = intervals(extent, sizes)
+    if stop >= 0 and (start, stop) != (0, extent):  # a window: clipped, counted from its start
+        out = np.clip(out, start, stop) - start
     out.setflags(write=False)
     return out
 
 
 @lru_cache(maxsize=65536)
 def axis_pairs(
-    extent: int, s_sizes: tuple[int, ...], d_sizes: tuple[int, ...], s_index: int | None, d_index: int | None
+    s_tiling: Tiling, d_tiling: Tiling, s_index: int | None, d_index: int | None
 ) -> tuple[tuple[int, int, int, int], ...]:
     """Rows ``(src piece, dst piece, start, stop)`` of one axis where the source's and the
-    destination's pieces intersect, restricted to one source or one destination piece."""
-    s_iv, d_iv = _intervals(extent, s_sizes), _intervals(extent, d_sizes)
+    destination's pieces (two tilings of the same extent) intersect, restricted to one source
+    or one destination piece."""
+    s_iv, d_iv = _intervals(*s_tiling), _intervals(*d_tiling)
     if s_index is not None:
         rows = overlaps(d_iv, s_iv, only=np.array([s_index]))[:, [1, 0, 2, 3]]
     elif d_index is not None:
@@ -168,4 +184,4 @@ def overlaps(src: np.ndarray, dst: np.ndarray, only: np.ndarray | None = None) -
     return np.stack([i[ok], rep_j[ok], a[ok], b[ok]], axis=1)
 
 
-__all__ = ["BlockKey", "Side", "axis_pairs", "holders", "overlaps"]
+__all__ = ["BlockKey", "Side", "Tiling", "axis_pairs", "holders", "overlaps"]
