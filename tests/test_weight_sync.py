@@ -292,6 +292,40 @@ def _colocated(rank, out):
     out["colocated_copied"] = copied
 
 
+def _cast_at_the_sender(rank, out):
+    """``execute`` casts at the sender: a local copy (rank 0 also holds a rollout replica), a
+    send across nodes and the forwards inside the rollout's node carry bf16 / fp16 bits equal
+    to ``.to(dtype)`` of the fp32 source — values halfway between two bf16 numbers (ties to
+    even), subnormals, infinities, NaN and the largest floats included (compared as bits)."""
+    import numpy as np
+    import torch
+
+    from meshgroups import Topology
+    from meshgroups.transfer import Weight, plan_transfer
+    from meshgroups.transfer.execute import execute
+
+    one = Layout.from_grid(np.array([0]), ("tp",))
+    many = Layout.from_grid(np.array([0, 4, 5, 6]), ("dp",))  # rank 0: a local copy
+    bits = torch.tensor(
+        [0x3F808000, 0x3F818000, 0x00000001, 0x7F7FFFFF, 0xFF800000, 0x7FC00000], dtype=torch.int64
+    )
+    edges = bits.to(torch.int32).view(torch.float32)  # 1 + 2^-8 (a tie), 1 + 3·2^-8, ...
+    torch.manual_seed(3)
+    source = {"w": torch.cat([edges, torch.randn(58) * 1e3]).reshape(8, 8), "h": torch.randn(6, 5)}
+    src_w = [Weight("w", (8, 8)), Weight("h", (6, 5))]
+    dst_w = [Weight("w", (8, 8), "bfloat16"), Weight("h", (6, 5), "float16")]
+    plan = plan_transfer(one, src_w, many, dst_w, Topology(node=4), rank=rank, cast=True)
+    bufs = {w.name: torch.full(w.shape, float("nan"), dtype=getattr(torch, w.dtype)) for w in dst_w}
+    report = execute(plan, source if rank == 0 else {}, bufs if rank in (0, 4, 5, 6) else {}, timeout=60)
+    if rank in (0, 4, 5, 6):
+        for name, t in bufs.items():
+            want = source[name].to(t.dtype)
+            assert torch.equal(t.view(torch.int16), want.view(torch.int16)), (rank, name, t, want)
+    if rank == 0:  # one cast copy out of the node, in the wire dtype: 2 bytes an element
+        assert report.bytes_sent == 2 * (64 + 30) and report.bytes_copied == 2 * (64 + 30), report
+    out["cast_received"] = report.bytes_received
+
+
 def worker(rank, world):
     import torch.distributed as dist
 
@@ -299,6 +333,7 @@ def worker(rank, world):
 
     held = held_group_count()
     out: dict = {}
+    _cast_at_the_sender(rank, out)
     _disjoint(rank, out)
     _colocated(rank, out)
     assert held_group_count() == held, "every job, transfer group and sync closed"
@@ -314,6 +349,8 @@ def test_weight_sync_world8():
         + LAYERS
         * ((Q + 2 * KV) // 2 * HIDDEN + 2 * FFN // 2 * HIDDEN + HIDDEN * Q // 2 + HIDDEN * FFN // 2 + HIDDEN)
     )
+    # cast at the sender: each of ranks 4-6 receives the bf16 and fp16 bytes once
+    assert [r["cast_received"] for r in results] == [0] + [0] * 3 + [2 * (64 + 30)] * 3 + [0]
     # disjoint: 4 rollout ranks, 3 syncs + the re-planned one; every element of each
     assert sum(r["disjoint_checked"] for r in results) == 4 * 4 * per_tp_rank
     assert sum(r["disjoint_sent"] for r in results[:4]) > 0
