@@ -140,6 +140,14 @@ PARAMETER_SETS = {
             "ranks_per_node": 6,
             "rank": -1,
         },
+        # Megatron names (trainer tp=2) into Hugging Face names, fp8 on the wire
+        {
+            "src": {"dp_shard": 2, "tp": 2},
+            "dst": {"tp": 4},
+            "dst_offset": 4,
+            "name_map": "megatron-to-hf",
+            "cast": "float8_e4m3fn",
+        },
     ],
 }
 CASES = [(name, i) for name, sets in PARAMETER_SETS.items() for i in range(len(sets))]

@@ -9,8 +9,9 @@ import pytest
 
 from meshgroups import Layout, Topology
 from meshgroups.cli import main
-from meshgroups.transfer import Shard, Weight, plan_transfer
-from meshgroups.transfer.presets import model_weights
+from meshgroups.transfer import NameMap, Shard, Weight, plan_transfer
+from meshgroups.transfer.conventions import vllm_map
+from meshgroups.transfer.presets import model_config, model_weights
 
 
 def _json(capsys, *argv):
@@ -150,3 +151,55 @@ def test_the_notebook_uses_public_names_only():
     code = "\n".join("".join(c["source"]) for c in book["cells"] if c["cell_type"] == "code")
     assert "from meshgroups.transfer.presets import model_weights" in code
     assert "meshgroups._" not in code  # no private module
+
+
+def test_name_map_vllm_shows_fused_weights(capsys):
+    argv = ["--src", "dp_shard=2,tp=2", "--dst", "tp=4", "--dst-offset", "4", "--ranks-per-node", "4"]
+    argv += ["--src-dtype", "float32"]
+    data = _json(capsys, *argv, "--model", "small", "--name-map", "vllm", "--cast", "bfloat16")
+    src, dst = Layout(dp_shard=2, tp=2), Layout(tp=4, rank_offset=4)
+    sws = model_weights("small", src, names="hf", dtype="float32")
+    dws = model_weights("small", dst, names="vllm", dtype="bfloat16")
+    plan = plan_transfer(
+        src, sws, dst, dws, Topology(node=4), name_map=vllm_map(model_config("small")), cast="bfloat16"
+    )
+    assert data["cross_node_bytes"] == plan.cross_node_bytes == data["cross_node_lower_bound"]
+    assert data["cross_node_bytes"] == sum(w.nbytes for w in sws) // 2  # fp32 -> bf16 on the wire
+    assert data["n_fused"] == len(data["fused"]) == 8 and data["unused"] == []
+    qkv = data["fused"][0]
+    assert qkv["rollout"] == "model.layers.0.self_attn.qkv_proj.weight" and qkv["rank"] == 4
+    # small: 16 heads of 64, 4 kv heads; tp=4: q 256 rows, k 64, v 64 per rank
+    assert [(s["source"].rsplit(".", 2)[-2], s["rows"]) for s in qkv["local"]] == [
+        ("q_proj", [0, 256]),
+        ("k_proj", [256, 320]),
+        ("v_proj", [320, 384]),
+    ]
+    assert qkv["buffer_shape"] == [384, 1024] and qkv["parts_sharded_separately"]
+
+    assert main(["transfer", *argv, "--model", "small", "--name-map", "vllm", "--cast", "bfloat16"]) == 0
+    text = capsys.readouterr().out
+    assert "fused rollout weights (8, 4 shown" in text
+    assert "q_proj.weight[0:1024] ‖ model.layers.0.self_attn.k_proj.weight[0:256]" in text
+    assert "rank 4 buffer (384, 1024): 0:256 <- model.layers.0.self_attn.q_proj.weight" in text
+
+
+def test_name_map_file_and_coverage(tmp_path, capsys):
+    spec = {
+        "src": [{"name": n, "shape": [r, 4]} for n, r in (("q", 4), ("k", 2), ("emb", 6))],
+        "dst": [{"name": "qk", "shape": [6, 4], "dtype": "bfloat16", "placements": {"tp": "Shard(0)"}}],
+    }
+    (tmp_path / "w.json").write_text(json.dumps(spec))
+    NameMap({"qk": {"parts": ["q", "k"], "sharding": "whole"}}).save(tmp_path / "map.json")
+    argv = ["--src", "tp=1", "--dst", "tp=2", "--dst-offset", "1", "--weights", str(tmp_path / "w.json")]
+    argv += ["--name-map", str(tmp_path / "map.json"), "--cast", "bfloat16"]
+    with pytest.raises(SystemExit) as exc:
+        main(["transfer", *argv])
+    assert exc.value.code == 2 and "no rollout weight reads: emb" in capsys.readouterr().err
+    data = _json(capsys, *argv, "--allow-unused")
+    assert data["unused"] == ["emb"] and data["fused"][0]["parts_sharded_separately"] is False
+    assert [s["rows"] for s in data["fused"][0]["local"]] == [[0, 3]]  # rank 1: rows 0..3 of q‖k, all q
+    assert data["bytes_sent"] == 6 * 4 * 2
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(SystemExit):
+        main(["transfer", "--src", "tp=1", "--dst", "tp=1", "--name-map", str(tmp_path / "bad.json")])
+    assert "--name-map" in capsys.readouterr().err

@@ -13,7 +13,8 @@ placements) lives in its own modules, imported explicitly::
 from __future__ import annotations
 
 from .assign import PlanError
-from .mapped import Link, Mapped, Move, SegmentWeight, map_weights
+from .expand import map_weights
+from .mapped import Link, Mapped, Move, SegmentWeight
 from .names import NameMap, Rule, Segment
 from .plan import Message, Plan, plan_transfer
 from .spec import Box, Placement, Replicate, Shard, Weight

@@ -35,7 +35,8 @@ import numpy as np
 from ..errors import LayoutError
 from ..layout import Layout
 from ..topology import Topology
-from .mapped import Cast, Mapped, Move, check_weights, map_weights
+from .expand import Cast, check_weights, map_weights
+from .mapped import Mapped, Move
 from .names import NameMap
 from .routes import Chunk, Planner
 from .spec import Box, Weight
@@ -326,7 +327,7 @@ def plan_transfer(
             costs no more messages (at most one per holder more than whole pieces).
         name_map, cast, allow_unused: given any (``name_map={}`` for same names), the plan
             maps rollout weights to trainer weights (fusions, splits, ties, casts; coverage
-            checked both ways): see :func:`~meshgroups.transfer.mapped.map_weights`.
+            checked both ways): see :func:`~meshgroups.transfer.expand.map_weights`.
 
     Raises:
         TypeError: an argument of the wrong kind.

@@ -15,6 +15,11 @@ a capacity estimate). Placement rules, by layout dim name:
   they already split rows (``shard_order``), as torch's ``fully_shard`` over a TP module does.
 - any other dim (``dp``, ``cp``, ...): replicated.
 
+``names=`` gives a dense preset's weights in a real convention's names instead
+(``"hf"``, ``"vllm"`` with fused ``qkv_proj``/``gate_up_proj``, ``"megatron"``; see
+:mod:`~meshgroups.transfer.conventions`), e.g. a rollout side for a name map; fused weights are
+placed as one tensor (``Shard(0)`` on ``tp``), the map's rule says how its parts are sharded.
+
 ::
 
     >>> from meshgroups import Layout
@@ -31,6 +36,7 @@ numpy only (no torch), like the rest of ``meshgroups.transfer``'s planning side.
 from __future__ import annotations
 
 from ..layout import Layout
+from .conventions import CONVENTIONS, ModelConfig, layer_names
 from .spec import Placement, Shard, Weight
 
 #: name: (hidden, ffn, kv width, vocab, layers, experts (0: dense), dtype)
@@ -41,36 +47,71 @@ MODELS: dict[str, tuple[int, int, int, int, int, int, str]] = {
     "llama-8b": (4096, 14336, 1024, 128256, 32, 0, "bfloat16"),
     "llama-70b": (8192, 28672, 1024, 128256, 80, 0, "bfloat16"),
 }
+#: Attention heads per preset (kv heads = kv width / head dim).
+HEADS = {"tiny": 4, "small": 16, "moe-small": 16, "llama-8b": 32, "llama-70b": 64}
 #: Layout dims read as FSDP2's sharding dim (the first one present is used).
 FSDP_DIMS = ("dp_shard", "fsdp")
 
 
-def model_weights(model: str, layout: Layout) -> list[Weight]:
+def model_config(model: str) -> ModelConfig:
+    """A dense preset's sizes as a :class:`~meshgroups.transfer.conventions.ModelConfig`.
+
+    >>> model_config("llama-70b").kv_heads
+    8
+    """
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; models are {', '.join(MODELS)}")
+    hidden, ffn, kv, vocab, layers, experts, _ = MODELS[model]
+    if experts:
+        raise ValueError(f"model {model!r} has experts; the named conventions describe dense models only")
+    heads = HEADS[model]
+    return ModelConfig(layers, hidden, heads, kv // (hidden // heads), ffn, vocab)
+
+
+def model_weights(
+    model: str | ModelConfig, layout: Layout, names: str = "preset", dtype: str | None = None
+) -> list[Weight]:
     """The preset ``model``'s weights placed on ``layout`` (rules: the module docstring).
 
-    Raises ``ValueError`` for a name not in ``MODELS``, naming the presets.
+    Args:
+        model: a name in ``MODELS``, or a ``ModelConfig`` (dense; needs a convention's
+            ``names``; dtype default float32).
+        names: ``"preset"`` (short names), or a convention: ``"hf"``, ``"vllm"``, ``"megatron"``.
+        dtype: every weight's dtype (default: the preset's).
+
+    Raises ``ValueError`` for a name not in ``MODELS`` or an unknown convention, naming the
+    choices.
 
     >>> [w.name for w in model_weights("tiny", Layout(tp=2))][:3]
     ['embed', 'layers.0.q', 'layers.0.k']
     """
-    if model not in MODELS:
+    if isinstance(model, ModelConfig):
+        cfg = model
+        if names == "preset":
+            raise ValueError("a ModelConfig needs names= one of " + ", ".join(CONVENTIONS))
+        hidden, ffn, kv, vocab, layers, experts, preset_dtype = (0, 0, 0, 0, cfg.layers, 0, "float32")
+    elif model not in MODELS:
         raise ValueError(f"unknown model {model!r}; models are {', '.join(MODELS)}")
+    else:
+        hidden, ffn, kv, vocab, layers, experts, preset_dtype = MODELS[model]
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a meshgroups.Layout, got {type(layout).__name__}")
-    hidden, ffn, kv, vocab, layers, experts, dtype = MODELS[model]
-    names = layout.names
-    pp = layout.size("pp") if "pp" in names else 1
-    fsdp = next((d for d in FSDP_DIMS if d in names), None)
+    if names != "preset" and names not in CONVENTIONS:
+        raise ValueError(f"unknown names {names!r}; use 'preset' or one of {', '.join(CONVENTIONS)}")
+    dtype = dtype or preset_dtype
+    convention, dims = names, layout.names
+    pp = layout.size("pp") if "pp" in dims else 1
+    fsdp = next((d for d in FSDP_DIMS if d in dims), None)
     out: list[Weight] = []
 
     def add(name: str, shape: tuple[int, ...], tp_axis: int | None, stage: int, expert: bool = False) -> None:
         pl: dict[str, Placement] = {}
-        if "tp" in names and tp_axis is not None and not expert:
+        if "tp" in dims and tp_axis is not None and not expert:
             pl["tp"] = Shard(tp_axis)
         if expert:
-            if "ep" in names:
+            if "ep" in dims:
                 pl["ep"] = Shard(0)
-            if "etp" in names and tp_axis is not None:
+            if "etp" in dims and tp_axis is not None:
                 pl["etp"] = Shard(tp_axis)
         order = None
         if fsdp is not None and len(shape) > 1:
@@ -78,8 +119,14 @@ def model_weights(model: str, layout: Layout) -> list[Weight]:
             sharing_rows = [d for d, p in pl.items() if d != fsdp and p == Shard(0)]
             if sharing_rows:  # FSDP2 splits what TP/EP already split: its dim nests last
                 order = (*sharing_rows, fsdp)
-        out.append(Weight(name, shape, dtype, pl, ("pp", stage) if "pp" in names else None, order))
+        out.append(Weight(name, shape, dtype, pl, ("pp", stage) if "pp" in dims else None, order))
 
+    if convention != "preset":
+        cfg = model if isinstance(model, ModelConfig) else model_config(model)
+        for name, shape, axis, at in layer_names(cfg, convention):
+            stage = (at * pp // layers) if at is not None else (0 if "embed" in name else pp - 1)
+            add(name, shape, axis, stage)
+        return out
     add("embed", (vocab, hidden), 0, 0)
     for layer in range(layers):
         s = layer * pp // layers
@@ -104,4 +151,4 @@ def model_weights(model: str, layout: Layout) -> list[Weight]:
     return out
 
 
-__all__ = ["FSDP_DIMS", "MODELS", "model_weights"]
+__all__ = ["FSDP_DIMS", "HEADS", "MODELS", "model_config", "model_weights"]
