@@ -71,6 +71,7 @@ def _disjoint(rank, out):
     import torch
 
     from meshgroups import Topology
+    from meshgroups.transfer.conventions import vllm_map
     from meshgroups.transfer.jobs import init_job
     from meshgroups.transfer.sync import WeightSync
 
@@ -121,8 +122,13 @@ def _disjoint(rank, out):
         roll = rollout_module(tp_mesh, torch.bfloat16) if rank >= 4 else None
         before = {n: p for n, p in roll.named_parameters()} if roll is not None else {}
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01) if rank < 4 else None
+        # the ready-made map from the trainer's names (fused q/k/v and gate/up, the tied head)
+        ready = vllm_map([n for n, _ in model.named_parameters()], tied=True)
+        assert ready.rule("model.layers.1.self_attn.qkv_proj.weight").sources == tuple(
+            names["model.layers.1.self_attn.qkv_proj.weight"]
+        )
         ws = WeightSync(
-            mine, trainer, roll, rollout, name_map=names, cast="bfloat16", topology=Topology(node=4),
+            mine, trainer, roll, rollout, name_map=ready, cast="bfloat16", topology=Topology(node=4),
             bucket_bytes=256, job=job, timeout=60,
         )  # fmt: skip
         assert (ws.plans, ws.group_builds) == (1, 1)

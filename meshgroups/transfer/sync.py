@@ -51,9 +51,9 @@ from ..layout import Layout
 from ..plan import as_timedelta
 from ..topology import Topology
 from .execute import DEFAULT_BUCKET_BYTES, Progress, Report, execute
+from .expand import Cast
 from .fanout_groups import TransferGroups
 from .jobs import Job, _digest_text
-from .mapped import Cast
 from .names import NameMap
 from .plan import Plan, plan_transfer
 from .spec import Box, Weight
