@@ -363,3 +363,43 @@ def test_weight_sync_world8():
     # colocated: 8 rollout ranks, 4 checks each
     assert sum(r["colocated_checked"] for r in results) == 8 * 4 * per_tp_rank
     assert sum(r["colocated_copied"] for r in results) > 0  # colocated: some slices copied locally
+
+
+# ------------------------------------------------------------------------------- no processes
+def test_describe_sees_what_a_plan_depends_on_and_nothing_else():
+    import torch
+
+    from meshgroups.transfer.sync_state import describe, local_tensors
+
+    t = torch.zeros(4, 2)
+    before = describe({"w": t, "b": torch.zeros(3)})
+    t.add_(1)  # new values: the same plan
+    assert describe({"w": t, "b": torch.zeros(3)}) == before
+    assert describe({"w": torch.ones(4, 2), "b": torch.ones(3)}) == before  # another tensor, alike
+    assert describe({"w": t.to(torch.bfloat16), "b": torch.zeros(3)}) != before  # a dtype
+    assert describe({"w": t[:2], "b": torch.zeros(3)}) != before  # a shape
+    assert describe({"v": t, "b": torch.zeros(3)}) != before  # a name
+    assert describe(None) == ()
+    module = torch.nn.Linear(2, 3)
+    local = local_tensors(module)
+    assert local["weight"].data_ptr() == module.weight.data_ptr() and not local["weight"].requires_grad
+    with pytest.raises(TypeError, match="'w' must be a tensor"):
+        local_tensors({"w": [1.0]})
+    with pytest.raises(TypeError, match="an nn.Module, a mapping"):
+        describe([("w", t)])  # type: ignore[arg-type]
+
+
+def test_weight_sync_needs_a_process_group():
+    from meshgroups.transfer.sync import WeightSync
+
+    with pytest.raises(RuntimeError, match="initialised default process group"):
+        WeightSync(None, Layout(tp=1), None, Layout(tp=1))
+
+
+def test_docstring_examples():
+    import doctest
+
+    from meshgroups.transfer import sync_state
+
+    result = doctest.testmod(sync_state, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

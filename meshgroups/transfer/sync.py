@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from .._torch_seam import default_timeout
 from ..collective import collective_call
@@ -56,71 +55,10 @@ from .fanout_groups import TransferGroups
 from .jobs import Job, _digest_text
 from .names import NameMap
 from .plan import Plan, plan_transfer
-from .spec import Box, Weight
+from .spec import Weight
 from .status import Status, TransferError
+from .sync_state import Tensors, describe, local_tensors, merge, slices
 from .torch_io import local_weights
-
-Tensors = torch.nn.Module | Mapping[str, Any] | None
-
-
-def _items(obj: Tensors) -> list[tuple[str, Any]]:
-    if obj is None:
-        return []
-    if isinstance(obj, torch.nn.Module):
-        return list(obj.named_parameters())
-    if isinstance(obj, Mapping):
-        return list(obj.items())
-    raise TypeError(f"expected an nn.Module, a mapping name -> tensor or None, got {type(obj).__name__}")
-
-
-def local_tensors(obj: Tensors) -> dict[str, torch.Tensor]:
-    """``{name: local tensor}`` (a DTensor's local shard), detached: same storage, so writing
-    it writes the parameter."""
-    out = {}
-    for name, t in _items(obj):
-        if isinstance(t, DTensor):
-            t = t.to_local()
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name!r} must be a tensor, got {type(t).__name__}")
-        out[name] = t.detach()
-    return out
-
-
-def describe(obj: Tensors) -> tuple[object, ...]:
-    """What a plan depends on, per tensor: name, shape, dtype, local shape, and for a DTensor
-    its placements and mesh (dim names and ranks). Local: compared with this rank's earlier
-    value only."""
-    meshes: dict[int, tuple[object, ...]] = {}
-    out: list[object] = []
-    for name, t in _items(obj):
-        if isinstance(t, DTensor):
-            mesh = t.device_mesh
-            if id(mesh) not in meshes:  # a mesh is shared by many parameters
-                meshes[id(mesh)] = (mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()), mesh)
-            local = t.to_local()
-            key = meshes[id(mesh)][:2]
-            out.append((name, tuple(t.shape), t.dtype, tuple(local.shape), tuple(t.placements), key))
-        elif isinstance(t, torch.Tensor):
-            out.append((name, tuple(t.shape), t.dtype))
-        else:
-            out.append((name, type(t).__name__))
-    return tuple(out)
-
-
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
-
-
-def _merge(parts: Sequence[Sequence[Weight]], side: str) -> list[Weight]:
-    """Every rank's weights of one side, first seen in rank order; two ranks describing one
-    weight differently is an error."""
-    merged: dict[str, Weight] = {}
-    for part in parts:
-        for w in part:
-            seen = merged.setdefault(w.name, w)
-            if seen != w:
-                raise LayoutError(f"ranks describe {side} weight {w.name!r} differently: {seen} and {w}")
-    return list(merged.values())
 
 
 class WeightSync:
@@ -249,8 +187,8 @@ class WeightSync:
             call.open = None
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, (tw, rw))
-            trainer_w = _merge([g[0] for g in gathered], "trainer")
-            rollout_w = self.rollout_weights or _merge([g[1] for g in gathered], "rollout")
+            trainer_w = merge([g[0] for g in gathered], "trainer")
+            rollout_w = self.rollout_weights or merge([g[1] for g in gathered], "rollout")
             plan = plan_transfer(
                 self.trainer_layout,
                 trainer_w,
@@ -333,9 +271,9 @@ class WeightSync:
         with torch.no_grad():
             for link in self.plan.mapping.links.values():
                 if link.source in trainer and (box := link.src_local(me)) is not None:
-                    src[link.name] = trainer[link.source][_slices(box)]
+                    src[link.name] = trainer[link.source][slices(box)]
                 if link.rollout in rollout and (box := link.dst_local(me)) is not None:
-                    dst[link.name] = rollout[link.rollout][_slices(box)]
+                    dst[link.name] = rollout[link.rollout][slices(box)]
         return src, dst
 
     def sync(
@@ -412,4 +350,4 @@ class WeightSync:
         return f"WeightSync({links} links, plans={self.plans}, group_builds={self.group_builds}, syncs={self.syncs})"
 
 
-__all__ = ["WeightSync", "describe", "local_tensors"]
+__all__ = ["WeightSync"]
