@@ -57,7 +57,7 @@ from .names import NameMap
 from .plan import Plan, plan_transfer
 from .spec import Weight
 from .status import Status, TransferError
-from .sync_state import Tensors, describe, local_tensors, merge, slices
+from .sync_state import Tensors, merge, read, slices
 from .torch_io import local_weights
 
 
@@ -140,6 +140,7 @@ class WeightSync:
         self.plans = self.group_builds = self.syncs = 0
         self.last_report: Report | None = None
         self._planned: tuple[object, ...] | None = None
+        self._slices: list[tuple[str, str, tuple[slice, ...] | None, str, tuple[slice, ...] | None]] = []
         self._closed = False
         self._build()
 
@@ -149,13 +150,14 @@ class WeightSync:
         """Trainer weights (or ranges of one) no rollout weight reads, allowed by ``allow_unused``."""
         return () if self.plan is None or self.plan.mapping is None else self.plan.mapping.unused
 
-    def _state(self) -> tuple[object, ...]:
-        """What this rank's plan depends on (local; see ``describe``)."""
-        rollout = describe(self.rollout)
-        if self.rollout_weights is not None:
-            rollout = (rollout, tuple(self.rollout_weights))
-        layouts = tuple(lay.fingerprint() for lay in (self.trainer_layout, self.rollout_layout))
-        return (layouts, describe(self.trainer), rollout)
+    def _read(self) -> tuple[tuple[object, ...], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """What this rank's plan depends on (local; see ``sync_state.describe``), and its local
+        trainer and rollout tensors, in one pass."""
+        trainer, t_local = read(self.trainer)
+        rollout, r_local = read(self.rollout)
+        weights = None if self.rollout_weights is None else tuple(self.rollout_weights)
+        layouts = (self.trainer_layout.fingerprint(), self.rollout_layout.fingerprint())
+        return (layouts, trainer, rollout, weights), t_local, r_local
 
     def _wait(self) -> timedelta:
         return as_timedelta(self.timeout, default_timeout())
@@ -169,7 +171,7 @@ class WeightSync:
         self.plan, self.groups, self._planned = None, None, None
         me = dist.get_rank()
         with collective_call("WeightSync") as call:
-            state = self._state()
+            state, _, rollout_local = self._read()
             call.compare(
                 layouts=state[0],
                 name_map=_digest_text(self.name_map.dumps()),
@@ -200,17 +202,17 @@ class WeightSync:
                 cast=self.cast,
                 allow_unused=self.allow_unused,
             )
-            self._check_buffers(plan, me)
+            self._check_buffers(plan, me, rollout_local)
             self.plans += 1
             self.plan = plan
             self._build_groups()  # joins this call: a failure above reaches every rank there
             self._planned = state
 
-    def _check_buffers(self, plan: Plan, me: int) -> None:
+    def _check_buffers(self, plan: Plan, me: int, have: Mapping[str, torch.Tensor]) -> None:
         """Each rollout tensor this rank holds has the local shape the plan writes (for a fused
-        weight: its parts' local extents one after another), and every one is there."""
+        weight: its parts' local extents one after another), and every one is there; then
+        the slices each link reads and writes here, kept for every ``sync()``."""
         assert plan.mapping is not None
-        have = local_tensors(self.rollout)
         for name in dict.fromkeys(link.rollout for link in plan.mapping.links.values()):
             want = plan.mapping.buffer_shape(name, me)
             if want is None:
@@ -224,6 +226,17 @@ class WeightSync:
                     f"rank {me}: rollout tensor {name!r} has local shape {tuple(have[name].shape)}, but its "
                     f"layout gives this rank {want}; check rollout_weights / the rollout's placements"
                 )
+
+        self._slices = [
+            (
+                link.name,
+                link.source,
+                None if (a := link.src_local(me)) is None else slices(a),
+                link.rollout,
+                None if (b := link.dst_local(me)) is None else slices(b),
+            )
+            for link in plan.mapping.links.values()
+        ]
 
     def _build_groups(self) -> None:
         assert self.plan is not None
@@ -239,12 +252,9 @@ class WeightSync:
             )
         self.group_builds += 1
 
-    def _changed(self) -> bool:
-        """Whether any rank's weights or layouts changed since the plan (one small all-reduce)."""
-        try:
-            mine = self.plan is None or self._state() != self._planned
-        except Exception:  # a broken module: re-plan, where the error is raised on every rank
-            mine = True
+    def _changed(self, mine: bool) -> bool:
+        """Whether any rank's weights or layouts changed since the plan (``mine``: this
+        rank's verdict; one small all-reduce)."""
         status = Status(dist.group.WORLD, self._wait())  # type: ignore[arg-type]
         try:
             changed, _, _ = status.exchange(mine)
@@ -260,20 +270,19 @@ class WeightSync:
         return bool(changed)
 
     # ------------------------------------------------------------------ moving
-    def _views(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def _views(
+        self, trainer: Mapping[str, torch.Tensor], rollout: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Per link, the slice of this rank's trainer shard it reads and of its rollout tensor
-        it writes (views: same storage)."""
-        assert self.plan is not None and self.plan.mapping is not None
-        me = dist.get_rank()
-        trainer, rollout = local_tensors(self.trainer), local_tensors(self.rollout)
+        it writes (views: same storage), from the slices kept with the plan."""
         src: dict[str, torch.Tensor] = {}
         dst: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for link in self.plan.mapping.links.values():
-                if link.source in trainer and (box := link.src_local(me)) is not None:
-                    src[link.name] = trainer[link.source][slices(box)]
-                if link.rollout in rollout and (box := link.dst_local(me)) is not None:
-                    dst[link.name] = rollout[link.rollout][slices(box)]
+            for name, source, src_at, target, dst_at in self._slices:
+                if src_at is not None and source in trainer:
+                    src[name] = trainer[source][src_at]
+                if dst_at is not None and target in rollout:
+                    dst[name] = rollout[target][dst_at]
         return src, dst
 
     def sync(
@@ -302,13 +311,19 @@ class WeightSync:
             raise RuntimeError("this WeightSync was closed")
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise MeshConfigError(f"retries={retries!r} must be an int >= 0")
-        if self._changed():
+        try:
+            state, trainer, rollout = self._read()
+            mine = self.plan is None or state != self._planned
+        except Exception:  # a broken module: re-plan, where the error is raised on every rank
+            mine, trainer, rollout = True, {}, {}
+        if self._changed(mine):
             self._build()
+            _, trainer, rollout = self._read()
         for attempt in range(retries + 1):
             if self.groups is None:  # the last transfer broke them
                 with collective_call("WeightSync"):
                     self._build_groups()
-            src, dst = self._views()
+            src, dst = self._views(trainer, rollout)
             try:
                 report = execute(
                     self.plan,  # type: ignore[arg-type]

@@ -31,38 +31,43 @@ def _items(obj: Tensors) -> list[tuple[str, Any]]:
     raise TypeError(f"expected an nn.Module, a mapping name -> tensor or None, got {type(obj).__name__}")
 
 
+def read(obj: Tensors) -> tuple[tuple[object, ...], dict[str, torch.Tensor]]:
+    """One pass over ``obj``: what a plan depends on (see :func:`describe`) and its local
+    tensors (see :func:`local_tensors`)."""
+    meshes: dict[int, tuple[object, ...]] = {}
+    described: list[object] = []
+    tensors: dict[str, torch.Tensor] = {}
+    with torch.no_grad():  # to_local() without autograd bookkeeping; detach() keeps the storage
+        for name, t in _items(obj):
+            if isinstance(t, DTensor):
+                mesh = t.device_mesh
+                if id(mesh) not in meshes:  # a mesh is shared by many parameters
+                    meshes[id(mesh)] = (mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()), mesh)
+                local = t.to_local()
+                key = meshes[id(mesh)][:2]
+                described.append(
+                    (name, tuple(t.shape), t.dtype, tuple(local.shape), tuple(t.placements), key)
+                )
+            elif isinstance(t, torch.Tensor):
+                local = t
+                described.append((name, tuple(t.shape), t.dtype))
+            else:
+                raise TypeError(f"{name!r} must be a tensor, got {type(t).__name__}")
+            tensors[name] = local.detach()
+    return tuple(described), tensors
+
+
 def local_tensors(obj: Tensors) -> dict[str, torch.Tensor]:
     """``{name: local tensor}`` (a DTensor's local shard), detached: same storage, so writing
     it writes the parameter."""
-    out = {}
-    for name, t in _items(obj):
-        if isinstance(t, DTensor):
-            t = t.to_local()
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name!r} must be a tensor, got {type(t).__name__}")
-        out[name] = t.detach()
-    return out
+    return read(obj)[1]
 
 
 def describe(obj: Tensors) -> tuple[object, ...]:
-    """What a plan depends on, per tensor: name, shape, dtype, local shape, and for a DTensor
-    its placements and mesh (dim names and ranks). Local: compared with this rank's earlier
-    value only."""
-    meshes: dict[int, tuple[object, ...]] = {}
-    out: list[object] = []
-    for name, t in _items(obj):
-        if isinstance(t, DTensor):
-            mesh = t.device_mesh
-            if id(mesh) not in meshes:  # a mesh is shared by many parameters
-                meshes[id(mesh)] = (mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()), mesh)
-            local = t.to_local()
-            key = meshes[id(mesh)][:2]
-            out.append((name, tuple(t.shape), t.dtype, tuple(local.shape), tuple(t.placements), key))
-        elif isinstance(t, torch.Tensor):
-            out.append((name, tuple(t.shape), t.dtype))
-        else:
-            out.append((name, type(t).__name__))
-    return tuple(out)
+    """What a plan depends on, per tensor: name, shape, dtype, and for a DTensor its local
+    shape, placements and mesh (dim names and ranks). Local: compared with this rank's earlier
+    value only (no data is read)."""
+    return read(obj)[0]
 
 
 def slices(box: Box) -> tuple[slice, ...]:
@@ -81,4 +86,4 @@ def merge(parts: Sequence[Sequence[Weight]], side: str) -> list[Weight]:
     return list(merged.values())
 
 
-__all__ = ["Tensors", "describe", "local_tensors", "merge", "slices"]
+__all__ = ["Tensors", "describe", "local_tensors", "merge", "read", "slices"]
