@@ -252,10 +252,14 @@ class WeightSync:
             )
         self.group_builds += 1
 
-    def _changed(self, mine: bool) -> bool:
+    def _changed(self, mine: bool, timeout: timedelta | float | None) -> bool:
         """Whether any rank's weights or layouts changed since the plan (``mine``: this
-        rank's verdict; one small all-reduce)."""
-        status = Status(dist.group.WORLD, self._wait())  # type: ignore[arg-type]
+        rank's verdict; one small all-reduce, bounded by ``timeout``)."""
+        try:
+            wait = as_timedelta(timeout, self._wait())
+        except (TypeError, ValueError):  # execute refuses it next, on every rank alike
+            wait = self._wait()
+        status = Status(dist.group.WORLD, wait)  # type: ignore[arg-type]
         try:
             changed, _, _ = status.exchange(mine)
         except Exception as exc:
@@ -316,7 +320,7 @@ class WeightSync:
             mine = self.plan is None or state != self._planned
         except Exception:  # a broken module: re-plan, where the error is raised on every rank
             mine, trainer, rollout = True, {}, {}
-        if self._changed(mine):
+        if self._changed(mine, timeout):
             self._build()
             _, trainer, rollout = self._read()
         for attempt in range(retries + 1):
