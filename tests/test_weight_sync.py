@@ -293,6 +293,17 @@ def _colocated(rank, out):
             dist.batch_isend_irecv = real
         assert (ws.plans, ws.group_builds, ws.syncs) == (1, 3, 4), ws
         checked += _check(bufs, full, tp_rank, "retried", rank)
+
+        # a new rollout layout (dims in the other order: tp pairs ranks 0-4, 1-5, ...), assigned
+        # on every rank: the next sync() plans again and builds new groups
+        moved = Layout(tp=2, dp=4)
+        assert moved.coords(4)["tp"] == 1 and rollout.coords(4)["tp"] == 0
+        ws.rollout_layout = moved
+        train_step(model, optimizer, 4)
+        full = _everyone(full_weights(model))
+        ws.sync()
+        assert (ws.plans, ws.group_builds, ws.syncs) == (2, 4, 5), ws
+        checked += _check(bufs, full, moved.coords(rank)["tp"], "new layout", rank)
         ws.close()
     out["colocated_checked"] = checked
     out["colocated_copied"] = copied
@@ -360,8 +371,8 @@ def test_weight_sync_world8():
     # disjoint: 4 rollout ranks, 3 syncs + the re-planned one; every element of each
     assert sum(r["disjoint_checked"] for r in results) == 4 * 4 * per_tp_rank
     assert sum(r["disjoint_sent"] for r in results[:4]) > 0
-    # colocated: 8 rollout ranks, 4 checks each
-    assert sum(r["colocated_checked"] for r in results) == 8 * 4 * per_tp_rank
+    # colocated: 8 rollout ranks, 5 checks each
+    assert sum(r["colocated_checked"] for r in results) == 8 * 5 * per_tp_rank
     assert sum(r["colocated_copied"] for r in results) > 0  # colocated: some slices copied locally
 
 
