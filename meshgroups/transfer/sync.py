@@ -203,6 +203,7 @@ class WeightSync:
                 allow_unused=self.allow_unused,
             )
             self._check_buffers(plan, me, rollout_local)
+            self._keep_slices(plan, me)
             self.plans += 1
             self.plan = plan
             self._build_groups()  # joins this call: a failure above reaches every rank there
@@ -210,8 +211,7 @@ class WeightSync:
 
     def _check_buffers(self, plan: Plan, me: int, have: Mapping[str, torch.Tensor]) -> None:
         """Each rollout tensor this rank holds has the local shape the plan writes (for a fused
-        weight: its parts' local extents one after another), and every one is there; then
-        the slices each link reads and writes here, kept for every ``sync()``."""
+        weight: its parts' local extents one after another), and every one is there."""
         assert plan.mapping is not None
         for name in dict.fromkeys(link.rollout for link in plan.mapping.links.values()):
             want = plan.mapping.buffer_shape(name, me)
@@ -227,6 +227,10 @@ class WeightSync:
                     f"layout gives this rank {want}; check rollout_weights / the rollout's placements"
                 )
 
+    def _keep_slices(self, plan: Plan, me: int) -> None:
+        """The slices of this rank's local tensors each link reads and writes, kept for every
+        ``sync()`` (they depend on the plan only)."""
+        assert plan.mapping is not None
         self._slices = [
             (
                 link.name,
