@@ -20,6 +20,12 @@ group (or ``group=``). Any failure on any rank — a bad input, a failed or time
 exception from ``progress`` — becomes a ``TransferError`` on every rank, naming the rank and its
 reason; weights are reported done only once every rank has them complete.
 
+**Casting.** When a plan pairs a source weight with a destination of another dtype (a mapped
+plan with ``cast=``, see ``plan_transfer``), the sender casts each slice to the destination's
+dtype once, into its staging buffer, before it is sent (fp32 → bf16: half the bytes on the
+link); forwards inside a node resend the cast bytes; a local copy casts as it copies. Every
+element equals ``tensor.to(dtype)`` bit for bit (tested).
+
 **Retrying after a failure in the transfer stage.** A rank may fail while its peers' sends and
 receives are posted (a rank that never posted its part, a timeout). Those operations stay
 pending, and a send or receive that times out takes its communicator down (gloo closes every
@@ -152,6 +158,12 @@ class _Local:
         t, own = self.tensors[(side, w)]
         return t[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(box, own))]
 
+    def wire(self, w: int) -> torch.dtype | None:
+        """The dtype weight ``w`` crosses links in when it differs from the source's (the
+        destination's: a mapped plan with a cast), else ``None``."""
+        src, dst = self.pairs[w]
+        return None if src.dtype == dst.dtype else getattr(torch, dst.dtype)
+
 
 def _digest(pairs: Sequence[tuple[Weight, Weight]], src: Layout, dst: Layout, extra: object) -> int:
     text = repr(([(s, d) for s, d in pairs], src.fingerprint(), dst.fingerprint(), extra))
@@ -170,12 +182,16 @@ class _Step:
     landing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (staging, dst view)
 
 
-def _contiguous(view: torch.Tensor, fills: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """``view`` itself when contiguous, else a staging buffer filled from it when the step runs
-    (a forward's view is written at step 0, after this is prepared)."""
-    if view.is_contiguous():
+def _staged(
+    view: torch.Tensor, fills: list[tuple[torch.Tensor, torch.Tensor]], wire: torch.dtype | None = None
+) -> torch.Tensor:
+    """``view`` itself when contiguous and already in the ``wire`` dtype, else a staging buffer
+    filled from it when the step runs (a forward's view is written at step 0, after this is
+    prepared). A cast happens here, once, at the sender: ``copy_`` into a ``wire`` buffer is
+    ``view.to(wire)`` bit for bit, and only the cast bytes cross the link."""
+    if view.is_contiguous() and (wire is None or wire == view.dtype):
         return view
-    staging = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+    staging = torch.empty(view.shape, dtype=wire or view.dtype, device=view.device)
     fills.append((staging, view))
     return staging
 
@@ -195,12 +211,16 @@ def _prepare(parts: Sequence[Part], local: _Local, groups: TransferGroups | None
         if ranks is None and p.src != p.dst and groups is not None and groups.p2p is None:
             raise MeshConfigError(f"rank {me} is outside the TransferGroups' point-to-point group")
         if p.src == me and p.dst == me:
+            # copy_ casts as .to() does when the plan's dtypes differ (colocated: no link)
             step.copies.append((local.view("dst", p.w, p.box), local.view("src", p.w, p.box)))
             report.bytes_copied += p.nbytes
         elif p.src == me:
             if (p.w, p.box) not in staged:  # a forward (step 1) re-sends what step 0 wrote
-                view = local.view("src" if p.step == 0 else "dst", p.w, p.box)
-                staged[(p.w, p.box)] = _contiguous(view, step.fills)
+                if p.step == 0:  # from the source shard, cast to the wire dtype here
+                    view, wire = local.view("src", p.w, p.box), local.wire(p.w)
+                else:  # from the destination buffer, already in the wire dtype
+                    view, wire = local.view("dst", p.w, p.box), None
+                staged[(p.w, p.box)] = _staged(view, step.fills, wire)
             report.bytes_sent += p.nbytes
             if ranks is None:
                 step.p2p.append((True, staged[(p.w, p.box)], p.dst))
