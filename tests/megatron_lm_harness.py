@@ -76,6 +76,8 @@ def _rank_outcomes(path: Path) -> tuple[dict[str, tuple[str, str]], list[str], b
             collect_errors.append(f"{nodeid}: {message}")
         elif what == "end":
             ended = True
+        elif what == "deselected":
+            outcomes[nodeid] = ("deselected", "")
         elif outcome == "failed" or outcomes.get(nodeid, ("",))[0] != "failed":
             outcomes[nodeid] = (outcome, message)
     return outcomes, collect_errors, ended
@@ -96,8 +98,10 @@ def _merge(ranks: list[dict[str, tuple[str, str]]]) -> FileResult:
     result = FileResult()
     for nodeid in dict.fromkeys(n for r in ranks for n in r):
         got = [r.get(nodeid, ("missing", "rank ended before this test")) for r in ranks]
-        failed = [m for o, m in got if o not in ("passed", "skipped")]
-        if failed:
+        failed = [m for o, m in got if o not in ("passed", "skipped", "deselected")]
+        if all(o == "deselected" for o, _ in got):
+            result.verdicts[nodeid] = "deselected"
+        elif failed:
             primary = [m for m in failed if not any(s in m.lower() for s in _SECONDARY)]
             result.verdicts[nodeid] = "failed"
             result.reasons[nodeid] = (primary or failed)[0]
@@ -129,6 +133,7 @@ def run_files(dest: Path, test_files: list[str], mode: str, args: argparse.Names
             MESHGROUPS_MODE=mode,
             MESHGROUPS_RESULTS=str(results),
             MEGATRON_LM_PG_TIMEOUT=str(args.pg_timeout),
+            MEGATRON_LM_MAX_PARAMS=str(args.max_params),
             CUDA_VISIBLE_DEVICES="",
         )
         cmd = [
@@ -165,17 +170,22 @@ def run_files(dest: Path, test_files: list[str], mode: str, args: argparse.Names
 
 
 def table(files: list[str], results: dict[str, dict[str, FileResult]], modes: Iterable[str]) -> str:
-    """The Markdown table: per file, tests, skipped, and tests passed per mode."""
+    """The Markdown table: per file, tests run, skipped, tests passed per mode, tests not run
+    (``--max-params``)."""
     modes = list(modes)
-    lines = ["| file | tests | skipped | " + " | ".join(f"pass on {m}" for m in modes) + " |"]
-    lines.append("|---" * (3 + len(modes)) + "|")
+    lines = ["| file | tests run | skipped | " + " | ".join(f"pass on {m}" for m in modes) + " | not run |"]
+    lines.append("|---" * (4 + len(modes)) + "|")
     for f in files:
         by_mode = results[f]
         first = by_mode[modes[0]]
-        tests = max(len(r.verdicts) for r in by_mode.values())
+        tests = max(len(r.verdicts) - r.count("deselected") for r in by_mode.values())
         name = f.removeprefix("tests/unit_tests/")
         cells = [str(by_mode[m].count("passed")) for m in modes]
-        lines.append(f"| {name} | {tests} | {first.count('skipped')} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {name} | {tests} | {first.count('skipped')} | "
+            + " | ".join(cells)
+            + f" | {first.count('deselected')} |"
+        )
     return "\n".join(lines)
 
 
@@ -217,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pg-timeout", type=float, default=180, help="seconds: the default group's timeout")
     parser.add_argument(
         "--together", action="store_true", help="all files in one pytest session per mode (one start-up)"
+    )
+    parser.add_argument(
+        "--max-params",
+        type=int,
+        default=0,
+        help="run N parametrizations per test function, evenly spread (0: all)",
     )
     parser.add_argument("--keep", help="extract into this directory and keep the logs")
     parser.add_argument("--rewrites", action="store_true", help="print the source rewrites and exit")

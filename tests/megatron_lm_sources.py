@@ -194,6 +194,28 @@ def pytest_collectreport(report):
         _line("collect", report.nodeid, "failed", str(report.longrepr).strip().splitlines()[-1][:300])
 
 
+def pytest_collection_modifyitems(config, items):
+    """--max-params N: keep N parametrizations of each test function, evenly spread over its
+    list (first and last included), for a time budget; the others are deselected and counted."""
+    limit = int(os.environ.get("MEGATRON_LM_MAX_PARAMS", "0"))
+    if limit <= 0:
+        return
+    by_function = {}
+    for item in items:
+        by_function.setdefault(item.nodeid.split("[")[0], []).append(item)
+    keep = set()
+    for group in by_function.values():
+        n = len(group)
+        picked = {0} if limit == 1 else {round(i * (n - 1) / (limit - 1)) for i in range(min(limit, n))}
+        keep.update(id(group[i]) for i in picked)
+    dropped = [item for item in items if id(item) not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if id(item) in keep]
+        for item in dropped:
+            _line("deselected", item.nodeid, "", "")
+
+
 def pytest_sessionfinish(session, exitstatus):
     _line("end", "", exitstatus, "")
 '''
