@@ -113,6 +113,40 @@ def _merge(ranks: list[dict[str, tuple[str, str]]]) -> FileResult:
     return result
 
 
+# Seconds a rank may take to exit once its pytest session has ended; megatron-core leaves threads
+# running on CPU in some failures, and the process then never exits by itself.
+EXIT_GRACE = 60.0
+
+
+def _wait(procs: list, results: list[Path], args: argparse.Namespace, n_files: int) -> tuple[bool, list[int]]:
+    """Wait for every rank, killing those past ``--file-timeout`` (per file) and those that
+    outlive their session by ``EXIT_GRACE``; returns (any killed by the timeout, ranks stuck at exit)."""
+    deadline, killed, stuck = time.monotonic() + args.file_timeout * n_files, False, []
+    ended_at: dict[int, float] = {}
+    while any(proc.poll() is None for proc, _ in procs):
+        now = time.monotonic()
+        for rank, (proc, _) in enumerate(procs):
+            if proc.poll() is not None:
+                continue
+            if (
+                rank not in ended_at
+                and results[rank].exists()
+                and "\nend\t" in "\n" + results[rank].read_text()
+            ):
+                ended_at[rank] = now
+            if now > deadline or now - ended_at.get(rank, now) > EXIT_GRACE:
+                proc.kill()
+                proc.wait()
+                if rank in ended_at:
+                    stuck.append(rank)
+                else:
+                    killed = True
+        time.sleep(1.0)
+    for _, log in procs:
+        log.close()
+    return killed, stuck
+
+
 def run_files(dest: Path, test_files: list[str], mode: str, args: argparse.Namespace) -> FileResult:
     """``test_files`` in one pytest session on ``args.world`` processes in ``mode``; the merged
     verdicts (``--file-timeout`` bounds the session)."""
@@ -148,18 +182,15 @@ def run_files(dest: Path, test_files: list[str], mode: str, args: argparse.Names
         cmd += ["--timeout", str(args.test_timeout), *test_files]
         log = open(out / f"rank{rank}.log", "w")  # closed below, after the process ends
         procs.append((subprocess.Popen(cmd, cwd=dest, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    deadline, killed = time.monotonic() + args.file_timeout * len(test_files), False
-    for proc, log in procs:
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            killed = True
-        log.close()
+    killed, stuck = _wait(procs, [out / f"rank{r}.tsv" for r in range(args.world)], args, len(test_files))
     parsed = [_rank_outcomes(out / f"rank{rank}.tsv") for rank in range(args.world)]
     result = _merge([p[0] for p in parsed])
     result.notes += sorted({e for p in parsed for e in p[1]})
+    if stuck:
+        result.notes.append(
+            f"ranks {stuck} did not exit within {EXIT_GRACE:.0f}s of their session's end (threads left "
+            "running): killed"
+        )
     if killed:
         ended = sum(p[2] for p in parsed)
         result.notes.append(
@@ -251,10 +282,11 @@ def main(argv: list[str] | None = None) -> int:
             for f in batch:
                 results[f][m] = r = merged.only(f)
                 print(
-                    f"{m:>13} {f}: {len(r.verdicts)} tests, {r.count('passed')} passed, {r.count('failed')} "
-                    f"failed, {r.count('skipped')} skipped ({time.monotonic() - start:.0f}s)",
+                    f"{m:>13} {f}: {len(r.verdicts) - r.count('deselected')} tests, {r.count('passed')} passed, "
+                    f"{r.count('failed')} failed, {r.count('skipped')} skipped",
                     flush=True,
                 )
+            print(f"{m:>13} ({len(batch)} file(s) in {time.monotonic() - start:.0f}s)", flush=True)
     print(f"\n{table(files, results, modes)}\n\n{details(files, results, modes)}\n(logs: {dest}/results)")
     gap = set(modes) == set(MODES) and any(
         v == "passed" and results[f]["compat"].verdicts.get(n) != "passed"
