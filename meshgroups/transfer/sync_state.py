@@ -71,6 +71,7 @@ def describe(obj: Tensors) -> tuple[object, ...]:
 
 
 def slices(box: Box) -> tuple[slice, ...]:
+    """``box`` (``(start, stop)`` per axis) as the index that cuts it out of a tensor."""
     return tuple(slice(a, b) for a, b in box)
 
 
