@@ -112,7 +112,8 @@ class Elastic:
         self._commits = 0
         self.members: tuple[int, ...] = tuple(sorted(layout.grid.ravel().tolist()))
         self.verdicts: list[Verdict] = []
-        self.grown: tuple[int, ...] = ()  # the replica indices the last grow() added
+        # the replica indices whose state must be filled after the last grow() / substitute()
+        self.grown: tuple[int, ...] = ()
         self._beat = Heartbeat(self.store, self.rank, heartbeat)
         self.cache = GroupCache()
         self.cohort = Cohort(tuple(sorted({*self.members, *self.spares})), 0)
@@ -227,11 +228,18 @@ class Elastic:
         self.cohort = Cohort(ranks, self.epoch)
         set_cohort(self.cohort)
         old_world = self._world
-        with collective_call("Elastic.rebuild") as call:  # one call: the mesh and the world group
-            if site is not None:
-                call.site_key = call.site = site
-            self.mg = rebuild(self.mg, layout, options=self.options, cache=self.cache)
-            self._world = self._world_mesh(ranks)
+        try:
+            with collective_call("Elastic.rebuild") as call:  # one call: the mesh and the world group
+                if site is not None:
+                    call.site_key = call.site = site
+                mg = rebuild(self.mg, layout, options=self.options, cache=self.cache)
+                self.mg = mg
+                self._world = self._world_mesh(ranks)
+        except Exception as exc:
+            # A rank failed (or died) during the recovery itself: a verdict over this attempt's
+            # ranks, then the same RanksLost everywhere; the old mesh is still open, so a
+            # retry (shrink() again) starts from it.
+            raise self._fail(exc) from exc
         if old_world is not None:
             old_world.close()
         self.cohort.group = self.group
@@ -244,6 +252,17 @@ class Elastic:
         gone = set(lost if lost is not None else (self.verdicts[-1].lost if self.verdicts else ()))
         return self.rebuild(shrink_layout(self.layout, self.dim, gone))
 
+    def substitute(self, lost: Iterable[int] | None = None, node: int | None = None) -> MeshGroups | None:
+        """Put spares in the places of the lost ranks (default: the last verdict's), keeping the
+        layout's shape; with ``node`` (ranks per node) a whole spare node replaces each node that
+        lost a rank, and that node's live ranks leave (they become spares), so node-local dims
+        stay node-local. Collective over the new layout's ranks, the admitted spares joining
+        through ``standby()``; returns the mesh (``None`` on a rank that left)."""
+        gone = sorted(set(lost if lost is not None else (self.verdicts[-1].lost if self.verdicts else ())))
+        layout, admitted = substitute_layout(self.layout, gone, self.spares, node)
+        self.grown = tuple(sorted({layout.coords(r)[self.dim] for r in admitted}))
+        return self._admit_spares(layout, admitted)
+
     def grow(self, ranks: Sequence[int]) -> MeshGroups:
         """Admit ``ranks`` (spares in ``standby()``) as new replicas along ``dim`` (each replica's
         ranks fill it in row-major order) and rebuild over everyone; collective over the
@@ -254,16 +273,22 @@ class Elastic:
             raise MeshConfigError(f"ranks {missing} are not spares of this job (spares: {list(self.spares)})")
         layout = grow_layout(self.layout, self.dim, admitted)
         self.grown = tuple(range(self.layout.size(self.dim), layout.size(self.dim)))
+        mg = self._admit_spares(layout, admitted)
+        assert mg is not None
+        return mg
+
+    def _admit_spares(self, layout: Layout, admitted: Sequence[int]) -> MeshGroups | None:
+        """Tell the admitted spares (in ``standby()``) the new layout, then rebuild over it."""
         self.epoch += 1
         self._commits = 0
         if self.rank == self.members[0]:
-            spares = sorted(set(self.spares) - set(admitted))
+            spares = sorted((set(self.spares) | set(self.members)) - set(layout.grid.ravel().tolist()))
             record = json.dumps(
                 {"epoch": self.epoch, "layout": layout.to_dict(), "spares": spares, "grown": self.grown}
             )
             for r in admitted:
                 self.store.set(f"{KEY}/admit/{r}", record)
-        return self._admit(layout)
+        return self.rebuild(layout, site="Elastic.grow / Elastic.standby")
 
     def standby(self, timeout: float | None = None) -> MeshGroups:
         """On a spare: wait (``timeout`` seconds, default forever) until ``grow`` admits this
@@ -282,9 +307,6 @@ class Elastic:
         self.grown = tuple(record["grown"])
         layout = Layout.from_dict(record["layout"])
         self.members = tuple(r for r in sorted(layout.grid.ravel().tolist()) if r != self.rank)
-        return self._admit(layout)
-
-    def _admit(self, layout: Layout) -> MeshGroups:
         mg = self.rebuild(layout, site="Elastic.grow / Elastic.standby")
         assert mg is not None
         return mg
@@ -324,6 +346,41 @@ def shrink_layout(layout: Layout, dim: str, lost: set[int]) -> Layout:
     return layout.select(dim, kept) if hit else layout
 
 
+def substitute_layout(
+    layout: Layout, lost: Sequence[int], spares: Sequence[int], node: int | None = None
+) -> tuple[Layout, list[int]]:
+    """``layout`` with spares at the lost ranks' places, and the spares used. Without ``node``
+    the sorted lost ranks take the spares in order; with it, every node (``rank // node``)
+    holding a lost rank is replaced by a whole spare node (``r -> base + r % node``)."""
+    grid = layout.grid.copy()
+    if node is None:
+        out = sorted(r for r in lost if r in layout)
+        if len(spares) < len(out):
+            raise MeshConfigError(f"{len(out)} lost ranks {out} but only {len(spares)} spares {list(spares)}")
+        mapping = dict(zip(out, spares))
+    else:
+        hit = sorted({r // node for r in lost if r in layout})
+        free = sorted(
+            {
+                s // node
+                for s in spares
+                if all(s2 in spares for s2 in range(s // node * node, s // node * node + node))
+            }
+        )
+        if len(free) < len(hit):
+            raise MeshConfigError(
+                f"nodes {hit} lost a rank but only {len(free)} whole spare nodes are free ({free})"
+            )
+        mapping = {n * node + i: f * node + i for n, f in zip(hit, free) for i in range(node)}
+    flat = grid.ravel()
+    for i, r in enumerate(flat.tolist()):
+        if r in mapping:
+            flat[i] = mapping[r]
+    return Layout.from_grid(flat.reshape(grid.shape), layout.names), sorted(
+        v for k, v in mapping.items() if k in layout
+    )
+
+
 def grow_layout(layout: Layout, dim: str, ranks: Sequence[int]) -> Layout:
     """``layout`` with new indices of ``dim`` after the last, ``ranks`` filling each new replica in
     row-major order of the other dims."""
@@ -336,4 +393,4 @@ def grow_layout(layout: Layout, dim: str, ranks: Sequence[int]) -> Layout:
     return Layout.from_grid(np.moveaxis(np.concatenate([grid, extra]), 0, axis), layout.names)
 
 
-__all__ = ["Elastic", "grow_layout", "shrink_layout"]
+__all__ = ["Elastic", "grow_layout", "shrink_layout", "substitute_layout"]

@@ -136,3 +136,110 @@ def test_lose_a_rank_shrink_keep_training_and_heal():
         assert results[r]["lost"] == (5,)
     for r in (4, 6, 7, 8):
         assert results[r]["received"] > 0
+
+
+def worker_scenarios(rank, world, port):
+    """dp_replicate=3 × tp=2 on ranks 0-5, one replica per node of 2 ranks, spare node 6-7.
+    1. rank 0 dies (the store is this test's, not rank 0's): the spare node replaces node 0-1;
+    2. rank 3 dies in the next step (two failures in a row): shrink; 3. rank 5 dies during that
+    recovery: one verdict, and the retried shrink works; training goes on every time."""
+    from meshgroups import RanksLost
+    from meshgroups.heal import fill_replicas, training_state
+
+    connect(rank, world, port, scaled(60))
+    out = {"lost": []}
+    layout = Layout(dp_replicate=3, dp_shard=1, tp=2)
+    el = _elastic(layout, spares=(6, 7))
+    mg = el.mg if not el.is_spare else el.standby(timeout=scaled(200))
+    step = 0
+
+    def guarded(model, opt, die_rank=None):
+        nonlocal step
+        step += 1
+        started = time.monotonic()
+        try:
+            with el.step():
+                train_step(model, opt, el.layout, rank, step, die_rank=die_rank, el=el)
+            return None
+        except RanksLost as exc:
+            assert time.monotonic() - started < el.verdict_timeout + scaled(T), exc
+            out["lost"].append(exc.lost)
+            return exc
+
+    def fresh(mg, fill=True):
+        model, opt = build(mg)
+        if snap is not None and rank in snap_owner:
+            load(model, opt, snap)
+        else:
+            from meshgroups.heal import init_optimizer_state
+
+            init_optimizer_state(model, opt)
+        if fill:
+            fill_replicas(el.layout, "dp_replicate", el.grown, training_state(model, opt))
+        return model, opt
+
+    snap, snap_owner = None, ()
+    if rank in (6, 7):  # admitted by the substitution below
+        model, opt = fresh(mg)
+    else:
+        model, opt = build(mg)
+        assert guarded(model, opt) is None
+        before = {"tp": mg.group("tp")}
+        assert isinstance(guarded(model, opt, die_rank=0), RanksLost)
+        snap, snap_owner = snapshot(model, opt), (2, 3, 4, 5)
+        del model, opt
+        mg = el.substitute(node=2)
+        if mg is None:  # rank 1: its node was replaced
+            assert rank == 1 and el.is_spare
+            el.close()
+            return out
+        out["kept_tp"] = mg.group("tp") is before["tp"]
+        model, opt = fresh(mg)
+    assert el.layout.grid.ravel().tolist() == [6, 7, 2, 3, 4, 5]
+    same = replicas_equal(snapshot(model, opt), mg.group("dp_replicate"))
+    assert same is True, same
+    # 2. Two failures in a row: rank 3 dies mid-step; 3. rank 5 dies during the shrink.
+    assert isinstance(guarded(model, opt, die_rank=3), RanksLost)
+    snap, snap_owner = snapshot(model, opt), (4, 5, 6, 7)
+    del model, opt
+    if rank == 5:
+        import os
+
+        import meshgroups.recover
+
+        meshgroups.recover._retire_out_of_step = lambda *a, **k: os._exit(0)
+    try:
+        mg = el.shrink()
+    except RanksLost as exc:  # the recovery itself failed: one verdict, then the retry
+        out["lost"].append(exc.lost)
+        mg = el.shrink()
+    else:  # rank 2: its replica was dropped before the rebuild; it is a spare and leaves
+        assert rank == 2 and mg is None and el.is_spare, (rank, mg)
+        el.close()
+        return out
+    if mg is None:
+        assert rank == 4 and el.is_spare
+        el.close()
+        return out
+    assert el.layout.grid.ravel().tolist() == [6, 7]
+    model, opt = build(mg)
+    load(model, opt, snap)
+    assert guarded(model, opt) is None
+    out["epoch"] = el.epoch
+    el.close()
+    return out
+
+
+def test_rank0_lost_node_substituted_two_failures_and_a_failure_during_recovery():
+    store = _host_store()
+    results = run(
+        worker_scenarios, 8, store.port, backend=None, may_exit={0, 3, 5}, timeout=400, port_retries=0
+    )
+    assert [results[r] for r in (0, 3, 5)] == [None] * 3
+    for r in (2, 4):
+        assert results[r]["lost"][0] == (0,) and results[r]["kept_tp"]
+    assert results[2]["lost"] == [(0,), (3,)]
+    for r in (6, 7):
+        assert results[r]["lost"] == [(3,), (5,)], results[r]
+    assert results[4]["lost"] == [(0,), (3,), (5,)]
+    assert results[1]["lost"] == [(0,)]
