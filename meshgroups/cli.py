@@ -7,6 +7,7 @@
     python -m meshgroups place pp=4 dp=8 cp=2 tp=8 --topology node=8,domain=32 --fast-first tp,cp
     python -m meshgroups plot pp=2 dp=2 cp=1 tp=4 -o layout.png --color-by tp
     python -m meshgroups demo pp=2 dp=2 cp=1 tp=2          # spawns the 8 processes it needs
+    python -m meshgroups shrink --layout pp=2,dp=4,tp=8 --lost 13,14 --node 8   # also grow
 
 Dims are ``name=size`` words, outermost first (or in ``--order``, Megatron's fastest-first
 order), anywhere among the options; one size may be ``-1`` with ``--world-size``. A dim name
@@ -396,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ._cli_transfer import register as register_transfer  # weight transfer: its own module
 
     parser.get_default("commands")["transfer"] = register_transfer(sub)
+    from ._cli_elastic import register as register_elastic  # recovery plans: their own module
+
+    parser.get_default("commands").update(register_elastic(sub))
     return parser
 
 

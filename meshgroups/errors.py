@@ -21,6 +21,11 @@ class LayoutError(ValueError):
     """A layout, or an argument about a layout, breaks a rule (size, name, rank, index)."""
 
 
+class RecoveryError(LayoutError):
+    """A recovery plan (``meshgroups.elastic``) cannot be made from these arguments: the lost
+    ranks hit every replica, a rank is not in the layout, too few spares, an unknown dim, ..."""
+
+
 class MeshConfigError(ValueError):
     """An ``init_mesh`` argument is invalid on this rank (found before any collective)."""
 
@@ -138,6 +143,7 @@ __all__ = [
     "MeshConfigError",
     "MismatchError",
     "RanksLost",
+    "RecoveryError",
     "RendezvousTimeout",
     "StepFailed",
     "StoreConnectionError",

@@ -7,7 +7,7 @@ dim set), node boundaries, one rank's group outlined. matplotlib is an optional 
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,7 +21,7 @@ from ._render_grid import (
     _row_label,
     _window_note,
 )
-from .checks import MAX_RANK
+from .checks import MAX_RANK, is_int, short_repr
 from .layout import Layout
 
 if TYPE_CHECKING:
@@ -36,12 +36,17 @@ def plot(
     highlight_rank: int | None = None,
     max_cells: int = 1024,
     ax: Any = None,
+    marked: Mapping[str, Iterable[int]] | None = None,
 ) -> Figure:
     """A matplotlib figure of the grid: one cell per rank (labelled when there are at most 512
     cells), coloured by the groups of ``color_by``, node boundaries as thick lines,
     ``highlight_rank``'s group outlined. Worlds beyond ``max_cells`` ranks show a window, their
     first ``max_cells`` ranks (the title says so), so a 16k-rank layout draws in about a second;
-    grids wider than ``MAX_COLUMNS`` show their first columns (``pp=2 tp=4096``: 64 columns)."""
+    grids wider than ``MAX_COLUMNS`` show their first columns (``pp=2 tp=4096``: 64 columns).
+
+    ``marked`` draws a symbol on the cells of some ranks, one symbol per label with a legend
+    under the grid, e.g. ``{"lost": [13, 14], "spare": [40, 41]}`` (at most five labels), as the
+    recovery-plan notebook marks lost ranks and spares."""
     if ax is not None and not hasattr(ax, "imshow"):
         raise TypeError(f"ax must be a matplotlib Axes, got {type(ax).__name__}")
     try:
@@ -82,6 +87,8 @@ def plot(
         members = gids == _group_index(layout, dims, highlight_rank)
         for r, c in zip(*np.nonzero(members)):
             ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2))
+    if marked:
+        _mark(ax, rows, marked)
     col_step = max(1, cols // 32)  # at most ~32 labels per axis, like the rows
     ax.set_xticks(
         range(0, cols, col_step), [f"{layout.names[-1]}={c}" for c in range(0, cols, col_step)], fontsize=7
@@ -101,3 +108,31 @@ def plot(
     ax.set_title("\n".join(textwrap.fill(line, chars) for line in title.split("\n")), fontsize=9)
     fig.tight_layout()
     return fig
+
+
+#: (marker, colour) per label of ``plot(marked=...)``, in order.
+MARKS = (("x", "red"), ("o", "darkorange"), ("s", "blue"), ("^", "green"), ("D", "purple"))
+
+
+def _mark(ax: Any, rows: np.ndarray, marked: Mapping[str, Iterable[int]]) -> None:
+    if not isinstance(marked, Mapping) or len(marked) > len(MARKS):
+        raise TypeError(f"marked maps at most {len(MARKS)} labels to ranks, got {short_repr(marked)}")
+    for (label, ranks), (marker, colour) in zip(marked.items(), MARKS):
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
+            raise TypeError(f"marked[{label!r}] must be a list of ranks, got {short_repr(ranks)}")
+        wanted = list(ranks)
+        if not all(is_int(r) for r in wanted):
+            raise TypeError(f"marked[{label!r}] must hold int ranks, got {short_repr(wanted)}")
+        r, c = np.nonzero(np.isin(rows, np.array(wanted, dtype=np.int64)))
+        filled = marker == "x"
+        ax.scatter(
+            c,
+            r,
+            marker=marker,
+            s=140,
+            linewidths=2,
+            label=f"{label} ({len(wanted)})",
+            c=colour if filled else "none",
+            edgecolors=None if filled else colour,
+        )
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.06), ncol=len(marked), fontsize=8, frameon=False)

@@ -123,6 +123,20 @@ PARAMETER_SETS = {
             "rank": 999,
         },
     ],
+    "elastic.ipynb": [
+        {},
+        # HSDP x TP on nodes of 4: the replicate dim is dp_replicate; a lost rank takes its node
+        {
+            "sizes": {"pp": 2, "dp_replicate": 3, "dp_shard": 2, "tp": 4},
+            "lost": [9],
+            "ranks_per_node": 4,
+            "rank": 40,
+        },
+        # substitute a spare node for the lost one
+        {"lost": [13], "spares": list(range(64, 72)), "rank": 69},
+        # every replica hit (the notebook substitutes fresh ranks), ranks failing alone, no dp-like name
+        {"sizes": {"a": 2, "b": 3}, "lost": [0, 3, -1], "ranks_per_node": 0, "rank": 4},
+    ],
     "weight_transfer.ipynb": [
         {},
         {
