@@ -26,7 +26,7 @@ def _elastic(layout, spares):
     return Elastic(layout, spares=spares, timeout=scaled(T), heartbeat=scaled(0.2), stale_after=scaled(3))
 
 
-def worker_core(rank, world, port):
+def worker_core(rank, world, port, ckpt):
     """HSDP × TP on ranks 0-7, spare 8. Rank 5 dies mid-step 2; survivors shrink to
     dp_replicate=1, keep training (checked against a reference run), then heal with 4, 6, 7, 8."""
     from meshgroups import GroupCache, RanksLost, init_mesh
@@ -68,11 +68,23 @@ def worker_core(rank, world, port):
     assert created and all(5 not in r for r in created), created
     assert dist.get_process_group_ranks(el.group) == [0, 1, 2, 3]
     # Keep training on dp_replicate=1; a reference run on a fresh mesh from the same state.
+    # The reference's parameters come back through DCP, saved on the new mesh over el.group (the
+    # default group holds the dead rank: DCP gets the survivors' group).
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     runs = {}
     for name in ("recovered", "reference"):
         ref = None if name == "recovered" else init_mesh(el.layout, cache=GroupCache(), strategy="local")
         model, opt = build(mg if ref is None else ref)
         load(model, opt, snap)
+        if ref is None:
+            dcp.save({"model": model.state_dict()}, checkpoint_id=ckpt, process_group=el.group)
+        else:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.to_local().zero_()
+            dcp.load({"model": model.state_dict()}, checkpoint_id=ckpt, process_group=el.group)
         losses = [train_step(model, opt, el.layout, rank, s) for s in (3, 4)]
         runs[name] = (losses, snapshot(model, opt))
         if ref is not None:
@@ -123,9 +135,18 @@ def _host_store():
     )
 
 
-def test_lose_a_rank_shrink_keep_training_and_heal():
+def test_lose_a_rank_shrink_keep_training_and_heal(tmp_path):
     store = _host_store()
-    results = run(worker_core, 9, store.port, backend=None, may_exit={5}, timeout=300, port_retries=0)
+    results = run(
+        worker_core,
+        9,
+        store.port,
+        str(tmp_path / "ckpt"),
+        backend=None,
+        may_exit={5},
+        timeout=300,
+        port_retries=0,
+    )
     assert results[5] is None
     for r in (0, 1, 2, 3):
         assert results[r]["kept"] == {"tp": True, "dp_shard": True}
