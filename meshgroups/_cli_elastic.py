@@ -106,6 +106,25 @@ def ranges(ranks: Sequence[int], limit: int = 0) -> str:
     return ", ".join(runs) or "none"
 
 
+def index_runs(index_map: Sequence[int | None]) -> str:
+    """``(0, 2, 3, None)`` as ``"0<-0, 1-2<-2-3, 3<-new"``: runs of consecutive indices."""
+    runs: list[str] = []
+    i = 0
+    while i < len(index_map):
+        j = i
+        old = index_map[i]
+        while j + 1 < len(index_map) and (
+            (old is None and index_map[j + 1] is None)
+            or (old is not None and index_map[j + 1] == old + j + 1 - i)
+        ):
+            j += 1
+        new = str(i) if i == j else f"{i}-{j}"
+        was = "new" if old is None else str(old) if i == j else f"{old}-{old + j - i}"
+        runs.append(f"{new}<-{was}")
+        i = j + 1
+    return ", ".join(runs)
+
+
 def report(plan: RecoveryPlan, rank: int | None = None, full: bool = False) -> str:
     """The plan as text: layouts, moved ranks, and per family the groups kept/created/gone."""
     lay, limit = plan.layout, 0 if full else SHOWN
@@ -132,9 +151,7 @@ def report(plan: RecoveryPlan, rank: int | None = None, full: bool = False) -> s
         lines.append(f"admitted: {ranges(plan.admitted, limit)}")
     lines.append(f"spares (idle): {ranges(plan.spares, limit)}")
     if plan.index_map:
-        mapping = ", ".join(
-            f"{new}<-{'new' if old is None else old}" for new, old in enumerate(plan.index_map)
-        )
+        mapping = index_runs(plan.index_map)
         lines.append(f"{plan.dim} index map (new<-old, for the dataloader): {mapping}")
     lines += [
         "",
@@ -165,6 +182,7 @@ def report(plan: RecoveryPlan, rank: int | None = None, full: bool = False) -> s
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run ``shrink``/``grow`` for parsed ``args``; bad input exits 2 through ``parser.error``."""
     layout = _layout(parser, args)
     topology = _topology(parser, args)
     common: dict[str, Any] = {"topology": topology, "flatten": dim_sets(args.flatten or "")}

@@ -37,6 +37,7 @@ class Owner:
 
     @property
     def changed(self) -> bool:
+        """True if any of the owner's groups can differ after the recovery."""
         return self.renamed or self.vanished or self.dim is not None
 
 
@@ -140,6 +141,7 @@ class Changed:
 
     @cached_property
     def new(self) -> Layout | None:
+        """The owner after the recovery (None: a subset that lost every rank)."""
         o = self.owner
         if o.vanished:
             return None

@@ -135,6 +135,7 @@ class RecoveryPlan:
     # ------------------------------------------------------------------ whole-world answers
     @property
     def families(self) -> tuple[Hashable, ...]:
+        """Every family key, in ``init_mesh``'s order: dims, view dims, flattened sets, subsets."""
         return tuple(self._families)
 
     @cached_property

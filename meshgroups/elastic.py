@@ -312,8 +312,8 @@ def _node_swap(
         )
     swap = dict(zip(lost_nodes, complete))
     replacements = {r: swap[r // node] * node + r % node for r in out}
-    used = set(swap.values())
-    return replacements, tuple(r for r in spares if r // node not in used)
+    placed = set(replacements.values())  # a lost node partly outside the layout leaves some idle
+    return replacements, tuple(r for r in spares if r not in placed)
 
 
 def _families(

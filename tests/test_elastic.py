@@ -233,7 +233,7 @@ def test_substitute_matches_brute_force(args, data):
         spares = [n * node + i for n in spare_nodes for i in range(node)]
         swap = dict(zip(lost_nodes, spare_nodes))
         mapping = {r: swap[r // node] * node + r % node for r in out}
-        unused = spares[len(lost_nodes) * node :]
+        unused = [r for r in spares if r not in mapping.values()]  # a partly used node's rest too
     topology = None if node is None else Topology(node=node)
     plan = plan_substitute(lay, lost, spares, topology=topology, flatten=flatten, subsets=subsets)
 
@@ -441,3 +441,23 @@ def test_a_view_follows_a_shrink_through_its_own_dim():
     assert plan.new_layout.views["expert"].shape == (2, 4)
     assert plan.change("ep").counts() == {"kept": 0, "created": 2, "gone": 2}
     assert plan.status(4, "ep") == "created" and plan.status(0, "ep") == "gone"
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from meshgroups import _elastic_plan, elastic
+
+    for module in (elastic, _elastic_plan):
+        result = doctest.testmod(module, extraglobs={"Layout": Layout, "Topology": Topology})
+        assert result.failed == 0
+    assert doctest.testmod(elastic, extraglobs={"Layout": Layout}).attempted >= 5
+
+
+def test_a_spare_node_partly_used_leaves_the_rest_idle():
+    """A layout starting mid-node (offset 4, nodes of 8): the lost node holds 4 layout ranks, so
+    4 ranks of the spare node take their places and the other 4 stay spares."""
+    plan = plan_substitute(Layout(dp=2, tp=4, rank_offset=4), [5], range(16, 24), topology=Topology(node=8))
+    assert plan.replacements == {4: 20, 5: 21, 6: 22, 7: 23}
+    assert plan.spares == (16, 17, 18, 19) and plan.drained == (4, 6, 7)
+    assert [plan.role(r) for r in (16, 20, 5, 4, 8)] == ["spare", "admitted", "lost", "drained", "survivor"]

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from meshgroups import Layout, Topology
-from meshgroups._cli_elastic import ranges, rank_list
+from meshgroups._cli_elastic import index_runs, ranges, rank_list
 from meshgroups.cli import main
 from meshgroups.elastic import plan_shrink
 
@@ -25,7 +25,7 @@ def test_shrink_prints_the_plan(capsys):
     assert "new layout: pp=2 × dp=3 × tp=8 = 48" in out
     assert "drained (alive, on a lost node): 8-12, 15" in out
     assert "spares (idle): 40-47" in out
-    assert "dp index map (new<-old, for the dataloader): 0<-0, 1<-2, 2<-3" in out
+    assert "dp index map (new<-old, for the dataloader): 0<-0, 1-2<-2-3" in out
     rows = {line.split()[0]: line.split()[1:6] for line in out.splitlines()[8:]}
     assert rows["tp"] == ["main", "8", "6", "0", "2"]  # 8 tp groups, the 2 of replica 1 gone
     assert rows["pp"] == ["main", "2", "24", "0", "8"]
@@ -118,6 +118,8 @@ def test_helpers():
     assert rank_list("8-10,3, 12") == [8, 9, 10, 3, 12]
     assert ranges([8, 9, 10, 12, 14, 15]) == "8-10, 12, 14-15"
     assert ranges(list(range(0, 40, 2)), limit=3) == "0, 2, 4, … (20 ranks)"
+    assert index_runs((0, 2, 3, 4, None, None)) == "0<-0, 1-3<-2-4, 4-5<-new"
+    assert index_runs((1,)) == "0<-1"
 
 
 def test_runs_as_a_module():
