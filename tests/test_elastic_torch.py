@@ -264,3 +264,46 @@ def test_rank0_lost_node_substituted_two_failures_and_a_failure_during_recovery(
         assert results[r]["lost"] == [(3,), (5,)], results[r]
     assert results[4]["lost"] == [(0,), (3,), (5,)]
     assert results[1]["lost"] == [(0,)]
+
+
+def worker_step_failed(rank, world, port):
+    """Nobody dies: rank 1 raises before a tp all_reduce that rank 0 makes (and times out in).
+    Every rank gets StepFailed with nobody lost; rebuild() retires the out-of-step tp group
+    {0, 1} (its members issued different numbers of collectives) and keeps {2, 3} as is."""
+    import torch
+
+    from meshgroups import StepFailed
+
+    connect(rank, world, port, scaled(60))
+    el = _elastic(Layout(dp_replicate=2, tp=2), spares=())
+    mg = el.mg
+    tp = mg.group("tp")
+    try:
+        with el.step():
+            if rank == 1:
+                raise ValueError("a bad batch on rank 1")
+            if rank == 0:
+                dist.all_reduce(torch.ones(1), group=tp)  # rank 1 never comes: a timeout
+            el.commit()
+        raise AssertionError("the step did not fail")
+    except StepFailed as exc:
+        assert exc.lost == () and "a bad batch on rank 1" in exc.cause, exc
+        assert type(exc) is StepFailed
+    mg = el.rebuild()
+    same = mg.group("tp") is tp
+    assert same == (rank in (2, 3)), (rank, same)
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=mg.group("tp"))
+    assert t.item() == {0: 1.0, 1: 1.0, 2: 5.0, 3: 5.0}[rank]
+    el.close()
+    return same
+
+
+def test_a_step_failed_with_everyone_alive_replaces_out_of_step_groups_only():
+    store = _host_store()
+    assert run(worker_step_failed, 4, store.port, backend=None, timeout=200, port_retries=0) == [
+        False,
+        False,
+        True,
+        True,
+    ]
