@@ -40,15 +40,15 @@ import torch.distributed as dist
 from ._torch_seam import default_store, default_timeout
 from .cohort import Cohort, set_cohort
 from .collective import collective_call
+from .elastic import RecoveryPlan, plan_grow, plan_shrink, plan_substitute, replicate_dim
 from .errors import MeshConfigError, RanksLost, StepFailed
 from .groups import GroupCache
 from .layout import Layout
 from .mesh import MeshGroups, init_mesh
 from .plan import as_timedelta
 from .recover import rebuild
+from .topology import Topology
 from .verdict import KEY, Heartbeat, Verdict, agree_lost, commit, failure_published, publish_failure
-
-REPLICATE_NAMES = ("dp_replicate", "replicate", "dp", "ddp", "data")
 
 
 class Elastic:
@@ -93,7 +93,7 @@ class Elastic:
         inside = [r for r in self.spares if r in layout]
         if inside:
             raise MeshConfigError(f"spares {inside} are inside the layout; spares are idle ranks outside it")
-        self.dim = dim if dim is not None else _replicate_dim(layout)
+        self.dim = dim if dim is not None else replicate_dim(layout)
         wait = as_timedelta(timeout, default_timeout())
         self.verdict_timeout = float(verdict_timeout) if verdict_timeout else 2 * wait.total_seconds() + 5
         self.stale_after = float(stale_after) if stale_after else max(10 * heartbeat, 5.0)
@@ -112,7 +112,9 @@ class Elastic:
         self._commits = 0
         self.members: tuple[int, ...] = tuple(sorted(layout.grid.ravel().tolist()))
         self.verdicts: list[Verdict] = []
-        self.grown: tuple[int, ...] = ()  # the replica indices the last grow() added
+        self.plan: RecoveryPlan | None = None  # the last shrink / substitute / grow plan
+        # the replica indices whose state must be filled after the last grow() / substitute()
+        self.grown: tuple[int, ...] = ()
         self._beat = Heartbeat(self.store, self.rank, heartbeat)
         self.cache = GroupCache()
         self.cohort = Cohort(tuple(sorted({*self.members, *self.spares})), 0)
@@ -227,11 +229,18 @@ class Elastic:
         self.cohort = Cohort(ranks, self.epoch)
         set_cohort(self.cohort)
         old_world = self._world
-        with collective_call("Elastic.rebuild") as call:  # one call: the mesh and the world group
-            if site is not None:
-                call.site_key = call.site = site
-            self.mg = rebuild(self.mg, layout, options=self.options, cache=self.cache)
-            self._world = self._world_mesh(ranks)
+        try:
+            with collective_call("Elastic.rebuild") as call:  # one call: the mesh and the world group
+                if site is not None:
+                    call.site_key = call.site = site
+                mg = rebuild(self.mg, layout, options=self.options, cache=self.cache)
+                self.mg = mg
+                self._world = self._world_mesh(ranks)
+        except Exception as exc:
+            # A rank failed (or died) during the recovery itself: a verdict over this attempt's
+            # ranks, then the same RanksLost everywhere; the old mesh is still open, so a
+            # retry (shrink() again) starts from it.
+            raise self._fail(exc) from exc
         if old_world is not None:
             old_world.close()
         self.cohort.group = self.group
@@ -241,8 +250,28 @@ class Elastic:
         """Drop every replica (index of ``dim``) holding a lost rank (default: the last
         verdict's) and rebuild over the rest; the dropped replicas' live ranks become spares.
         Returns the mesh, ``None`` on a rank that became a spare."""
-        gone = set(lost if lost is not None else (self.verdicts[-1].lost if self.verdicts else ()))
-        return self.rebuild(shrink_layout(self.layout, self.dim, gone))
+        self.plan = plan_shrink(self.layout, self._lost(lost), dim=self.dim, flatten=self.options["flatten"])
+        return self.rebuild(self.plan.new_layout)
+
+    def substitute(self, lost: Iterable[int] | None = None, node: int | None = None) -> MeshGroups | None:
+        """Put spares in the places of the lost ranks (default: the last verdict's), keeping the
+        layout's shape; with ``node`` (ranks per node) a whole spare node replaces each node that
+        lost a rank, and that node's live ranks leave (they become spares), so node-local dims
+        stay node-local. Collective over the new layout's ranks, the admitted spares joining
+        through ``standby()``; returns the mesh (``None`` on a rank that left)."""
+        topology = Topology(node=node) if node is not None else None
+        self.plan = plan_substitute(
+            self.layout, self._lost(lost), self.spares, topology=topology, flatten=self.options["flatten"]
+        )
+        layout, admitted = self.plan.new_layout, self.plan.admitted
+        self.grown = tuple(sorted({layout.coords(r)[self.dim] for r in admitted}))
+        return self._admit_spares(layout, admitted)
+
+    def _lost(self, lost: Iterable[int] | None) -> tuple[int, ...]:
+        """``lost``, or the last verdict's lost ranks."""
+        if lost is not None:
+            return tuple(sorted({int(r) for r in lost}))
+        return self.verdicts[-1].lost if self.verdicts else ()
 
     def grow(self, ranks: Sequence[int]) -> MeshGroups:
         """Admit ``ranks`` (spares in ``standby()``) as new replicas along ``dim`` (each replica's
@@ -252,18 +281,25 @@ class Elastic:
         missing = [r for r in admitted if r not in self.spares]
         if missing:
             raise MeshConfigError(f"ranks {missing} are not spares of this job (spares: {list(self.spares)})")
-        layout = grow_layout(self.layout, self.dim, admitted)
-        self.grown = tuple(range(self.layout.size(self.dim), layout.size(self.dim)))
+        self.plan = plan_grow(self.layout, admitted, dim=self.dim, flatten=self.options["flatten"])
+        layout = self.plan.new_layout
+        self.grown = tuple(i for i, old in enumerate(self.plan.index_map) if old is None)
+        mg = self._admit_spares(layout, admitted)
+        assert mg is not None
+        return mg
+
+    def _admit_spares(self, layout: Layout, admitted: Sequence[int]) -> MeshGroups | None:
+        """Tell the admitted spares (in ``standby()``) the new layout, then rebuild over it."""
         self.epoch += 1
         self._commits = 0
         if self.rank == self.members[0]:
-            spares = sorted(set(self.spares) - set(admitted))
+            spares = sorted((set(self.spares) | set(self.members)) - set(layout.grid.ravel().tolist()))
             record = json.dumps(
                 {"epoch": self.epoch, "layout": layout.to_dict(), "spares": spares, "grown": self.grown}
             )
             for r in admitted:
                 self.store.set(f"{KEY}/admit/{r}", record)
-        return self._admit(layout)
+        return self.rebuild(layout, site="Elastic.grow / Elastic.standby")
 
     def standby(self, timeout: float | None = None) -> MeshGroups:
         """On a spare: wait (``timeout`` seconds, default forever) until ``grow`` admits this
@@ -282,9 +318,6 @@ class Elastic:
         self.grown = tuple(record["grown"])
         layout = Layout.from_dict(record["layout"])
         self.members = tuple(r for r in sorted(layout.grid.ravel().tolist()) if r != self.rank)
-        return self._admit(layout)
-
-    def _admit(self, layout: Layout) -> MeshGroups:
         mg = self.rebuild(layout, site="Elastic.grow / Elastic.standby")
         assert mg is not None
         return mg
@@ -306,34 +339,4 @@ def _no_only(options: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k not in ("only", "flatten")}
 
 
-def _replicate_dim(layout: Layout) -> str:
-    for name in layout.names:
-        if name in REPLICATE_NAMES:
-            return name
-    raise MeshConfigError(
-        f"no replicate dim in {layout!r} (one of {', '.join(REPLICATE_NAMES)}); pass Elastic(..., dim=...)"
-    )
-
-
-def shrink_layout(layout: Layout, dim: str, lost: set[int]) -> Layout:
-    """``layout`` without the indices of ``dim`` that hold a lost rank (renumbered densely)."""
-    hit = sorted({layout.coords(r)[dim] for r in lost if r in layout})
-    kept = [i for i in range(layout.size(dim)) if i not in hit]
-    if not kept:
-        raise MeshConfigError(f"ranks {sorted(lost)} hit every {dim} replica of {layout!r}: nothing survives")
-    return layout.select(dim, kept) if hit else layout
-
-
-def grow_layout(layout: Layout, dim: str, ranks: Sequence[int]) -> Layout:
-    """``layout`` with new indices of ``dim`` after the last, ``ranks`` filling each new replica in
-    row-major order of the other dims."""
-    axis = layout.names.index(dim)
-    grid = np.moveaxis(layout.grid, axis, 0)
-    per = int(np.prod(grid.shape[1:]))
-    if not ranks or len(ranks) % per:
-        raise MeshConfigError(f"grow needs a multiple of the replica size {per} ranks, got {len(ranks)}")
-    extra = np.asarray(ranks, dtype=np.int64).reshape((-1, *grid.shape[1:]))
-    return Layout.from_grid(np.moveaxis(np.concatenate([grid, extra]), 0, axis), layout.names)
-
-
-__all__ = ["Elastic", "grow_layout", "shrink_layout"]
+__all__ = ["Elastic"]

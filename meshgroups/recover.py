@@ -15,9 +15,11 @@
    longer in the layout) are destroyed — no collective; destroying a gloo group whose peer died
    returns at once.
 
-Elastic meshes are built with ``strategy="local"`` (each rank creates only its own groups, with
-local synchronisation): after a loss the ranks' caches differ (a survivor holds groups a spare
-never made), and only the local strategy lets each rank skip the groups it already has.
+Over a cohort smaller than the world (after a loss) the mesh must be built with
+``strategy="local"`` (each rank creates only its own groups, with local synchronisation): the
+ranks' caches differ (a survivor holds groups a spare never made; a retired group is gone on
+its members only), and only the local strategy lets each rank skip the groups it already has.
+Over the whole world (no loss, or torch's fake backend) ``"global"`` meshes rebuild too.
 
     >>> new = rebuild(old_mg, plan.new_layout)       # doctest: +SKIP
     >>> new.group("tp") is old_tp_group               # doctest: +SKIP
@@ -32,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from ._torch_seam import group_sequence
+from ._torch_seam import group_sequence, shrink_nccl_group
 from .collective import Call, collective_call
 from .errors import MeshConfigError
 from .groups import GroupCache, GroupKey
@@ -86,7 +88,7 @@ def rebuild(
         The new ``MeshGroups``.
 
     Raises:
-        MeshConfigError: the strategy is not ``"local"``, no options, a rank of ``new_layout``
+        MeshConfigError: not ``strategy="local"`` over a cohort, no options, a rank of ``new_layout``
             is not a live member; and whatever ``init_mesh`` raises (on every member alike).
     """
     with collective_call("rebuild") as call:
@@ -99,7 +101,8 @@ def rebuild(
         opts = dict(options if options is not None else mesh_options(old) if old is not None else {})
         if not opts:
             raise MeshConfigError("rebuild without an old mesh needs options= (init_mesh's arguments)")
-        if opts.get("strategy") != "local":
+        shrunk = call.members is not None and len(call.members) < dist.get_world_size()
+        if opts.get("strategy") != "local" and (shrunk or old is None):
             raise MeshConfigError(
                 f"rebuild needs meshes built with strategy='local' (got {opts.get('strategy')!r}): after a loss "
                 "the ranks hold different groups, and only local synchronisation lets each skip its own"
@@ -118,8 +121,9 @@ def rebuild(
         call.compare(layout=new_layout.fingerprint())
         holders = [m for m in (old, *also_close) if m is not None]
         mine = _retire_out_of_step(call, cache, holders, set(members))
+        _shrink_nccl_groups(cache, new_layout, opts, set(members))
         # Every rank's cache must look alike to the cross-rank check: it is in use, by design.
-        cache.since, cache.strategy = -1, "local"
+        cache.since, cache.strategy = -1, opts["strategy"]
         try:
             mg = init_mesh(new_layout, cache=cache, subsets=subsets, **opts)
         finally:
@@ -159,6 +163,36 @@ def _retire_out_of_step(
             for holder in holders:
                 holder._families.keys[:] = [k for k in holder._families.keys if k != key]
     return mine
+
+
+def _shrink_nccl_groups(cache: GroupCache, layout: Layout, opts: Mapping[str, Any], live: set[int]) -> None:
+    """NCCL only (untested in CI, see docs/elastic.md): each group of this rank in ``layout``
+    that is a group it already holds without ranks that are no longer live members (its order
+    kept) is made by ``dist.shrink_group`` of that group (ncclCommShrink, no new bootstrap) and
+    put in the cache, so the build below finds it. Every member of the new group holds the same
+    old group (it was a member too) and picks the same one (the smallest), and the excluded
+    ranks are dead or out of the cohort, so none of them calls the shrink."""
+    rank = dist.get_rank()
+    backend = str(opts.get("backend") or dist.get_backend()).lower()
+    if "nccl" not in backend or rank not in layout:
+        return
+    held = sorted(
+        ((key, g) for key, g in cache.items() if g is not None and g is not dist.group.WORLD),
+        key=lambda item: (len(item[0][0]), item[0][0]),
+    )
+    families = [(d,) for d in layout.names] + [tuple(f) for f in opts.get("flatten") or ()]
+    for dims in families:
+        row = tuple(layout.group_of(rank, *dims).tolist())
+        if len(row) < 2 or any(cache.get((row, key[1]))[0] for key, _ in held):
+            continue
+        for (ranks, bkey), group in held:
+            gone = [r for r in ranks if r not in row]
+            if gone and tuple(r for r in ranks if r in row) == row and not live.intersection(gone):
+                shrunk = shrink_nccl_group(group, gone)
+                if shrunk is not None:
+                    cache.put((row, bkey), shrunk)
+                    cache.created += 1
+                    break
 
 
 __all__ = ["mesh_options", "rebuild"]

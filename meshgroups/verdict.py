@@ -197,11 +197,18 @@ class Staleness:
     def __init__(self, store: dist.Store, stale_after: float) -> None:
         self.store, self.stale_after = store, stale_after
         self.seen: dict[int, tuple[int, float]] = {}  # rank -> (value, when it last changed here)
+        self.beating: set[int] = set()  # ranks whose heartbeat key exists
 
     def stale(self, ranks: Sequence[int]) -> list[int]:
         now = time.monotonic()
-        for r, value in zip(ranks, self.store.multi_get([heartbeat_key(r) for r in ranks])):
-            v = int(value.decode() or 0)
+        # (multi_get would block on a rank that never beat: such a rank reads as 0, unchanging)
+        beating = [r for r in ranks if r in self.beating or self.store.check([heartbeat_key(r)])]
+        self.beating.update(beating)
+        values = (
+            dict(zip(beating, self.store.multi_get([heartbeat_key(r) for r in beating]))) if beating else {}
+        )
+        for r in ranks:
+            v = int(values[r].decode() or 0) if r in values else 0
             if r not in self.seen or self.seen[r][0] != v:
                 self.seen[r] = (v, now)
         return [r for r in ranks if now - self.seen[r][1] >= self.stale_after]

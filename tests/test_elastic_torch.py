@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from meshgroups import Layout
@@ -23,10 +24,12 @@ T = 6.0  # nominal seconds: the mesh's collective timeout
 def _elastic(layout, spares):
     from meshgroups.elastic_mesh import Elastic
 
-    return Elastic(layout, spares=spares, timeout=scaled(T), heartbeat=scaled(0.2), stale_after=scaled(3))
+    # stale_after: generous, so a live rank whose heartbeat thread a loaded machine starves is
+    # not taken for dead
+    return Elastic(layout, spares=spares, timeout=scaled(T), heartbeat=scaled(0.2), stale_after=scaled(6))
 
 
-def worker_core(rank, world, port):
+def worker_core(rank, world, port, ckpt):
     """HSDP × TP on ranks 0-7, spare 8. Rank 5 dies mid-step 2; survivors shrink to
     dp_replicate=1, keep training (checked against a reference run), then heal with 4, 6, 7, 8."""
     from meshgroups import GroupCache, RanksLost, init_mesh
@@ -68,11 +71,23 @@ def worker_core(rank, world, port):
     assert created and all(5 not in r for r in created), created
     assert dist.get_process_group_ranks(el.group) == [0, 1, 2, 3]
     # Keep training on dp_replicate=1; a reference run on a fresh mesh from the same state.
+    # The reference's parameters come back through DCP, saved on the new mesh over el.group (the
+    # default group holds the dead rank: DCP gets the survivors' group).
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     runs = {}
     for name in ("recovered", "reference"):
         ref = None if name == "recovered" else init_mesh(el.layout, cache=GroupCache(), strategy="local")
         model, opt = build(mg if ref is None else ref)
         load(model, opt, snap)
+        if ref is None:
+            dcp.save({"model": model.state_dict()}, checkpoint_id=ckpt, process_group=el.group)
+        else:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.to_local().zero_()
+            dcp.load({"model": model.state_dict()}, checkpoint_id=ckpt, process_group=el.group)
         losses = [train_step(model, opt, el.layout, rank, s) for s in (3, 4)]
         runs[name] = (losses, snapshot(model, opt))
         if ref is not None:
@@ -123,9 +138,19 @@ def _host_store():
     )
 
 
-def test_lose_a_rank_shrink_keep_training_and_heal():
+@pytest.mark.timeout(900)
+def test_lose_a_rank_shrink_keep_training_and_heal(tmp_path):
     store = _host_store()
-    results = run(worker_core, 9, store.port, backend=None, may_exit={5}, timeout=300, port_retries=0)
+    results = run(
+        worker_core,
+        9,
+        store.port,
+        str(tmp_path / "ckpt"),
+        backend=None,
+        may_exit={5},
+        timeout=300,
+        port_retries=0,
+    )
     assert results[5] is None
     for r in (0, 1, 2, 3):
         assert results[r]["kept"] == {"tp": True, "dp_shard": True}
@@ -136,3 +161,154 @@ def test_lose_a_rank_shrink_keep_training_and_heal():
         assert results[r]["lost"] == (5,)
     for r in (4, 6, 7, 8):
         assert results[r]["received"] > 0
+
+
+def worker_scenarios(rank, world, port):
+    """dp_replicate=3 × tp=2 on ranks 0-5, one replica per node of 2 ranks, spare node 6-7.
+    1. rank 0 dies (the store is this test's, not rank 0's): the spare node replaces node 0-1;
+    2. rank 3 dies in the next step (two failures in a row): shrink; 3. rank 5 dies during that
+    recovery: one verdict, and the retried shrink works; training goes on every time."""
+    from meshgroups import RanksLost
+    from meshgroups.heal import fill_replicas, training_state
+
+    connect(rank, world, port, scaled(60))
+    out = {"lost": []}
+    layout = Layout(dp_replicate=3, dp_shard=1, tp=2)
+    el = _elastic(layout, spares=(6, 7))
+    mg = el.mg if not el.is_spare else el.standby(timeout=scaled(200))
+    step = 0
+
+    def guarded(model, opt, die_rank=None):
+        nonlocal step
+        step += 1
+        started = time.monotonic()
+        try:
+            with el.step():
+                train_step(model, opt, el.layout, rank, step, die_rank=die_rank, el=el)
+            return None
+        except RanksLost as exc:
+            assert time.monotonic() - started < el.verdict_timeout + scaled(T), exc
+            out["lost"].append(exc.lost)
+            return exc
+
+    def fresh(mg, fill=True):
+        model, opt = build(mg)
+        if snap is not None and rank in snap_owner:
+            load(model, opt, snap)
+        else:
+            from meshgroups.heal import init_optimizer_state
+
+            init_optimizer_state(model, opt)
+        if fill:
+            fill_replicas(el.layout, "dp_replicate", el.grown, training_state(model, opt))
+        return model, opt
+
+    snap, snap_owner = None, ()
+    if rank in (6, 7):  # admitted by the substitution below
+        model, opt = fresh(mg)
+    else:
+        model, opt = build(mg)
+        assert guarded(model, opt) is None
+        before = {"tp": mg.group("tp")}
+        assert isinstance(guarded(model, opt, die_rank=0), RanksLost)
+        snap, snap_owner = snapshot(model, opt), (2, 3, 4, 5)
+        del model, opt
+        mg = el.substitute(node=2)
+        if mg is None:  # rank 1: its node was replaced
+            assert rank == 1 and el.is_spare
+            el.close()
+            return out
+        out["kept_tp"] = mg.group("tp") is before["tp"]
+        model, opt = fresh(mg)
+    assert el.layout.grid.ravel().tolist() == [6, 7, 2, 3, 4, 5]
+    same = replicas_equal(snapshot(model, opt), mg.group("dp_replicate"))
+    assert same is True, same
+    # 2. Two failures in a row: rank 3 dies mid-step; 3. rank 5 dies during the shrink.
+    assert isinstance(guarded(model, opt, die_rank=3), RanksLost)
+    snap, snap_owner = snapshot(model, opt), (4, 5, 6, 7)
+    del model, opt
+    if rank == 5:
+        import os
+
+        import meshgroups.recover
+
+        meshgroups.recover._retire_out_of_step = lambda *a, **k: os._exit(0)
+    try:
+        mg = el.shrink()
+    except RanksLost as exc:  # the recovery itself failed: one verdict, then the retry
+        out["lost"].append(exc.lost)
+        mg = el.shrink()
+    else:  # rank 2: its replica was dropped before the rebuild; it is a spare and leaves
+        assert rank == 2 and mg is None and el.is_spare, (rank, mg)
+        el.close()
+        return out
+    if mg is None:
+        assert rank == 4 and el.is_spare
+        el.close()
+        return out
+    assert el.layout.grid.ravel().tolist() == [6, 7]
+    model, opt = build(mg)
+    load(model, opt, snap)
+    assert guarded(model, opt) is None
+    out["epoch"] = el.epoch
+    el.close()
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_rank0_lost_node_substituted_two_failures_and_a_failure_during_recovery():
+    store = _host_store()
+    results = run(
+        worker_scenarios, 8, store.port, backend=None, may_exit={0, 3, 5}, timeout=400, port_retries=0
+    )
+    assert [results[r] for r in (0, 3, 5)] == [None] * 3
+    for r in (2, 4):
+        assert results[r]["lost"][0] == (0,) and results[r]["kept_tp"]
+    assert results[2]["lost"] == [(0,), (3,)]
+    for r in (6, 7):
+        assert results[r]["lost"] == [(3,), (5,)], results[r]
+    assert results[4]["lost"] == [(0,), (3,), (5,)]
+    assert results[1]["lost"] == [(0,)]
+
+
+def worker_step_failed(rank, world, port):
+    """Nobody dies: rank 1 raises before a tp all_reduce that rank 0 makes (and times out in).
+    Every rank gets StepFailed with nobody lost; rebuild() retires the out-of-step tp group
+    {0, 1} (its members issued different numbers of collectives) and keeps {2, 3} as is."""
+    import torch
+
+    from meshgroups import StepFailed
+
+    connect(rank, world, port, scaled(60))
+    el = _elastic(Layout(dp_replicate=2, tp=2), spares=())
+    mg = el.mg
+    tp = mg.group("tp")
+    try:
+        with el.step():
+            if rank == 1:
+                raise ValueError("a bad batch on rank 1")
+            if rank == 0:
+                dist.all_reduce(torch.ones(1), group=tp)  # rank 1 never comes: a timeout
+            el.commit()
+        raise AssertionError("the step did not fail")
+    except StepFailed as exc:
+        assert exc.lost == () and "a bad batch on rank 1" in exc.cause, exc
+        assert type(exc) is StepFailed
+    mg = el.rebuild()
+    same = mg.group("tp") is tp
+    assert same == (rank in (2, 3)), (rank, same)
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=mg.group("tp"))
+    assert t.item() == {0: 1.0, 1: 1.0, 2: 5.0, 3: 5.0}[rank]
+    el.close()
+    return same
+
+
+def test_a_step_failed_with_everyone_alive_replaces_out_of_step_groups_only():
+    store = _host_store()
+    assert run(worker_step_failed, 4, store.port, backend=None, timeout=200, port_retries=0) == [
+        False,
+        False,
+        True,
+        True,
+    ]

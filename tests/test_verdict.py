@@ -1,0 +1,130 @@
+"""The verdict on a real TCPStore, ranks as threads (each with its own client connection): one
+decision everywhere; a slow rank that is alive is waited for until the timeout and then lost on
+every rank, and told so (``Excluded``); a dead rank (stale heartbeat) is lost without waiting
+for the timeout; ``commit`` passes when every member arrives and stops at a published failure.
+Cohorts: validation and the store namespace."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from meshgroups.cohort import Cohort, current_cohort, use_cohort
+from meshgroups.errors import Excluded
+from meshgroups.verdict import Heartbeat, StepAborted, agree_lost, commit, publish_failure
+
+from ._timing import scaled
+
+
+@pytest.fixture
+def store():
+    master = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    yield master
+
+
+def _client(master):
+    return dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=60))
+
+
+def _verdicts(master, epoch, members, ranks, **kw):
+    """agree_lost on each of ``ranks`` at once (threads); {rank: Verdict or exception}."""
+    out = {}
+
+    def one(r):
+        try:
+            out[r] = agree_lost(_client(master), epoch, members, r, **kw)
+        except Exception as exc:
+            out[r] = exc
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=scaled(60))
+    return out
+
+
+def test_a_slow_live_rank_is_waited_for_then_lost_everywhere_and_told(store):
+    beats = [Heartbeat(_client(store), r, scaled(0.05)) for r in (0, 1, 2)]
+    try:
+        publish_failure(store, 0, 1, RuntimeError("Connection closed by peer"))
+        started = time.monotonic()
+        out = _verdicts(store, 0, (0, 1, 2), (0, 1), timeout=scaled(1.5), stale_after=scaled(5))
+        elapsed = time.monotonic() - started
+        assert out[0] == out[1]
+        assert out[0].lost == (2,) and out[0].survivors == (0, 1), out[0]
+        assert "did not report" in out[0].why and "Connection closed" in out[0].cause
+        assert scaled(1.5) <= elapsed < scaled(1.5) + scaled(5)  # waited for the live rank
+        late = _verdicts(store, 0, (0, 1, 2), (2,), timeout=scaled(1.5), stale_after=scaled(5))[2]
+        assert isinstance(late, Excluded) and "rank 2 was declared lost in epoch 0" in str(late), late
+    finally:
+        for b in beats:
+            b.stop()
+
+
+def test_a_dead_rank_is_lost_when_its_heartbeat_stops_not_at_the_timeout(store):
+    beats = {r: Heartbeat(_client(store), r, scaled(0.05)) for r in (0, 1, 2, 3)}
+    beats[3].stop()  # rank 3 "died": its heartbeat no longer changes
+    try:
+        started = time.monotonic()
+        out = _verdicts(store, 4, (0, 1, 2, 3), (0, 1, 2), timeout=scaled(30), stale_after=scaled(1))
+        assert time.monotonic() - started < scaled(10)
+        assert {v.lost for v in out.values()} == {(3,)}, out
+        assert "heartbeat stopped" in out[0].why
+    finally:
+        for b in beats.values():
+            b.stop()
+
+
+def test_every_member_reports_nobody_is_lost(store):
+    out = _verdicts(store, 2, (0, 1, 2), (0, 1, 2), timeout=scaled(20), stale_after=scaled(10))
+    assert {v.lost for v in out.values()} == {()} and out[0].why == "every member reported"
+
+
+def test_commit_passes_together_and_stops_at_a_failure(store):
+    beats = [Heartbeat(_client(store), r, scaled(0.05)) for r in (0, 1)]
+    try:
+        results = {}
+
+        def one(r, number):
+            try:
+                commit(_client(store), 7, number, (0, 1), r, timeout=scaled(20), stale_after=scaled(10))
+                results[(r, number)] = "ok"
+            except StepAborted as exc:
+                results[(r, number)] = str(exc)
+
+        threads = [threading.Thread(target=one, args=(r, 0)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=scaled(30))
+        assert results == {(0, 0): "ok", (1, 0): "ok"}
+        waiter = threading.Thread(target=one, args=(0, 1))  # rank 1 never commits: it failed
+        waiter.start()
+        time.sleep(scaled(0.3))
+        publish_failure(store, 7, 1, RuntimeError("boom"))
+        waiter.join(timeout=scaled(30))
+        assert "a peer failed in epoch 7" in results[(0, 1)]
+    finally:
+        for b in beats:
+            b.stop()
+
+
+def test_cohorts():
+    c = Cohort((0, 1, 2, 3, 6, 7), epoch=1)
+    assert c.leader == 0 and c.tag == "e1-" and 5 not in c and len(c) == 6
+    assert Cohort((0, 1), 0).tag == ""
+    with use_cohort(c):
+        assert current_cohort() is c
+    assert current_cohort() is None
+    for bad in ((), (1, 0), (0, 0), (-1, 2)):
+        with pytest.raises(ValueError, match="distinct non-negative ranks"):
+            Cohort(bad, 1)
+    with pytest.raises(ValueError, match="epoch"):
+        Cohort((0,), -1)
