@@ -70,6 +70,10 @@ class StepFailed(RuntimeError):
     """A guarded training step failed on some rank (``Elastic.step()``); raised on every live
     rank alike once the ranks agreed who is still alive.
 
+    Args:
+        message: what failed, naming the lost ranks or the cause.
+        lost, epoch, survivors, cause: the attributes below.
+
     Attributes:
         lost: the ranks the verdict declared lost (empty: every rank is alive, the step failed
             for another reason, ``cause`` says which). epoch: the verdict's epoch. survivors:
@@ -89,7 +93,11 @@ class StepFailed(RuntimeError):
 
 
 class RanksLost(StepFailed):
-    """Ranks died (or hung past the verdict's timeout): ``lost`` names them, on every survivor."""
+    """Ranks died (or hung past the verdict's timeout): ``lost`` names them, on every survivor.
+
+    Args:
+        message, lost, epoch, survivors, cause: as :class:`StepFailed`.
+    """
 
 
 class Excluded(RuntimeError):

@@ -84,6 +84,7 @@ class Heartbeat:
 
 
 def heartbeat_key(rank: int) -> str:
+    """The store key whose counter ``rank``'s heartbeat thread keeps raising."""
     return f"{KEY}/hb/{rank}"
 
 
