@@ -75,15 +75,16 @@ def slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
 
-def merge(parts: Sequence[Sequence[Weight]], side: str) -> list[Weight]:
+def merge(parts: Sequence[Sequence[Weight]], side: str = "") -> list[Weight]:
     """Every rank's weights of one side, first seen in rank order; two ranks describing one
-    weight differently is an error."""
+    weight differently is an error (``side``, e.g. ``"trainer"``, names the side in it)."""
     merged: dict[str, Weight] = {}
     for part in parts:
         for w in part:
             seen = merged.setdefault(w.name, w)
             if seen != w:
-                raise LayoutError(f"ranks describe {side} weight {w.name!r} differently: {seen} and {w}")
+                which = f"{side} weight" if side else "weight"
+                raise LayoutError(f"ranks describe {which} {w.name!r} differently: {seen} and {w}")
     return list(merged.values())
 
 

@@ -32,6 +32,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ..errors import LayoutError
 from ..layout import Layout
 from .spec import Placement, Replicate, Shard, Weight
+from .sync_state import merge
 
 
 @dataclass
@@ -192,13 +193,7 @@ def module_weights(
     weights, tensors = local_weights(module, layout, dims=dims, stage_dim=stage_dim)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, weights, group=group)
-    merged: dict[str, Weight] = {}
-    for part in gathered:
-        for w in part:
-            seen = merged.setdefault(w.name, w)
-            if seen != w:
-                raise LayoutError(f"ranks describe weight {w.name!r} differently: {seen} and {w}")
-    return ModuleWeights(layout, list(merged.values()), tensors)
+    return ModuleWeights(layout, merge(gathered), tensors)
 
 
 __all__ = ["ModuleWeights", "local_weights", "module_weights"]
