@@ -262,12 +262,26 @@ def extract(git_dir: str, tag: str, dest: Path, files: list[str]) -> list[str]:
         subprocess.CalledProcessError: ``git_dir`` is not a git directory or lacks ``tag``.
     """
     listed = _git(git_dir, "ls-tree", "-r", "--name-only", tag, "--", *files, *SUPPORT).split()
-    for path in listed:
-        if not path.endswith(".py"):
+    pending, written = list(listed), set()
+    while pending:
+        path = pending.pop()
+        if not path.endswith(".py") or path in written:
             continue
+        written.add(path)
+        try:
+            text = rewrite(_git(git_dir, "show", f"{tag}:{path}"))
+        except subprocess.CalledProcessError:
+            if path in listed:
+                raise
+            continue  # an imported name that is a package or not a file at this tag
         target = dest / path
         target.parent.mkdir(parents=True, exist_ok=True)
-        text = rewrite(_git(git_dir, "show", f"{tag}:{path}"))
+        # a test file importing another (test_multimodule_communicator.py imports
+        # test_bridge_communicator.py's helpers) needs it beside it, extracted but not run
+        pending += [
+            m.replace(".", "/") + ".py"
+            for m in re.findall(r"^from (tests\.unit_tests\.[\w.]+) import", text, re.M)
+        ]
         if path.endswith("unit_tests/test_utilities.py"):
             text = rewrite(text, UTILITIES_REWRITES)
         target.write_text(text)
