@@ -14,7 +14,7 @@ def _worker(rank: int, world: int) -> bool:
     from meshgroups.errors import UnknownDimError
 
     mg = init_mesh(Layout(dp=2, tp=2))
-    for bad in (b"2", 7, ["dp"], ("dp", 3)):
+    for bad in (b"2", 7, ["dp", 3], ("dp", 3)):  # a list of names slices like a tuple (torch)
         try:
             mg.mesh[bad]
         except UnknownDimError as exc:  # torch raises KeyError here; ours is also a ValueError
@@ -22,7 +22,7 @@ def _worker(rank: int, world: int) -> bool:
             assert repr(bad) in str(exc), exc
         else:
             raise AssertionError(f"mesh[{bad!r}] was accepted")
-    assert mg.mesh["dp"].size() == 2 and mg.mesh["dp", "tp"] is mg.mesh
+    assert mg.mesh["dp"].size() == 2 and mg.mesh["dp", "tp"] is mg.mesh and mg.mesh[["dp", "tp"]] is mg.mesh
     for bad in (2**63, 0, -1):
         try:
             ps.initialize_model_parallel(2, distributed_timeout_minutes=bad)
