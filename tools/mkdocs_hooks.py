@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mkdocs.plugins import event_priority
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from griffe_doctests import fence_doctests
@@ -117,6 +119,7 @@ def _source_tree() -> str:
     return str(tree)
 
 
+@event_priority(100)  # before mkdocstrings' own on_config reads its paths: a fresh clone has no tree yet
 def on_config(config: Any) -> Any:
     _source_tree()  # mkdocs.yml points mkdocstrings' python handler there (paths)
     return config
