@@ -20,7 +20,7 @@ Torch-free: the group over the members (``group``) is filled in by ``meshgroups.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,11 +37,19 @@ class Cohort:
         epoch: 0 for the job as started; each verdict adds one.
         group: a process group over ``members`` (the survivors' world-wide group), or ``None``
             until one is built.
+        watch: makes a liveness probe for one wait: ``watch()`` returns a function that,
+            called repeatedly with the ranks still awaited, returns those of them known dead
+            (``meshgroups.elastic_mesh`` passes heartbeat staleness). With it, a meeting of a
+            collective call stops waiting for a rank that died instead of running into its
+            timeout; ``None``: wait the timeout out.
     """
 
     members: tuple[int, ...]
     epoch: int
     group: Any = field(default=None, compare=False, repr=False)
+    watch: Callable[[], Callable[[Sequence[int]], list[int]]] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         members = tuple(int(r) for r in self.members)

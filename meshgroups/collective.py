@@ -101,6 +101,7 @@ class Call:
         # the cohort's own: a dead rank's keys of an earlier epoch are never read.
         cohort = current_cohort()
         self.members = cohort.members if cohort is not None else None
+        self.watch = cohort.watch if cohort is not None else None
         self.world_size = len(cohort.members) if cohort is not None else dist.get_world_size()
         self.base = f"{PREFIX}/{cohort.tag if cohort is not None else ''}{number}"
         self.groups_base = f"meshgroups/g{cohort.tag if cohort is not None else ''}{number}."
@@ -174,6 +175,7 @@ class Call:
             self.timeout,
             self.last_words,
             self.members,
+            self.watch,
         )
         self.meetings.append(meeting)
         return meeting

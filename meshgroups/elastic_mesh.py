@@ -48,7 +48,16 @@ from .mesh import MeshGroups, init_mesh
 from .plan import as_timedelta
 from .recover import rebuild
 from .topology import Topology
-from .verdict import KEY, Heartbeat, Verdict, agree_lost, commit, failure_published, publish_failure
+from .verdict import (
+    KEY,
+    Heartbeat,
+    Staleness,
+    Verdict,
+    agree_lost,
+    commit,
+    failure_published,
+    publish_failure,
+)
 
 
 class Elastic:
@@ -117,16 +126,24 @@ class Elastic:
         self.grown: tuple[int, ...] = ()
         self._beat = Heartbeat(self.store, self.rank, heartbeat)
         self.cache = GroupCache()
-        self.cohort = Cohort(tuple(sorted({*self.members, *self.spares})), 0)
+        self.cohort = self._cohort(tuple(sorted({*self.members, *self.spares})), 0)
         set_cohort(self.cohort)
         self.mg: MeshGroups | None = init_mesh(layout, cache=self.cache, **self.options)
         self._world: MeshGroups | None = self._world_mesh(self.members)
         if self.is_spare:  # spares hold no group; they wait in standby()
             self._drop_meshes()
-        self.cohort = Cohort(self.members, 0, self.group)
+        self.cohort = self._cohort(self.members, 0, self.group)
         set_cohort(self.cohort)
 
     # ------------------------------------------------------------------ live ranks
+    def _cohort(self, members: Sequence[int], epoch: int, group: dist.ProcessGroup | None = None) -> Cohort:
+        """The cohort of ``members``, whose collective calls stop waiting for a rank whose
+        heartbeat stopped (a rank dying during a recovery is seen in ``stale_after`` seconds,
+        not after the whole meeting timeout)."""
+        return Cohort(
+            tuple(members), epoch, group, watch=lambda: Staleness(self.store, self.stale_after).stale
+        )
+
     @property
     def group(self) -> dist.ProcessGroup | None:
         """A process group over the live members (``None`` on a spare)."""
@@ -191,7 +208,7 @@ class Elastic:
         self.epoch += 1
         self._commits = 0
         self.members = verdict.survivors
-        self.cohort = Cohort(self.members, self.epoch)
+        self.cohort = self._cohort(self.members, self.epoch)
         set_cohort(self.cohort)
         lost = ", ".join(map(str, verdict.lost))
         if verdict.lost:
@@ -226,7 +243,7 @@ class Elastic:
         if self.rank not in ranks:
             self._drop_meshes()
             return None
-        self.cohort = Cohort(ranks, self.epoch)
+        self.cohort = self._cohort(ranks, self.epoch)
         set_cohort(self.cohort)
         old_world = self._world
         try:

@@ -41,6 +41,8 @@ PREFIX = "meshgroups/rdzv"
 PHASES = ("state", "verify", "built")
 #: Worlds up to this size get the exact list of missing ranks in a timeout message.
 NAME_MISSING_UP_TO = 4096
+#: Seconds between two looks of a liveness probe at the ranks a meeting still awaits.
+LIVENESS_POLL = 0.5
 #: Words of torch's errors that mean "waited on a peer" rather than "went wrong here".
 _WAITING_WORDS = ("timeout", "timed out", "connection", "connect", "broken pipe", "recv", "send")
 
@@ -125,6 +127,7 @@ class Meeting:
         timeout: timedelta,
         last_words: Callable[[list[int]], str] = lambda ranks: "",
         members: Sequence[int] | None = None,
+        watch: Callable[[], Callable[[Sequence[int]], list[int]]] | None = None,
     ) -> None:
         self.store = store
         self.rank = rank
@@ -137,6 +140,10 @@ class Meeting:
         # that publishes the reference arguments.
         self.members: Sequence[int] = tuple(members) if members is not None else range(world_size)
         self.leader = self.members[0]
+        # A liveness probe per wait (a cohort's, ``meshgroups.cohort.Cohort.watch``): a rank that
+        # died is not waited for until the timeout.
+        self.watch = watch
+        self.dead: list[int] = []  # the awaited ranks the probe found dead in the last wait
 
     def _key(self, name: str) -> str:
         return f"{self.base}/{name}"
@@ -168,8 +175,12 @@ class Meeting:
             first = first or state
         return first if first.startswith("failed") else mine
 
-    def _wait(self, key: str, seconds: float, where: str) -> bool:
-        """Wait for ``key``; False when the wait timed out."""
+    def _wait(self, key: str, seconds: float, where: str, phase: str) -> bool:
+        """Wait for ``key``; False when the wait timed out, or (with a liveness probe) as soon
+        as a rank that has not reached ``phase`` is dead (then named in ``self.dead``)."""
+        self.dead = []
+        if self.watch is not None and self.world_size <= NAME_MISSING_UP_TO:
+            return self._watch(key, seconds, phase)
         try:
             self.store.wait([key], timedelta(seconds=max(seconds, 0.001)))
             return True
@@ -178,15 +189,38 @@ class Meeting:
                 raise self.lost(exc, f"at {where} of") from None
             return False
 
+    def _watch(self, key: str, seconds: float, phase: str) -> bool:
+        """``_wait`` by polling (a short ``store.wait`` that times out logs a warning in torch
+        each time): the key, and every ``LIVENESS_POLL`` seconds the probe on the ranks that
+        have not reached ``phase``. O(members) store checks per look, small cohorts only."""
+        assert self.watch is not None
+        dead_of = self.watch()
+        deadline, pause, next_look = time.monotonic() + seconds, 0.005, 0.0
+        while True:
+            if self.op("check", [key]):
+                return True
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            if now >= next_look:
+                absent = self._absent(phase) or []
+                self.dead = list(dead_of(absent)) if absent else []
+                if self.dead:
+                    return False
+                next_look = now + LIVENESS_POLL
+            time.sleep(min(pause, max(deadline - now, 0.0)))
+            pause = min(pause * 2, 0.1)
+
     def _wait_state(self, phase: str, done: str, where: str, started: float, late: bool = False) -> None:
         """Wait for ``phase``'s state key; return if it says ``done``, raise otherwise."""
         key = self._key(phase)
         state = None
         if not late and not self._wait(
-            key, self.timeout.total_seconds() - (time.monotonic() - started), where
+            key, self.timeout.total_seconds() - (time.monotonic() - started), where, phase
         ):
             elapsed = time.monotonic() - started
-            state = self.op("compare_set", key, "", f"abandoned\n{self.rank}\n{elapsed:.1f}").decode()
+            record = f"abandoned\n{self.rank}\n{elapsed:.1f}\n{json.dumps(self.dead)}"
+            state = self.op("compare_set", key, "", record).decode()
         if state is None:
             state = self.op("get", key).decode()
         if state == done:
@@ -198,7 +232,16 @@ class Meeting:
                     f"rank {r} failed before {where} of {self.what} ({cls}: {msg}); this is rank {self.rank}"
                 ),
             )
-        _, who, after = state.split("\n")
+        _, who, after, dead_json = (state + "\n[]").split("\n")[:4]
+        dead = json.loads(dead_json)
+        if dead:  # the probe saw them die: no point waiting the timeout out
+            died = RendezvousTimeout(
+                f"rank {self.rank}: {_ranks(dead)} died before {where} of {self.what} (seen dead by rank "
+                f"{who} after {after}s of waiting: {'their' if len(dead) > 1 else 'its'} heartbeat stopped)"
+                f"{self.last_words(dead)}"
+            )
+            died._mg_gone = len(dead)  # type: ignore[attr-defined]  # not waited for at the close
+            raise shared(died)
         if late:
             raise shared(
                 RendezvousTimeout(
@@ -327,7 +370,7 @@ class Meeting:
         if self.op("add", self._key("built/count"), 1) == self.world_size:
             self.op("compare_set", self._key("built"), "", "reported")
         if not self._wait(
-            self._key("built"), self.timeout.total_seconds() + grace, "the end of group creation"
+            self._key("built"), self.timeout.total_seconds() + grace, "the end of group creation", "built"
         ):
             absent = self._absent("built")
             count = int(self.op("add", self._key("built/count"), 0))

@@ -74,8 +74,11 @@ class Heartbeat:
         while not self._stop.wait(self.interval):
             try:
                 self._store.add(heartbeat_key(self.rank), 1)
-            except Exception:  # the store is gone: the verdict will say so on the main thread
-                return
+            except Exception:
+                # Keep beating: one failed ``add`` (a store slow to answer on a loaded host) must
+                # not make a live rank look dead forever. A store that is gone is the main
+                # thread's news (its own store calls fail).
+                continue
 
     def stop(self) -> None:
         """Stop beating (others will see this rank go stale)."""

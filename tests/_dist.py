@@ -179,6 +179,16 @@ def _run_once(
                 p.kill()
                 p.join(timeout=5)
     if errors:
-        first = min(errors)
-        raise AssertionError(f"{len(errors)} rank(s) failed; rank {first}:\n{errors[first]}")
+        # The first error to arrive is the cause; the later ones are usually its echo (ranks
+        # that waited for the failed one), so they are listed by their last line only.
+        first = next(iter(errors))
+        others = "".join(
+            f"\n  rank {r}: {text.strip().splitlines()[-1][:300]}"
+            for r, text in sorted(errors.items())
+            if r != first
+        )
+        raise AssertionError(
+            f"{len(errors)} rank(s) failed; the first to fail, rank {first}:\n{errors[first]}"
+            + (f"\nthe others (last line of each):{others}" if others else "")
+        )
     return [results[r] for r in range(world)]

@@ -7,7 +7,6 @@ store is: losing any worker, rank 0 included, leaves it up. Every wait is scaled
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import timedelta
 
@@ -26,8 +25,17 @@ def _elastic(layout, spares):
     from meshgroups.elastic_mesh import Elastic
 
     # stale_after: generous, so a live rank whose heartbeat thread a loaded machine starves is
-    # not taken for dead
-    return Elastic(layout, spares=spares, timeout=scaled(T), heartbeat=scaled(0.2), stale_after=scaled(6))
+    # not taken for dead; verdict_timeout: generous too, so a live rank that a loaded machine
+    # slows on its way to the verdict is waited for (the dead are found by their heartbeats,
+    # so a verdict with a death in it never waits this long)
+    return Elastic(
+        layout,
+        spares=spares,
+        timeout=scaled(T),
+        verdict_timeout=scaled(60),
+        heartbeat=scaled(0.2),
+        stale_after=scaled(6),
+    )
 
 
 def worker_core(rank, world, port, ckpt):
@@ -173,7 +181,7 @@ def worker_scenarios(rank, world, port):
     from meshgroups.heal import fill_replicas, training_state
 
     connect(rank, world, port, scaled(60))
-    out = {"lost": []}
+    out = {"lost": [], "why": []}
     layout = Layout(dp_replicate=3, dp_shard=1, tp=2)
     el = _elastic(layout, spares=(6, 7))
     mg = el.mg if not el.is_spare else el.standby(timeout=scaled(200))
@@ -190,6 +198,7 @@ def worker_scenarios(rank, world, port):
         except RanksLost as exc:
             assert time.monotonic() - started < el.verdict_timeout + scaled(T), exc
             out["lost"].append(exc.lost)
+            out["why"].append(el.verdicts[-1].why)
             return exc
 
     def fresh(mg, fill=True):
@@ -238,6 +247,9 @@ def worker_scenarios(rank, world, port):
         mg = el.shrink()
     except RanksLost as exc:  # the recovery itself failed: one verdict, then the retry
         out["lost"].append(exc.lost)
+        out["why"].append(el.verdicts[-1].why)
+        # the meeting saw rank 5 die (its heartbeat), it did not wait out its timeout
+        out["recovery_failure"] = exc.cause
         mg = el.shrink()
     else:  # rank 2: its replica was dropped before the rebuild; it is a spare and leaves
         assert rank == 2 and mg is None and el.is_spare, (rank, mg)
@@ -257,11 +269,6 @@ def worker_scenarios(rank, world, port):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(
-    os.environ.get("MESHGROUPS_ELASTIC_SCENARIOS") != "1",
-    reason="known flaky (issue 28 stays open: it failed 3 of 8 runs, once on an idle machine); "
-    "run it with MESHGROUPS_ELASTIC_SCENARIOS=1",
-)
 def test_rank0_lost_node_substituted_two_failures_and_a_failure_during_recovery():
     store = _host_store()
     results = run(
@@ -275,6 +282,14 @@ def test_rank0_lost_node_substituted_two_failures_and_a_failure_during_recovery(
         assert results[r]["lost"] == [(3,), (5,)], results[r]
     assert results[4]["lost"] == [(0,), (3,), (5,)]
     assert results[1]["lost"] == [(0,)]
+    # Every death was found by its heartbeat, never by a verdict's timeout running out; the
+    # death during the recovery was seen by the recovery's own meeting.
+    for r in (1, 2, 4, 6, 7):
+        assert results[r]["why"] and all(w.startswith("heartbeat stopped") for w in results[r]["why"]), (
+            results[r]
+        )
+    for r in (4, 6, 7):
+        assert "rank 5 died before" in results[r]["recovery_failure"], results[r]
 
 
 def worker_step_failed(rank, world, port):

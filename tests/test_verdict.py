@@ -128,3 +128,59 @@ def test_cohorts():
             Cohort(bad, 1)
     with pytest.raises(ValueError, match="epoch"):
         Cohort((0,), -1)
+
+
+def _meet(master, members, ranks, watch, timeout, base):
+    """``Meeting.agree`` of one meeting on each of ``ranks`` at once (threads); {rank: result or
+    exception}. ``members`` may hold ranks that never come."""
+    from meshgroups.rendezvous import Meeting
+
+    out = {}
+
+    def one(r):
+        meeting = Meeting(
+            _client(master), r, len(members), "test call #1", base, timeout, members=members, watch=watch
+        )
+        try:
+            out[r] = meeting.agree({"x": "1"}, {"x": "1"}, {})
+        except Exception as exc:
+            out[r] = exc
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout.total_seconds() + scaled(30))
+    return out
+
+
+def test_a_meeting_stops_waiting_for_a_rank_whose_heartbeat_stopped(store):
+    """A cohort's meeting with a liveness probe: rank 2 never arrives and never beats (dead), so
+    ranks 0 and 1 raise the same RendezvousTimeout naming it as dead, without waiting out the
+    meeting's timeout (10 minutes here: a test that ends at all ended early). Without a probe
+    a rank that is merely absent is reported as such when the timeout ends."""
+    from meshgroups.errors import RendezvousTimeout
+    from meshgroups.verdict import Staleness
+
+    beats = [Heartbeat(_client(store), r, scaled(0.05)) for r in (0, 1)]
+    try:
+        probe_store = _client(store)
+        out = _meet(
+            store,
+            (0, 1, 2),
+            (0, 1),
+            lambda: Staleness(probe_store, scaled(1)).stale,
+            timedelta(seconds=600),
+            "t/rdzv/1/1",
+        )
+        for r in (0, 1):
+            assert isinstance(out[r], RendezvousTimeout), out
+            assert "rank 2 died before the cross-rank check of test call #1" in str(out[r]), out[r]
+            assert "heartbeat stopped" in str(out[r])
+        # every rank present: the probe never fires, the meeting passes
+        probe = lambda: Staleness(probe_store, scaled(1)).stale  # noqa: E731
+        out = _meet(store, (0, 1), (0, 1), probe, timedelta(seconds=60), "t/rdzv/2/1")
+        assert out == {0: {}, 1: {}}, out
+    finally:
+        for b in beats:
+            b.stop()
