@@ -80,3 +80,23 @@ def _run(plan, srcs, dsts, groups, bucket_bytes, rank):
     done = [p.bytes_done for p in seen]
     assert done == sorted(done) and (not seen or done[-1] == seen[-1].bytes_total), done
     return report
+
+
+def _sends_only(real, dropped):
+    """A stand-in for ``dist.batch_isend_irecv`` (``real``): at the first batch holding
+    receives it posts only that batch's sends, puts ``real`` back, records the receives it
+    dropped in ``dropped`` and raises (a rank failing mid-transfer, its peers' sends pending)."""
+    import torch.distributed as dist
+
+    def sends_only(ops):
+        receives = [op for op in ops if op.op is dist.irecv]
+        if not receives:
+            return real(ops)
+        dist.batch_isend_irecv = real
+        dropped.extend(receives)
+        sends = [op for op in ops if op.op is not dist.irecv]
+        if sends:
+            real(sends)
+        raise RuntimeError("injected: receives never posted")
+
+    return sends_only

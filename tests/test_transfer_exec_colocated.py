@@ -14,7 +14,7 @@ import pytest
 from meshgroups import Layout, LayoutError
 
 from ._dist import run, scaled
-from ._transfer_exec_util import _buffers, _check, _full, _run, _shards, _talk_only
+from ._transfer_exec_util import _buffers, _check, _full, _run, _sends_only, _shards, _talk_only
 
 
 def _checked_calls(rank, out):
@@ -141,17 +141,7 @@ def _colocated_and_failures(rank, out):
         # but never those receives, and fails; its peers' sends to it stay pending and time out (on gloo that
         # closes every connection of the transfer's p2p group; the default group reports it)
         real, dropped = dist.batch_isend_irecv, []
-
-        def sends_only(ops):
-            receives = [op for op in ops if op.op is dist.irecv]
-            if not receives:
-                return real(ops)
-            dist.batch_isend_irecv = real
-            dropped.extend(receives)
-            sends = [op for op in ops if op.op is not dist.irecv]
-            if sends:
-                real(sends)
-            raise RuntimeError("injected: receives never posted")
+        sends_only = _sends_only(real, dropped)
 
         if rank == 2:
             dist.batch_isend_irecv = sends_only

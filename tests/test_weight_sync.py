@@ -33,6 +33,7 @@ from ._sync_models import (
     train_step,
     vllm_names,
 )
+from ._transfer_exec_util import _sends_only
 
 
 def _everyone(full):
@@ -255,17 +256,7 @@ def _colocated(rank, out):
         # sends time out (gloo closes the groups' connections): TransferError in stage
         # "transfer" on every rank, the broken groups closed, the plan kept
         real, dropped = dist.batch_isend_irecv, []
-
-        def sends_only(ops):
-            receives = [op for op in ops if op.op is dist.irecv]
-            if not receives:
-                return real(ops)
-            dist.batch_isend_irecv = real
-            dropped.extend(receives)
-            sends = [op for op in ops if op.op is not dist.irecv]
-            if sends:
-                real(sends)
-            raise RuntimeError("injected: receives never posted")
+        sends_only = _sends_only(real, dropped)
 
         train_step(model, optimizer, 2)
         full = _everyone(full_weights(model))
