@@ -1,10 +1,10 @@
 """Per-rank cost of recovering from one lost node: the elastic path (recovery plan + only the
-changed groups + the new root mesh) against a restart (destroy every group and the default
-group, re-initialise on the survivors, ``init_mesh``) and the torchft model (only the replicate
-dim's group rebuilt, no mesh).
+changed groups + the new root mesh) against three restarts (destroy every group and the
+default group, re-initialise on the survivors, build the mesh again) and the torchft model
+(only the replicate dim's group rebuilt).
 
 Run: ``python benchmarks/bench_elastic.py [--repeat 3] [--worlds 1024,16384,131072]
-[--global-max-world 16384]``
+[--global-max-world 131072] [--plan-worlds 1048576]``
 
 Times are this process's CPU time (``time.process_time``): the fake backend does no I/O, so
 that is the work done, and a loaded machine's waiting for a core does not count.
@@ -15,21 +15,29 @@ each measurement runs in a fresh process; runs of the methods interleave and the
 (pp, dp, cp, tp) with tp=8 = one node; the node holding ranks (pp=0, dp=1, cp=0, tp=*) is lost,
 so the dp replica 1 is dropped (its other ranks become spares) and the survivors' layout is
 ``layout.select("dp", [0, 2, 3, ...])``. Families: every dim plus the flattened dp_cp and
-dp_cp_tp (FSDP/HSDP's data dims).
+dp_cp_tp (FSDP/HSDP's data dims). Methods (rows):
 
-- ``elastic``: ``plan_shrink`` (and its new layout), then the new ``MeshGroups`` through the old
-  mesh's GroupCache — ``meshgroups.recover.rebuild`` (the torch side; local meshes only), or for
-  the global strategy ``init_mesh`` on the same cache and closing the old mesh — then the root
-  mesh.
-- ``restart``: the old mesh closed, ``destroy_process_group()``, ``init_process_group`` on the
-  survivors renumbered densely, ``init_mesh`` of the renumbered layout, the root mesh.
-- ``torchft``: one ``new_group`` over this rank's new dp group (what torchft's replicate-only
-  model reconfigures), no DeviceMesh.
+- ``elastic (local)``: ``plan_shrink`` and its new layout, then ``meshgroups.recover.rebuild``
+  (the new ``MeshGroups`` through the old mesh's GroupCache, local strategy), then the root mesh.
+- ``elastic (global)``: the same plan, then ``init_mesh(strategy="global")`` on the old mesh's
+  cache and closing the old mesh (a mesh built with init_mesh's default strategy).
+- ``restart, init_mesh default (global)`` / ``restart, init_mesh local``: the old mesh closed,
+  ``destroy_process_group()``, ``init_process_group`` on the survivors renumbered densely,
+  ``init_mesh`` of the renumbered layout with that strategy, the root mesh.
+- ``restart, torch init_device_mesh``: the same restart, then what torch users run: torch's
+  ``init_device_mesh("cpu", shape, mesh_dim_names=...)`` and ``mesh["dp", "cp"]._flatten()``,
+  ``mesh["dp", "cp", "tp"]._flatten()``.
+- ``torchft (replicate only)``: one ``new_group`` over this rank's new dp group, no mesh.
 
 "new_group calls" counts every creation call on this rank (including the one-rank pads the local
 strategy makes to keep torch's group counts aligned); "groups created" the groups it is a member
 of — on real hardware, each is a communicator to set up, the dominant cost fake groups don't
-show. Both strategies are measured (the restart with the strategy of the elastic path).
+show, as is the world-wide rendezvous of a restart's new default group (the fake store answers
+at once). Each ``vs ...`` column is that restart's time divided by the row's.
+
+The second table is the plan alone (numpy, no torch) up to 1M ranks: ``plan_shrink``, building
+the survivors' layout, and one rank's questions (its role, new coordinates, every family's
+status).
 """
 
 from __future__ import annotations
@@ -40,8 +48,26 @@ import os
 import subprocess
 import sys
 import time
+import warnings
+from typing import Any
 
 FLATTEN = (("dp", "cp"), ("dp", "cp", "tp"))
+
+#: (label, method, strategy) of each row, in the order printed
+ROWS = (
+    ("elastic (local)", "elastic", "local"),
+    ("elastic (global)", "elastic", "global"),
+    ("restart, init_mesh default (global)", "restart", "global"),
+    ("restart, init_mesh local", "restart", "local"),
+    ("restart, torch init_device_mesh", "torch", "-"),
+    ("torchft (replicate only)", "torchft", "-"),
+)
+#: (column, label of the row it divides by)
+BASELINES = (
+    ("vs restart (init_mesh default)", "restart, init_mesh default (global)"),
+    ("vs restart (local)", "restart, init_mesh local"),
+    ("vs init_device_mesh", "restart, torch init_device_mesh"),
+)
 
 
 def shape_for(world: int) -> dict[str, int]:
@@ -58,12 +84,9 @@ def one_fake(method: str, strategy: str, world: int) -> dict[str, float]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from meshgroups import GroupCache, Layout, Topology, init_mesh
+    from meshgroups._torch_seam import group_count, held_group_count
     from meshgroups.elastic import plan_shrink
-
-    try:
-        from meshgroups.recover import rebuild  # the torch side (branch i28t), when merged
-    except ImportError:
-        rebuild = None
+    from meshgroups.recover import rebuild
 
     sizes = shape_for(world)
     layout = Layout(sizes)
@@ -71,9 +94,15 @@ def one_fake(method: str, strategy: str, world: int) -> dict[str, float]:
     lost = [layout.rank_at(pp=0, dp=1, cp=0, tp=t) for t in range(sizes["tp"])]
     assert layout.coords(rank)["dp"] != 1
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    # the job's mesh before the loss, as each method's users build it (torch's own for torch)
     cache = GroupCache()
-    old = init_mesh(layout, flatten=FLATTEN, strategy=strategy, cache=cache, check=False)
-    old.mesh  # noqa: B018  the old root, as a training job holds it
+    if method == "torch":
+        old_root = torch_mesh(tuple(sizes.values()), tuple(sizes))
+    else:
+        old = init_mesh(
+            layout, flatten=FLATTEN, strategy=strategy.strip("-") or "local", cache=cache, check=False
+        )
+        old.mesh  # noqa: B018  the old root, as a training job holds it
     calls, created = cache.calls, cache.created
     plan_seconds = 0.0
     t0 = time.process_time()
@@ -81,32 +110,37 @@ def one_fake(method: str, strategy: str, world: int) -> dict[str, float]:
         plan = plan_shrink(layout, lost, topology=Topology(node=sizes["tp"]), flatten=FLATTEN)
         new_layout = plan.new_layout
         plan_seconds = time.process_time() - t0
-        if rebuild is not None and strategy == "local":  # rebuild() is for local meshes only
+        if strategy == "local":
             new = rebuild(old, new_layout)
-        else:
+        else:  # rebuild() is for local meshes; a global one is rebuilt through the same cache
             new = init_mesh(new_layout, flatten=FLATTEN, strategy=strategy, cache=cache, check=False)
             old.close()
         root = new.mesh
         seconds = time.process_time() - t0
         counts = (cache.calls - calls, cache.created - created)
         assert root.get_coordinate() is not None and new.ranks("tp") == old_tp(layout, rank)
-    elif method == "restart":
-        old.close()
+    elif method in ("restart", "torch"):
+        if method == "restart":
+            old.close()
+        else:
+            del old_root  # torch's groups are all destroyed with the default group
         dist.destroy_process_group()
         survivors = (sizes["dp"] - 1) * world // sizes["dp"]
         new_rank = rank - (world // sizes["dp"] if layout.coords(rank)["dp"] > 1 else 0)
         dist.init_process_group("fake", store=FakeStore(), rank=new_rank, world_size=survivors)
-        fresh = GroupCache()
-        new = init_mesh(
-            Layout({**sizes, "dp": sizes["dp"] - 1}),
-            flatten=FLATTEN,
-            strategy=strategy,
-            cache=fresh,
-            check=False,
-        )
-        root = new.mesh
-        seconds = time.process_time() - t0
-        counts = (fresh.calls, fresh.created)
+        shape = {**sizes, "dp": sizes["dp"] - 1}
+        if method == "restart":
+            fresh = GroupCache()
+            new = init_mesh(Layout(shape), flatten=FLATTEN, strategy=strategy, cache=fresh, check=False)
+            root = new.mesh
+            seconds = time.process_time() - t0
+            counts = (fresh.calls, fresh.created)
+        else:
+            before = (group_count(), held_group_count())
+            root = torch_mesh(tuple(shape.values()), tuple(shape))
+            seconds = time.process_time() - t0
+            counts = (group_count() - before[0], held_group_count() - before[1])
+            assert root["_".join(FLATTEN[-1])].size() == survivors // shape["pp"]
         assert root.get_coordinate() is not None
     else:  # torchft: the replicate group only
         coords = layout.coords(rank)
@@ -114,67 +148,127 @@ def one_fake(method: str, strategy: str, world: int) -> dict[str, float]:
         dist.new_group(mine, use_local_synchronization=True)
         seconds = time.process_time() - t0
         counts = (1, 1)
-    return {
-        "seconds": seconds,
-        "plan": plan_seconds,
-        "calls": counts[0],
-        "created": counts[1],
-        "rebuild": rebuild is not None and strategy == "local" and method == "elastic",
-    }
+    return {"seconds": seconds, "plan": plan_seconds, "calls": counts[0], "created": counts[1]}
 
 
-def old_tp(layout, rank: int) -> list[int]:
-    return layout.group_of(rank, "tp").tolist()
+def torch_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """torch's own mesh with the flattened data dims, as torchtitan builds it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    root = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    for dims in FLATTEN:
+        root[dims]._flatten()
+    return root
+
+
+def one_plan(world: int) -> dict[str, float]:
+    """The plan alone (numpy, no torch) in this (fresh) process: seconds of each step."""
+    from meshgroups import Layout, Topology
+    from meshgroups.elastic import plan_shrink
+
+    sizes = shape_for(world)
+    layout = Layout(sizes)
+    rank = world // 3 + 7
+    lost = [layout.rank_at(pp=0, dp=1, cp=0, tp=t) for t in range(sizes["tp"])]
+    t0 = time.process_time()
+    plan = plan_shrink(layout, lost, topology=Topology(node=sizes["tp"]), flatten=FLATTEN)
+    t1 = time.process_time()
+    role, coords = plan.role(rank), plan.new_coords(rank)
+    status = {f: plan.status(rank, f) for f in plan.families}
+    t2 = time.process_time()
+    new_layout = plan.new_layout
+    t3 = time.process_time()
+    assert role == "survivor" and coords is not None and new_layout.coords(rank) == coords
+    assert [f for f, s in status.items() if s == "created"] == [("dp",), ("dp", "cp"), ("dp", "cp", "tp")]
+    return {"plan": t1 - t0, "questions": t2 - t1, "layout": t3 - t2}
+
+
+def run_child(*args: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, *args], check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def fake_table(repeat: int, worlds: list[int], global_max_world: int) -> None:
     print(
-        "| W | layout | strategy | method | plan (ms) | total (ms) | new_group calls | groups created "
-        "| restart / method |"
+        "| W | layout | method | plan (ms) | total (ms) | new_group calls | groups created | "
+        + " | ".join(column for column, _ in BASELINES)
+        + " |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---" * (7 + len(BASELINES)) + "|")
     for world in worlds:
-        for strategy in ("local", "global"):
-            if strategy == "global" and world > global_max_world:
-                continue
-            methods = ["elastic", "restart"] + (["torchft"] if strategy == "local" else [])
-            runs: dict[str, list[dict]] = {m: [] for m in methods}
-            for _ in range(repeat):
-                for method in methods:
-                    out = subprocess.run(
-                        [sys.executable, __file__, "--one-fake", method, strategy, str(world)],
-                        check=True,
-                        capture_output=True,
-                        text=True,
-                    ).stdout
-                    runs[method].append(json.loads(out.strip().splitlines()[-1]))
-            rows = {m: min(r, key=lambda run: run["seconds"]) for m, r in runs.items()}
-            base = rows["restart"]["seconds"]
-            dims = ", ".join(f"{k}={v}" for k, v in shape_for(world).items())
-            for method, row in rows.items():
-                plan = f"{row['plan'] * 1e3:.2f}" if method == "elastic" else "—"
-                print(
-                    f"| {world:,} | {dims} | {strategy} | {method} | {plan} | {row['seconds'] * 1e3:.2f} "
-                    f"| {row['calls']:,} | {row['created']:,} | {base / row['seconds']:.1f}x |",
-                    flush=True,
-                )
+        rows_here = [r for r in ROWS if r[2] != "global" or world <= global_max_world]
+        runs: dict[str, list[dict]] = {label: [] for label, _, _ in rows_here}
+        for _ in range(repeat):
+            for label, method, strategy in rows_here:
+                runs[label].append(run_child("--one-fake", method, strategy, str(world)))
+        rows = {label: min(r, key=lambda run: run["seconds"]) for label, r in runs.items()}
+        dims = ", ".join(f"{k}={v}" for k, v in shape_for(world).items())
+        for label, row in rows.items():
+            plan = f"{row['plan'] * 1e3:.2f}" if label.startswith("elastic") else "—"
+            ratios = [
+                ratio(rows[base]["seconds"], row["seconds"]) if base in rows else "—" for _, base in BASELINES
+            ]
+            print(
+                f"| {world:,} | {dims} | {label} | {plan} | {row['seconds'] * 1e3:.2f} "
+                f"| {row['calls']:,} | {row['created']:,} | " + " | ".join(ratios) + " |",
+                flush=True,
+            )
+
+
+def ratio(base: float, value: float) -> str:
+    """``base / value`` as ``"12.3x"`` (two significant digits below 1: ``"0.05x"``)."""
+    r = base / value
+    return f"{r:.1f}x" if r >= 1 else f"{r:.2g}x"
+
+
+def plan_table(repeat: int, worlds: list[int]) -> None:
+    print("| W | layout | plan_shrink (ms) | one rank's questions (ms) | new layout (ms) |")
+    print("|---|---|---|---|---|")
+    for world in worlds:
+        runs = [run_child("--one-plan", str(world)) for _ in range(repeat)]
+        best = {k: min(r[k] for r in runs) for k in ("plan", "questions", "layout")}
+        dims = ", ".join(f"{k}={v}" for k, v in shape_for(world).items())
+        print(
+            f"| {world:,} | {dims} | {best['plan'] * 1e3:.2f} | {best['questions'] * 1e3:.2f} "
+            f"| {best['layout'] * 1e3:.2f} |",
+            flush=True,
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--worlds", default="1024,16384,131072", help="world sizes, comma separated")
-    parser.add_argument("--global-max-world", type=int, default=16384)
+    parser.add_argument(
+        "--global-max-world", type=int, default=131072, help="largest world of the global-strategy rows"
+    )
+    parser.add_argument(
+        "--plan-worlds", default="1048576", help="world sizes of the plan-only table ('' for none)"
+    )
     parser.add_argument(
         "--one-fake", nargs=3, metavar=("METHOD", "STRATEGY", "WORLD"), help=argparse.SUPPRESS
     )
+    parser.add_argument("--one-plan", metavar="WORLD", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.one_fake:
+    if args.one_fake or args.one_plan:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        warnings.simplefilter("ignore")  # torch's deprecation notes on flattened-dim slicing
+        if args.one_plan:
+            print(json.dumps(one_plan(int(args.one_plan))))
+            return
         method, strategy, world = args.one_fake
         print(json.dumps(one_fake(method, strategy, int(world))))
         return
-    fake_table(args.repeat, [int(w) for w in args.worlds.split(",")], args.global_max_world)
+    worlds = [int(w) for w in args.worlds.split(",") if w]
+    fake_table(args.repeat, worlds, args.global_max_world)
+    plan_worlds = [int(w) for w in args.plan_worlds.split(",") if w]
+    if plan_worlds:
+        print()
+        plan_table(args.repeat, sorted(set(worlds + plan_worlds)))
+
+
+def old_tp(layout, rank: int) -> list[int]:
+    return layout.group_of(rank, "tp").tolist()
 
 
 if __name__ == "__main__":

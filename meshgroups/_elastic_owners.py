@@ -17,6 +17,7 @@ from functools import cached_property
 
 import numpy as np
 
+from . import algebra
 from .errors import RecoveryError
 from .layout import Layout
 
@@ -151,8 +152,9 @@ class Changed:
             return self._renamed()
         if o.dim is None:
             return o.old
-        kept = [i for i in range(o.old.size(o.dim)) if i not in set(o.indices)]
-        return o.old.without_views().select(o.dim, kept)
+        dropped = set(o.indices)
+        kept = [i for i in range(o.old.size(o.dim)) if i not in dropped]
+        return algebra.keep(o.old, o.old.names.index(o.dim), kept)  # trusted: indices of its own
 
     def listing(self, dims: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(kept, created, gone)`` group arrays of the family varying ``dims``."""

@@ -96,6 +96,27 @@ def affine_grid(
     return grid
 
 
+def affine_take(
+    shape: Sequence[int], strides: Sequence[int], offset: int, axis: int, picked: Sequence[int]
+) -> np.ndarray:
+    """``np.take(affine_grid(shape, strides, offset), picked, axis)`` without building the
+    whole grid first (one array, of the kept positions only)."""
+    out_shape = [len(picked) if a == axis else n for a, n in enumerate(shape)]
+    grid = np.full(out_shape, offset, dtype=np.int64)
+    for a, (size, stride) in enumerate(zip(shape, strides)):
+        index = np.asarray(picked, dtype=np.int64) if a == axis else np.arange(size, dtype=np.int64)
+        if stride and index.any():
+            view = [1] * len(shape)
+            view[a] = index.size
+            grid += (index * stride).reshape(view)
+    return grid
+
+
+def increasing(flat: np.ndarray) -> bool:
+    """True if the 1-D ``flat`` is strictly increasing (so its ranks are distinct and sorted). O(W)."""
+    return bool(np.all(flat[1:] > flat[:-1]))
+
+
 def affine_form(grid: np.ndarray) -> tuple[int, tuple[int, ...]] | None:
     """``(offset, strides)`` if ``grid`` (distinct ranks) is an affine placement with nested
     non-negative strides, else None. O(W)."""
@@ -196,6 +217,8 @@ def rank_grid(grid: Any, names: tuple[str, ...]) -> np.ndarray:
     if low < 0 or high > MAX_RANK:
         bad = low if low < 0 else high
         raise LayoutError(f"grid holds rank {bad}; ranks must be between 0 and {MAX_RANK}")
+    if increasing(arr.ravel()):  # distinct without a sort
+        return arr
     flat = np.sort(arr, axis=None)
     repeated = flat[1:][flat[1:] == flat[:-1]]
     if repeated.size:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .checks import MAX_NDIM, short_repr
 from .errors import LayoutError
 
@@ -78,11 +80,15 @@ def from_dict(cls: type[Layout], data: Mapping[str, Any], view_of: str | None = 
 
 
 def _short_grid(layout: Layout, limit: int = 12) -> str:
-    flat = layout.grid.ravel()
-    if flat.size <= limit:
-        return str(flat.tolist())
-    head = ", ".join(str(v) for v in flat[: limit - 2].tolist())
-    return f"[{head}, …, {int(flat[-1])}] ({flat.size} ranks)"
+    size = layout.world_size
+    if size <= limit:
+        return str(layout.grid.ravel().tolist())
+
+    def at(i: int) -> int:  # O(ndim): a repr (made for every init_mesh) copies no world-size grid
+        return layout.rank_at(**dict(zip(layout.names, (int(c) for c in np.unravel_index(i, layout.shape)))))
+
+    head = ", ".join(str(at(i)) for i in range(limit - 2))
+    return f"[{head}, …, {at(size - 1)}] ({size} ranks)"
 
 
 def layout_repr(layout: Layout) -> str:

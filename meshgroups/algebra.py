@@ -1,7 +1,10 @@
 """Layout algebra: flatten, split (unflatten) and select (subsets).
 
-Built on ``Layout``'s public constructors only (``from_strides`` for affine results,
-``from_grid`` for the rest, ``with_views`` to carry views over); ``Layout`` methods delegate here.
+Built on ``Layout``'s public API and constructors (``from_strides`` for affine results,
+``from_grid`` for the rest, ``with_views`` to carry views over), with one exception: a selection
+of a layout's own positions (``select``, ``keep``) is built with the trusted constructor
+``Layout._derived``, which skips re-validating ranks that cannot have changed (distinct, in
+range). ``Layout`` methods delegate here.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._grid import merged_stride
+from ._grid import affine_take, merged_stride
 from .checks import check_dims, check_int, check_names, check_size, formula, is_int, product, short_repr
 from .errors import LayoutError
 
@@ -105,6 +108,20 @@ def select(layout: Layout, dim: str, indices: int | Iterable[int]) -> Layout:
         if i not in seen:
             seen.add(i)
             picked.append(i)
+    return keep(layout, axis, picked)
+
+
+def keep(layout: Layout, axis: int, picked: list[int]) -> Layout:
+    """The sub-layout keeping the indices ``picked`` (distinct, in range: checked by the caller)
+    of dim number ``axis``, in that order; views are dropped. The trusted path of ``select`` for
+    callers that derive indices from the layout itself (a recovery plan's kept replicas): a
+    subset of a valid layout's positions holds distinct ranks, so no rank is re-checked —
+    evenly spaced indices of an affine layout stay affine in O(ndim), others take one copy of
+    the kept positions (no sort).
+
+        >>> keep(Layout(dp=4, tp=2), 0, [0, 1, 3]).groups("dp").tolist()
+        [[0, 2, 6], [1, 3, 7]]
+    """
     strides = layout.strides
     steps = {b - a for a, b in zip(picked, picked[1:])}
     if strides is not None and (len(picked) == 1 or (len(steps) == 1 and min(steps) > 0)):
@@ -119,4 +136,9 @@ def select(layout: Layout, dim: str, indices: int | Iterable[int]) -> Layout:
             return type(layout).from_strides(layout.names, shape, new_strides, offset)
         except ValueError:
             pass  # strides that no longer nest: keep the explicit grid
-    return type(layout).from_grid(np.take(layout.grid, picked, axis=axis), layout.names)
+    if strides is not None:
+        # Never affine here (the kept indices are unevenly spaced, or their strides do not nest,
+        # so the rank steps along ``axis`` differ or collide): no affine-form check either.
+        grid = affine_take(layout.shape, strides, layout.rank_offset, axis, picked)
+        return type(layout)._derived(layout.names, grid, affine=False)
+    return type(layout)._derived(layout.names, np.take(layout.grid, picked, axis=axis))

@@ -178,11 +178,18 @@ class Layout(LayoutTopology):
     @classmethod
     def _from_distinct(cls, names: tuple[str, ...], arr: np.ndarray) -> Layout:
         """``arr`` holds distinct, in-range ranks (checked by the caller)."""
-        arr = np.array(arr, dtype=np.int64, order="C", copy=True)
+        return cls._derived(names, np.array(arr, dtype=np.int64, order="C", copy=True))
+
+    @classmethod
+    def _derived(cls, names: tuple[str, ...], arr: np.ndarray, affine: bool = True) -> Layout:
+        """The trusted path: ``arr`` is a fresh C-contiguous int64 array nobody else holds, of
+        distinct in-range ranks (positions of a valid layout), one dim per name in ``names``
+        (already checked names). Kept without a copy; its affine form is found as ``from_grid``
+        would, unless the caller knows there is none (``affine=False``)."""
         shape = tuple(int(s) for s in arr.shape)
-        affine = _grid.affine_form(arr)
-        if affine is not None:
-            offset, strides = affine
+        form = _grid.affine_form(arr) if affine else None
+        if form is not None:
+            offset, strides = form
             return cls._new(names, shape, strides, offset)
         return cls._new(names, shape, None, int(arr.min()), _grid.readonly(arr))
 
@@ -377,6 +384,8 @@ class Layout(LayoutTopology):
     def _sorted_ranks(self) -> tuple[np.ndarray, np.ndarray]:
         """(ranks sorted, flat index of each) for explicit layouts: memory O(W), not O(max rank)."""
         flat = self._rank_array.ravel()
+        if _grid.increasing(flat):  # often so (a selection of a row-major layout): no sort
+            return flat, _grid.readonly(np.arange(flat.size, dtype=np.int64))
         order = np.argsort(flat, kind="stable")
         return _grid.readonly(flat[order]), _grid.readonly(order)
 

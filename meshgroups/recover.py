@@ -28,7 +28,8 @@ Over the whole world (no loss, or torch's fake backend) ``"global"`` meshes rebu
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import bisect
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -116,12 +117,13 @@ def rebuild(
         if outside:
             raise MeshConfigError(
                 f"the new layout holds rank(s) {outside[:8]} that are not live members of this cohort "
-                f"({list(members)[:16]}); build only over survivors and admitted ranks"
+                f"({list(members[:16])}); build only over survivors and admitted ranks"
             )
         call.compare(layout=new_layout.fingerprint())
         holders = [m for m in (old, *also_close) if m is not None]
-        mine = _retire_out_of_step(call, cache, holders, set(members))
-        _shrink_nccl_groups(cache, new_layout, opts, set(members))
+        live = _Live(members)  # no set of the world: membership by range or bisection
+        mine = _retire_out_of_step(call, cache, holders, live)
+        _shrink_nccl_groups(cache, new_layout, opts, live)
         # Every rank's cache must look alike to the cross-rank check: it is in use, by design.
         cache.since, cache.strategy = -1, opts["strategy"]
         try:
@@ -137,8 +139,34 @@ def rebuild(
     return mg
 
 
+class _Live:
+    """Membership in the cohort's members (sorted, distinct) or the whole world (a ``range``)
+    without building a set of them: O(1) for a range, O(log n) otherwise, per rank asked.
+
+        >>> _Live(range(8)).has_all([0, 7]), _Live((1, 4, 9)).has_any([2, 3])
+        (True, False)
+    """
+
+    def __init__(self, members: Sequence[int]) -> None:
+        self.members = members
+
+    def __contains__(self, rank: int) -> bool:
+        if isinstance(self.members, range):
+            return rank in self.members
+        i = bisect.bisect_left(self.members, rank)
+        return i < len(self.members) and self.members[i] == rank
+
+    def has_all(self, ranks: Iterable[int]) -> bool:
+        """Every one of ``ranks`` is a member."""
+        return all(r in self for r in ranks)
+
+    def has_any(self, ranks: Iterable[int]) -> bool:
+        """Some of ``ranks`` is a member."""
+        return any(r in self for r in ranks)
+
+
 def _retire_out_of_step(
-    call: Call, cache: GroupCache, holders: Sequence[MeshGroups], live: set[int]
+    call: Call, cache: GroupCache, holders: Sequence[MeshGroups], live: _Live
 ) -> list[str]:
     """Step 1 of the module docstring; returns this rank's store keys (deleted after the build)."""
     if not call.enabled:
@@ -148,7 +176,7 @@ def _retire_out_of_step(
     candidates: list[tuple[GroupKey, dist.ProcessGroup]] = [
         (key, group)
         for key, group in cache.items()
-        if group is not None and group is not dist.group.WORLD and len(key[0]) > 1 and live.issuperset(key[0])
+        if group is not None and group is not dist.group.WORLD and len(key[0]) > 1 and live.has_all(key[0])
     ]
     mine = []
     for _, group in candidates:
@@ -165,7 +193,7 @@ def _retire_out_of_step(
     return mine
 
 
-def _shrink_nccl_groups(cache: GroupCache, layout: Layout, opts: Mapping[str, Any], live: set[int]) -> None:
+def _shrink_nccl_groups(cache: GroupCache, layout: Layout, opts: Mapping[str, Any], live: _Live) -> None:
     """NCCL only (untested in CI, see docs/elastic.md): each group of this rank in ``layout``
     that is a group it already holds without ranks that are no longer live members (its order
     kept) is made by ``dist.shrink_group`` of that group (ncclCommShrink, no new bootstrap) and
@@ -187,7 +215,7 @@ def _shrink_nccl_groups(cache: GroupCache, layout: Layout, opts: Mapping[str, An
             continue
         for (ranks, bkey), group in held:
             gone = [r for r in ranks if r not in row]
-            if gone and tuple(r for r in ranks if r in row) == row and not live.intersection(gone):
+            if gone and tuple(r for r in ranks if r in row) == row and not live.has_any(gone):
                 shrunk = shrink_nccl_group(group, gone)
                 if shrunk is not None:
                     cache.put((row, bkey), shrunk)

@@ -94,3 +94,22 @@ def test_flatten_then_split_is_identity(args):
         range(lay.names.index(ordered[0]), lay.names.index(ordered[0]) + len(ordered))
     ):
         assert back == lay
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts(max_dims=4), st.data())
+def test_select_equals_the_validated_layout_of_the_taken_positions(lay, data):
+    # select builds its result by a trusted path (no re-validation, no copy of the source grid):
+    # it must be the very layout from_grid validates from the same positions, in every respect
+    dim = data.draw(st.sampled_from(lay.names))
+    size = lay.size(dim)
+    picked = data.draw(st.lists(st.integers(0, size - 1), min_size=1, max_size=size, unique=True))
+    got = lay.select(dim, picked)
+    ref = Layout.from_grid(np.take(lay.grid, picked, axis=lay.names.index(dim)), lay.names)
+    assert got == ref and hash(got) == hash(ref) and got.fingerprint() == ref.fingerprint()
+    assert got.is_affine == ref.is_affine and np.array_equal(got.grid, ref.grid)
+    for rank in lay.grid.ravel().tolist():
+        assert (rank in got) == (rank in ref)
+        if rank in ref:
+            assert got.coords(rank) == ref.coords(rank)
+    assert repr(got) == repr(ref)
