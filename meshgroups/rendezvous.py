@@ -41,8 +41,11 @@ PREFIX = "meshgroups/rdzv"
 PHASES = ("state", "verify", "built")
 #: Worlds up to this size get the exact list of missing ranks in a timeout message.
 NAME_MISSING_UP_TO = 4096
-#: Seconds between two looks of a liveness probe at the ranks a meeting still awaits.
+#: Seconds between two looks of a liveness probe at the ranks a meeting still awaits (cohorts of
+#: up to 512 ranks; proportionally longer above).
 LIVENESS_POLL = 0.5
+#: How many of a phase's first arrivals watch the others' liveness (the rest wait on the key).
+WATCHERS = 2
 #: Words of torch's errors that mean "waited on a peer" rather than "went wrong here".
 _WAITING_WORDS = ("timeout", "timed out", "connection", "connect", "broken pipe", "recv", "send")
 
@@ -144,6 +147,7 @@ class Meeting:
         # died is not waited for until the timeout.
         self.watch = watch
         self.dead: list[int] = []  # the awaited ranks the probe found dead in the last wait
+        self.arrival = 0  # this rank's place in the order of arrival at the current phase (1: first)
 
     def _key(self, name: str) -> str:
         return f"{self.base}/{name}"
@@ -176,10 +180,12 @@ class Meeting:
         return first if first.startswith("failed") else mine
 
     def _wait(self, key: str, seconds: float, where: str, phase: str) -> bool:
-        """Wait for ``key``; False when the wait timed out, or (with a liveness probe) as soon
-        as a rank that has not reached ``phase`` is dead (then named in ``self.dead``)."""
+        """Wait for ``key``; False when the wait timed out, or (with a liveness probe, on one of
+        the first ``WATCHERS`` ranks to arrive) as soon as a rank that has not reached ``phase``
+        is dead (then named in ``self.dead``). The other ranks wait on the key, which the
+        watcher that sees the death sets."""
         self.dead = []
-        if self.watch is not None and self.world_size <= NAME_MISSING_UP_TO:
+        if self.watch is not None and self.world_size <= NAME_MISSING_UP_TO and 0 < self.arrival <= WATCHERS:
             return self._watch(key, seconds, phase)
         try:
             self.store.wait([key], timedelta(seconds=max(seconds, 0.001)))
@@ -191,10 +197,12 @@ class Meeting:
 
     def _watch(self, key: str, seconds: float, phase: str) -> bool:
         """``_wait`` by polling (a short ``store.wait`` that times out logs a warning in torch
-        each time): the key, and every ``LIVENESS_POLL`` seconds the probe on the ranks that
-        have not reached ``phase``. O(members) store checks per look, small cohorts only."""
+        each time): the key, and every ``LIVENESS_POLL`` seconds (longer for large cohorts) the
+        probe on the ranks that have not reached ``phase``: O(members) store checks per look,
+        on ``WATCHERS`` ranks only."""
         assert self.watch is not None
         dead_of = self.watch()
+        look_every = LIVENESS_POLL * max(1.0, self.world_size / 512)
         deadline, pause, next_look = time.monotonic() + seconds, 0.005, 0.0
         while True:
             if self.op("check", [key]):
@@ -207,7 +215,7 @@ class Meeting:
                 self.dead = list(dead_of(absent)) if absent else []
                 if self.dead:
                     return False
-                next_look = now + LIVENESS_POLL
+                next_look = now + look_every
             time.sleep(min(pause, max(deadline - now, 0.0)))
             pause = min(pause * 2, 0.1)
 
@@ -276,7 +284,8 @@ class Meeting:
             self._wait_state(phase, done, where, started, late=True)  # decided without this rank
             return
         self.op("set", self._key(f"{phase}/here/{self.rank}"), "1")
-        if self.op("add", self._key(f"{phase}/count"), 1) == self.world_size:
+        self.arrival = int(self.op("add", self._key(f"{phase}/count"), 1))
+        if self.arrival == self.world_size:
             self.op("compare_set", self._key(phase), "", done)
         self._wait_state(phase, done, where, started)
 
@@ -367,7 +376,8 @@ class Meeting:
             self._decide_built(started)  # decided without this rank (it was too slow)
             return
         self.op("set", self._key(f"built/here/{self.rank}"), record)
-        if self.op("add", self._key("built/count"), 1) == self.world_size:
+        self.arrival = int(self.op("add", self._key("built/count"), 1))
+        if self.arrival == self.world_size:
             self.op("compare_set", self._key("built"), "", "reported")
         if not self._wait(
             self._key("built"), self.timeout.total_seconds() + grace, "the end of group creation", "built"

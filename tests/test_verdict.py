@@ -155,27 +155,27 @@ def _meet(master, members, ranks, watch, timeout, base):
 
 
 def test_a_meeting_stops_waiting_for_a_rank_whose_heartbeat_stopped(store):
-    """A cohort's meeting with a liveness probe: rank 2 never arrives and never beats (dead), so
-    ranks 0 and 1 raise the same RendezvousTimeout naming it as dead, without waiting out the
+    """A cohort's meeting with a liveness probe: rank 3 never arrives and never beats (dead), so
+    ranks 0-2 raise the same RendezvousTimeout naming it as dead, without waiting out the
     meeting's timeout (10 minutes here: a test that ends at all ended early). Without a probe
     a rank that is merely absent is reported as such when the timeout ends."""
     from meshgroups.errors import RendezvousTimeout
     from meshgroups.verdict import Staleness
 
-    beats = [Heartbeat(_client(store), r, scaled(0.05)) for r in (0, 1)]
+    beats = [Heartbeat(_client(store), r, scaled(0.05)) for r in (0, 1, 2)]
     try:
         probe_store = _client(store)
-        out = _meet(
+        out = _meet(  # (the first two to arrive watch; the third waits on the key they set)
             store,
+            (0, 1, 2, 3),
             (0, 1, 2),
-            (0, 1),
             lambda: Staleness(probe_store, scaled(1)).stale,
             timedelta(seconds=600),
             "t/rdzv/1/1",
         )
-        for r in (0, 1):
+        for r in (0, 1, 2):
             assert isinstance(out[r], RendezvousTimeout), out
-            assert "rank 2 died before the cross-rank check of test call #1" in str(out[r]), out[r]
+            assert "rank 3 died before the cross-rank check of test call #1" in str(out[r]), out[r]
             assert "heartbeat stopped" in str(out[r])
         # every rank present: the probe never fires, the meeting passes
         probe = lambda: Staleness(probe_store, scaled(1)).stale  # noqa: E731
