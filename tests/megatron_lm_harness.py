@@ -3,7 +3,7 @@ meshgroups.compat substituted for it, and print a table per test file (tests' he
 collected by pytest).
 
     python -m tests.megatron_lm_harness --git-dir <Megatron-LM git dir> [--tag core_v0.16.1]
-        [--mode compat|megatron-core|both] [--world 8] [FILE_OR_GROUP ...]
+        [--mode compat|megatron-core|both] [--world 8] [--chunk N] [--max-params N] [FILE_OR_GROUP ...]
 
 ``FILE_OR_GROUP``: a group of ``tests/megatron_lm_sources.GROUPS`` (``parallel_state`` — the
 default —, ``hyper_comm_grid``, ``utils``, ``tensor_parallel``, ``pipeline_parallel``,
@@ -15,7 +15,8 @@ nccl -> gloo: ``megatron_lm_sources.REWRITES``), beside Megatron's ``test_utilit
 under pytest on ``--world`` processes (env ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE``, one TCP
 store), bounded by ``--file-timeout`` (the whole file), ``--test-timeout`` (pytest-timeout)
 and ``--pg-timeout`` (the default group's, so a rank left alone in a collective fails instead
-of waiting 30 minutes). A test passes when no rank fails it and one passes it. Needs
+of waiting 30 minutes); ``--chunk N`` gives megatron-core a fresh session per N tests (see
+``run_files``). A test passes when no rank fails it and one passes it. Needs
 megatron-core 0.16.1 and pytest-mock installed (``pip install -e '.[megatron-ref]'``).
 """
 
