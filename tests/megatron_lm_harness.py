@@ -3,7 +3,7 @@ meshgroups.compat substituted for it, and print a table per test file (tests' he
 collected by pytest).
 
     python -m tests.megatron_lm_harness --git-dir <Megatron-LM git dir> [--tag core_v0.16.1]
-        [--mode compat|megatron-core|both] [--world 8] [FILE_OR_GROUP ...]
+        [--mode compat|megatron-core|both] [--world 8] [--chunk N] [--max-params N] [FILE_OR_GROUP ...]
 
 ``FILE_OR_GROUP``: a group of ``tests/megatron_lm_sources.GROUPS`` (``parallel_state`` — the
 default —, ``hyper_comm_grid``, ``utils``, ``tensor_parallel``, ``pipeline_parallel``,
@@ -15,7 +15,8 @@ nccl -> gloo: ``megatron_lm_sources.REWRITES``), beside Megatron's ``test_utilit
 under pytest on ``--world`` processes (env ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE``, one TCP
 store), bounded by ``--file-timeout`` (the whole file), ``--test-timeout`` (pytest-timeout)
 and ``--pg-timeout`` (the default group's, so a rank left alone in a collective fails instead
-of waiting 30 minutes). A test passes when no rank fails it and one passes it. Needs
+of waiting 30 minutes); ``--chunk N`` gives megatron-core a fresh session per N tests (see
+``run_files``). A test passes when no rank fails it and one passes it. Needs
 megatron-core 0.16.1 and pytest-mock installed (``pip install -e '.[megatron-ref]'``).
 """
 
@@ -76,6 +77,8 @@ def _rank_outcomes(path: Path) -> tuple[dict[str, tuple[str, str]], list[str], b
             collect_errors.append(f"{nodeid}: {message}")
         elif what == "end":
             ended = True
+        elif what == "collected":
+            continue
         elif what == "deselected":
             outcomes[nodeid] = ("deselected", "")
         elif outcome == "failed" or outcomes.get(nodeid, ("",))[0] != "failed":
@@ -147,11 +150,12 @@ def _wait(procs: list, results: list[Path], args: argparse.Namespace, n_files: i
     return killed, stuck
 
 
-def run_files(dest: Path, test_files: list[str], mode: str, args: argparse.Namespace) -> FileResult:
-    """``test_files`` in one pytest session on ``args.world`` processes in ``mode``; the merged
-    verdicts (``--file-timeout`` bounds the session)."""
-    name = Path(test_files[0]).stem if len(test_files) == 1 else f"{len(test_files)}-files"
-    port, out = str(free_port()), dest / "results" / mode / name
+def _session(
+    dest: Path, test_files: list[str], mode: str, args: argparse.Namespace, out: Path, part: str
+) -> FileResult:
+    """One pytest session of ``test_files`` on ``args.world`` processes, keeping the collected
+    tests ``part`` (``"start:stop"``, or ``""`` for all); the merged verdicts."""
+    port = str(free_port())
     out.mkdir(parents=True, exist_ok=True)
     procs = []
     for rank in range(args.world):
@@ -168,6 +172,7 @@ def run_files(dest: Path, test_files: list[str], mode: str, args: argparse.Names
             MESHGROUPS_RESULTS=str(results),
             MEGATRON_LM_PG_TIMEOUT=str(args.pg_timeout),
             MEGATRON_LM_MAX_PARAMS=str(args.max_params),
+            MEGATRON_LM_PART=part,
             CUDA_VISIBLE_DEVICES="",
         )
         cmd = [
@@ -188,16 +193,52 @@ def run_files(dest: Path, test_files: list[str], mode: str, args: argparse.Names
     result.notes += sorted({e for p in parsed for e in p[1]})
     if stuck:
         result.notes.append(
-            f"ranks {stuck} did not exit within {EXIT_GRACE:.0f}s of their session's end (threads left "
-            "running): killed"
+            f"{part or 'all'}: ranks {stuck} did not exit within {EXIT_GRACE:.0f}s of their session's end "
+            "(threads left running): killed"
         )
     if killed:
         ended = sum(p[2] for p in parsed)
         result.notes.append(
-            f"killed after --file-timeout {args.file_timeout:.0f}s ({ended} of {args.world} ranks had "
-            "finished their tests: the others hung in a test or at exit)"
+            f"{part or 'all'}: killed after --file-timeout {args.file_timeout:.0f}s ({ended} of {args.world} "
+            "ranks had finished their tests: the others hung in a test or at exit)"
         )
     return result
+
+
+def _collected(out: Path) -> int:
+    """How many tests rank 0's session collected (after ``--max-params``), 0 if it never said."""
+    path = out / "rank0.tsv"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        what, _, count = [*line.split("\t"), "", ""][:3]
+        if what == "collected":
+            return int(count)
+    return 0
+
+
+def run_files(dest: Path, test_files: list[str], mode: str, args: argparse.Namespace) -> FileResult:
+    """``test_files`` on ``args.world`` processes in ``mode``: one pytest session, or in
+    megatron-core mode with ``args.chunk`` = N > 0 one fresh session per N collected tests; the
+    merged verdicts (``--file-timeout`` bounds each session).
+
+    Why megatron-core only: its ``destroy_model_parallel`` drops its groups without destroying
+    them, so on gloo each initialisation leaves ~50 threads per rank behind (``pt_gloo_runloop``,
+    ``gloo_tcp_loop``), and a long session slows to minutes per test as they pile up; compat
+    destroys the groups it made, and its sessions stay fast."""
+    name = Path(test_files[0]).stem if len(test_files) == 1 else f"{len(test_files)}-files"
+    out = dest / "results" / mode / name
+    chunk = getattr(args, "chunk", 0) if mode == "megatron-core" else 0
+    if chunk <= 0:
+        return _session(dest, test_files, mode, args, out, "")
+    merged, start, total = FileResult(), 0, None
+    while total is None or start < total:
+        part = out / f"part{start // chunk}"
+        got = _session(dest, test_files, mode, args, part, f"{start}:{start + chunk}")
+        total = _collected(part) if total is None else total
+        merged.verdicts.update(got.verdicts)
+        merged.reasons.update(got.reasons)
+        merged.notes += [n for n in got.notes if n not in merged.notes]
+        start += chunk
+    return merged
 
 
 def table(files: list[str], results: dict[str, dict[str, FileResult]], modes: Iterable[str]) -> str:
@@ -264,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="run N parametrizations per test function, evenly spread (0: all)",
+    )
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=0,
+        help="megatron-core mode: a fresh session (new processes) per N collected tests (0: one session)",
     )
     parser.add_argument("--keep", help="extract into this directory and keep the logs")
     parser.add_argument("--rewrites", action="store_true", help="print the source rewrites and exit")

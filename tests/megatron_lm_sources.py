@@ -149,16 +149,14 @@ if os.environ.get("MESHGROUPS_MODE") == "compat":
 
 @pytest.fixture(scope="session", autouse=True)
 def _distributed():
-    """torch.distributed up before the first test and torn down after the last, as in Megatron's
-    CI, where one pytest session runs every file (tests such as HyperCommGrid's mocked ones rely
-    on an earlier file having initialised it)."""
+    """torch.distributed up before the first test, as in Megatron's CI, where one pytest session
+    runs every file (tests such as HyperCommGrid's mocked ones rely on an earlier file having
+    initialised it); torn down in pytest_sessionfinish, not here: a session fixture's teardown
+    is reported as the last test's, and shutting down every group megatron-core left behind can
+    outlast pytest-timeout."""
     from tests.unit_tests.test_utilities import Utils
 
     Utils.initialize_distributed()
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 # Each outcome is appended as it happens, so a rank killed by the harness's timeout still tells
@@ -196,8 +194,17 @@ def pytest_collectreport(report):
 
 def pytest_collection_modifyitems(config, items):
     """--max-params N: keep N parametrizations of each test function, evenly spread over its
-    list (first and last included), for a time budget; the others are deselected and counted."""
-    limit = int(os.environ.get("MEGATRON_LM_MAX_PARAMS", "0"))
+    list (first and last included), for a time budget; the others are deselected and counted.
+    Then --chunk: the number of tests left is recorded, and this session keeps its slice of them."""
+    _max_params(config, items, int(os.environ.get("MEGATRON_LM_MAX_PARAMS", "0")))
+    _line("collected", "", len(items), "")
+    part = os.environ.get("MEGATRON_LM_PART", "")
+    if part:  # the harness's --chunk: this session runs tests [start, stop) of the collected list
+        start, stop = (int(x) for x in part.split(":"))
+        items[:] = items[start:stop]
+
+
+def _max_params(config, items, limit):
     if limit <= 0:
         return
     by_function = {}
@@ -218,6 +225,11 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_sessionfinish(session, exitstatus):
     _line("end", "", exitstatus, "")
+    # after "end": a rank slow to shut its groups down is reported by the harness (and killed
+    # after its grace period), not charged to a test
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 '''
 
 

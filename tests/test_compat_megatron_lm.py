@@ -6,7 +6,8 @@ Two jobs of 8 gloo processes (``tests/megatron_lm_harness.py``): a representativ
 files docs/megatron-tests.md measures — HyperCommGrid, the tensor-parallel mappings and
 cross-entropy, DDP's reduce-scatter with fp32 accumulation, pipeline helpers — in one pytest
 session on megatron-core, then in one on ``meshgroups.compat`` installed in its place. Every
-test that passes on megatron-core must pass on compat.
+test that passes on megatron-core must pass on compat. One more test, without megatron-core,
+checks the harness's sampling and ``--chunk`` slicing on a few plain pytest tests.
 """
 
 from __future__ import annotations
@@ -75,3 +76,48 @@ def test_megatron_lm_unit_tests_pass_on_compat_as_on_megatron_core(tmp_path: Pat
         if ours.verdicts.get(n) != "passed"
     }
     assert not missing, missing
+
+
+def test_harness_session_keeps_its_part_of_the_sampled_tests(tmp_path: Path) -> None:
+    """The conftest the harness writes (no megatron-core needed): ``--max-params`` samples each
+    function's parametrizations, the count left is recorded, and a ``--chunk`` session runs only
+    its slice of them; the harness reads the count and the verdicts back."""
+    import sys
+
+    from .megatron_lm_harness import _collected, _rank_outcomes
+    from .megatron_lm_sources import CONFTEST
+
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    utilities = tmp_path / "tests" / "unit_tests"
+    utilities.mkdir(parents=True)
+    for parent in (tmp_path / "tests", utilities):
+        (parent / "__init__.py").write_text("")
+    # the session fixture's Utils.initialize_distributed: nothing to start for these tests
+    (utilities / "test_utilities.py").write_text(
+        "class Utils:\n    @staticmethod\n    def initialize_distributed():\n        pass\n"
+    )
+    (utilities / "test_sample.py").write_text(
+        "import pytest\n\n\n@pytest.mark.parametrize('x', range(5))\ndef test_p(x):\n    assert x != 2\n\n\n"
+        "def test_plain():\n    pass\n"
+    )
+    results = tmp_path / "rank0.tsv"
+    env = dict(
+        os.environ, MESHGROUPS_RESULTS=str(results), MEGATRON_LM_MAX_PARAMS="3", MEGATRON_LM_PART="1:3"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit_tests/test_sample.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
+    # 3 of test_p's 5 (first, middle, last: 0, 2, 4) and test_plain: 4 collected; this part runs
+    # the 2nd and 3rd of them, test_p[2] (fails) and test_p[4]
+    assert _collected(tmp_path) == 4, done.stdout + done.stderr
+    outcomes, collect_errors, ended = _rank_outcomes(results)
+    assert not collect_errors and ended
+    ran = {n.split("::")[1]: o for n, (o, _) in outcomes.items() if o != "deselected"}
+    assert ran == {"test_p[2]": "failed", "test_p[4]": "passed"}
+    deselected = {n.split("::")[1] for n, (o, _) in outcomes.items() if o == "deselected"}
+    assert deselected == {"test_p[1]", "test_p[3]"}
