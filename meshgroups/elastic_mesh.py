@@ -16,6 +16,8 @@ the spares and the verdicts.
   gloo's ``Connection closed by peer``, or a timeout) is published, the ranks agree who is lost
   (``meshgroups.verdict``), and every survivor raises ``RanksLost`` naming the same ranks (or
   ``StepFailed`` when every rank is alive); a rank that was too late raises ``Excluded``.
+  Failures are counted by step: a rank still finishing step k when a peer fails in step k + 1
+  gets through step k and raises on entering step k + 1, so every rank names the same step.
 - ``shrink()`` drops the replicas that hold lost ranks and rebuilds over the survivors
   (``meshgroups.recover.rebuild``: unchanged groups are the same objects); ``grow(ranks)``
   admits spares as new replicas; spares wait in ``standby()``.
@@ -55,7 +57,7 @@ from .verdict import (
     Verdict,
     agree_lost,
     commit,
-    failure_published,
+    failed_step,
     publish_failure,
 )
 
@@ -117,8 +119,7 @@ class Elastic:
             "backend_override": None,
         }
         self.store = default_store()
-        self.epoch = 0
-        self._commits = 0
+        self._enter_epoch(0)
         self.members: tuple[int, ...] = tuple(sorted(layout.grid.ravel().tolist()))
         self.verdicts: list[Verdict] = []
         self.plan: RecoveryPlan | None = None  # the last shrink / substitute / grow plan
@@ -170,12 +171,30 @@ class Elastic:
         every live member alike, ``Excluded`` on a rank declared lost."""
         if self.is_spare:
             raise MeshConfigError(f"rank {self.rank} is a spare: call standby(), not step()")
+        self._steps += 1
+        # A peer failed in a later step of this epoch while this rank was finishing an earlier
+        # one: those steps succeeded; this is the step the peers failed in, and they no longer
+        # make its collectives.
+        if self._failure_ahead and self._failed_by(self._steps):
+            raise self._fail(None)
         try:
             yield
         except Exception as exc:
             raise self._fail(exc) from exc
-        if failure_published(self.store, self.epoch):  # a peer failed while this rank got through
+        if self._failed_by(self._steps):  # a peer failed in this step while this rank got through
             raise self._fail(None)
+
+    def _failed_by(self, step: int) -> bool:
+        """Whether a failure was published in ``step`` or before (one store round trip when
+        none was); notes a failure in a later step for the next ``step()``."""
+        failed = failed_step(self.store, self.epoch)
+        self._failure_ahead = failed is not None and failed > step
+        return failed is not None and failed <= step
+
+    def _enter_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self._commits = self._steps = 0
+        self._failure_ahead = False
 
     def commit(self) -> None:
         """Inside ``step()``, between ``backward()`` and ``optimizer.step()``: returns once every
@@ -195,7 +214,7 @@ class Elastic:
         )
 
     def _fail(self, exc: BaseException | None) -> StepFailed:
-        publish_failure(self.store, self.epoch, self.rank, exc)
+        publish_failure(self.store, self.epoch, self.rank, exc, step=self._steps)
         verdict = agree_lost(
             self.store,
             self.epoch,
@@ -205,8 +224,7 @@ class Elastic:
             stale_after=self.stale_after,
         )
         self.verdicts.append(verdict)
-        self.epoch += 1
-        self._commits = 0
+        self._enter_epoch(self.epoch + 1)
         self.members = verdict.survivors
         self.cohort = self._cohort(self.members, self.epoch)
         set_cohort(self.cohort)
@@ -307,8 +325,7 @@ class Elastic:
 
     def _admit_spares(self, layout: Layout, admitted: Sequence[int]) -> MeshGroups | None:
         """Tell the admitted spares (in ``standby()``) the new layout, then rebuild over it."""
-        self.epoch += 1
-        self._commits = 0
+        self._enter_epoch(self.epoch + 1)
         if self.rank == self.members[0]:
             spares = sorted((set(self.spares) | set(self.members)) - set(layout.grid.ravel().tolist()))
             record = json.dumps(
@@ -329,8 +346,7 @@ class Elastic:
             raise TimeoutError(f"spare rank {self.rank} was not admitted within {timeout}s ({exc})") from None
         record = json.loads(self.store.get(key))
         self.store.delete_key(key)
-        self.epoch = int(record["epoch"])
-        self._commits = 0
+        self._enter_epoch(int(record["epoch"]))
         self.spares = tuple(record["spares"])
         self.grown = tuple(record["grown"])
         layout = Layout.from_dict(record["layout"])

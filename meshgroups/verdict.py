@@ -95,8 +95,12 @@ def _key(epoch: int, name: str) -> str:
     return f"{KEY}/e{epoch}/{name}"
 
 
-def publish_failure(store: dist.Store, epoch: int, rank: int, exc: BaseException | None) -> str:
-    """Record the first failure of ``epoch`` (first writer wins); returns the one that counts."""
+def publish_failure(
+    store: dist.Store, epoch: int, rank: int, exc: BaseException | None, step: int = 0
+) -> str:
+    """Record the first failure of ``epoch`` (first writer wins) and the earliest ``step`` of the
+    epoch a failure was seen in (0: before any step); returns the failure that counts."""
+    _lower_to(store, _key(epoch, "failed_step"), step)  # before "failed": a reader of one finds both
     mine = f"rank {rank}: " + (f"{type(exc).__name__}: {exc}" if exc is not None else "a peer failed")
     return str(store.compare_set(_key(epoch, "failed"), "", mine[:2000]).decode())
 
@@ -104,6 +108,25 @@ def publish_failure(store: dist.Store, epoch: int, rank: int, exc: BaseException
 def failure_published(store: dist.Store, epoch: int) -> bool:
     """Whether some rank published a failure in ``epoch`` (one store round trip)."""
     return bool(store.check([_key(epoch, "failed")]))
+
+
+def failed_step(store: dist.Store, epoch: int) -> int | None:
+    """The earliest step of ``epoch`` in which a rank published a failure, ``None`` when none did
+    (one store round trip without a failure, two with one)."""
+    if not failure_published(store, epoch):
+        return None
+    step = _read(store, _key(epoch, "failed_step"))
+    return 0 if step == _ABSENT else int(step)
+
+
+def _lower_to(store: dist.Store, key: str, value: int) -> None:
+    """Set the integer at ``key`` to ``value`` unless it already holds a smaller one."""
+    expected = ""
+    while True:
+        got = str(store.compare_set(key, expected, str(value)).decode())
+        if got == str(value) or int(got) <= value:
+            return
+        expected = got
 
 
 def _read(store: dist.Store, key: str) -> str:
@@ -251,7 +274,8 @@ def commit(
         # (polled: a short store.wait that times out logs a warning in torch each time)
         if store.check([f"{base}/done"]):
             return
-        if failure_published(store, epoch):
+        # (done again after a failure: the last arrival sets it before anyone can go on and fail)
+        if failure_published(store, epoch) and not store.check([f"{base}/done"]):
             raise StepAborted(f"rank {rank}: a peer failed in epoch {epoch} before commit {number}")
         stale = watch.stale([r for r in members if r != rank])
         if stale:
@@ -279,6 +303,7 @@ __all__ = [
     "Verdict",
     "agree_lost",
     "commit",
+    "failed_step",
     "failure_published",
     "heartbeat_key",
     "publish_failure",

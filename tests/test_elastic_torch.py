@@ -218,9 +218,10 @@ def worker_scenarios(rank, world, port):
         model, opt = fresh(mg)
     else:
         model, opt = build(mg)
-        assert guarded(model, opt) is None
+        failed = guarded(model, opt)
+        assert failed is None, failed
         before = {"tp": mg.group("tp")}
-        assert isinstance(guarded(model, opt, die_rank=0), RanksLost)
+        assert isinstance(failed := guarded(model, opt, die_rank=0), RanksLost), failed
         snap, snap_owner = snapshot(model, opt), (2, 3, 4, 5)
         del model, opt
         mg = el.substitute(node=2)
@@ -234,7 +235,7 @@ def worker_scenarios(rank, world, port):
     same = replicas_equal(snapshot(model, opt), mg.group("dp_replicate"))
     assert same is True, same
     # 2. Two failures in a row: rank 3 dies mid-step; 3. rank 5 dies during the shrink.
-    assert isinstance(guarded(model, opt, die_rank=3), RanksLost)
+    assert isinstance(failed := guarded(model, opt, die_rank=3), RanksLost), failed
     snap, snap_owner = snapshot(model, opt), (4, 5, 6, 7)
     del model, opt
     if rank == 5:
@@ -262,7 +263,8 @@ def worker_scenarios(rank, world, port):
     assert el.layout.grid.ravel().tolist() == [6, 7]
     model, opt = build(mg)
     load(model, opt, snap)
-    assert guarded(model, opt) is None
+    failed = guarded(model, opt)
+    assert failed is None, failed
     out["epoch"] = el.epoch
     el.close()
     return out
@@ -321,6 +323,25 @@ def worker_step_failed(rank, world, port):
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=mg.group("tp"))
     assert t.item() == {0: 1.0, 1: 1.0, 2: 5.0, 3: 5.0}[rank]
+    # A rank still finishing step 1 when a peer fails in step 2 (rank 3 holds on until rank 2's
+    # failure is published): its step 1 succeeded, and it raises on entering step 2, as the rest.
+    from meshgroups.verdict import failure_published
+
+    epoch = el.epoch
+    with el.step():
+        dist.all_reduce(torch.ones(1), group=mg.group("tp"))
+        deadline = time.monotonic() + scaled(60)
+        while rank == 3 and not failure_published(el.store, epoch):
+            assert time.monotonic() < deadline, "rank 2's failure was never published"
+            time.sleep(0.05)
+    try:
+        with el.step():
+            if rank == 2:
+                raise ValueError("a bad batch on rank 2 in step 2")
+            el.commit()  # ranks 0 and 1: aborted by rank 2's failure
+        raise AssertionError("step 2 did not fail")
+    except StepFailed as exc:
+        assert exc.epoch == epoch and "a bad batch on rank 2 in step 2" in exc.cause, exc
     el.close()
     return same
 

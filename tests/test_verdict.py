@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from meshgroups.cohort import Cohort, current_cohort, use_cohort
 from meshgroups.errors import Excluded
-from meshgroups.verdict import Heartbeat, StepAborted, agree_lost, commit, publish_failure
+from meshgroups.verdict import Heartbeat, StepAborted, agree_lost, commit, failed_step, publish_failure
 
 from ._timing import scaled
 
@@ -119,6 +119,17 @@ def test_commit_passes_together_and_stops_at_a_failure(store):
     finally:
         for b in beats:
             b.stop()
+
+
+def test_the_failed_step_is_the_earliest_any_rank_published_and_the_first_cause_counts(store):
+    assert failed_step(store, 3) is None
+    first = publish_failure(_client(store), 3, 1, RuntimeError("boom"), step=5)
+    assert first == "rank 1: RuntimeError: boom" and failed_step(store, 3) == 5
+    # ranks that saw it in an earlier step lower it, concurrently; a later step does not raise it
+    _on_threads((0, 2, 4), lambda r: publish_failure(_client(store), 3, r, None, step=r + 2), scaled(30))
+    assert failed_step(store, 3) == 2
+    assert publish_failure(store, 3, 6, None, step=9) == first and failed_step(store, 3) == 2
+    assert failed_step(store, 4) is None  # epochs are apart
 
 
 def test_cohorts():
