@@ -53,7 +53,8 @@ import torch.distributed as dist
 from ._torch_seam import default_backend_name, default_store, default_timeout
 from .cohort import current_cohort
 from .errors import ConcurrentInitError, StoreConnectionError
-from .rendezvous import PREFIX, Meeting, is_shared, shared
+from .failure_records import is_shared, shared
+from .rendezvous import PREFIX, Meeting
 
 F = TypeVar("F", bound=Callable[..., Any])
 _OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
