@@ -17,7 +17,7 @@ the spares and the verdicts.
   (``meshgroups.verdict``), and every survivor raises ``RanksLost`` naming the same ranks (or
   ``StepFailed`` when every rank is alive); a rank that was too late raises ``Excluded``.
   Failures are counted by step: a rank still finishing step k when a peer fails in step k + 1
-  gets through step k and raises on entering step k + 1, so every rank names the same step.
+  gets through step k and fails in step k + 1 as the others did, so every rank names the same step.
 - ``shrink()`` drops the replicas that hold lost ranks and rebuilds over the survivors
   (``meshgroups.recover.rebuild``: unchanged groups are the same objects); ``grow(ranks)``
   admits spares as new replicas; spares wait in ``standby()``.
@@ -172,29 +172,20 @@ class Elastic:
         if self.is_spare:
             raise MeshConfigError(f"rank {self.rank} is a spare: call standby(), not step()")
         self._steps += 1
-        # A peer failed in a later step of this epoch while this rank was finishing an earlier
-        # one: those steps succeeded; this is the step the peers failed in, and they no longer
-        # make its collectives.
-        if self._failure_ahead and self._failed_by(self._steps):
-            raise self._fail(None)
         try:
             yield
         except Exception as exc:
             raise self._fail(exc) from exc
-        if self._failed_by(self._steps):  # a peer failed in this step while this rank got through
-            raise self._fail(None)
-
-    def _failed_by(self, step: int) -> bool:
-        """Whether a failure was published in ``step`` or before (one store round trip when
-        none was); notes a failure in a later step for the next ``step()``."""
+        # A peer failed in this step (or before) while this rank got through. A failure in a
+        # later step (this rank was still finishing this one) is not this step's: the next step
+        # meets it as every rank did (its collectives fail, commit() aborts).
         failed = failed_step(self.store, self.epoch)
-        self._failure_ahead = failed is not None and failed > step
-        return failed is not None and failed <= step
+        if failed is not None and failed <= self._steps:
+            raise self._fail(None)
 
     def _enter_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self._commits = self._steps = 0
-        self._failure_ahead = False
 
     def commit(self) -> None:
         """Inside ``step()``, between ``backward()`` and ``optimizer.step()``: returns once every

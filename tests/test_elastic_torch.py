@@ -324,7 +324,7 @@ def worker_step_failed(rank, world, port):
     dist.all_reduce(t, group=mg.group("tp"))
     assert t.item() == {0: 1.0, 1: 1.0, 2: 5.0, 3: 5.0}[rank]
     # A rank still finishing step 1 when a peer fails in step 2 (rank 3 holds on until rank 2's
-    # failure is published): its step 1 succeeded, and it raises on entering step 2, as the rest.
+    # failure is published): its step 1 succeeded, and it fails in step 2, as the rest.
     from meshgroups.verdict import failure_published
 
     epoch = el.epoch
@@ -338,7 +338,7 @@ def worker_step_failed(rank, world, port):
         with el.step():
             if rank == 2:
                 raise ValueError("a bad batch on rank 2 in step 2")
-            el.commit()  # ranks 0 and 1: aborted by rank 2's failure
+            el.commit()  # ranks 0, 1 and 3: aborted by rank 2's failure
         raise AssertionError("step 2 did not fail")
     except StepFailed as exc:
         assert exc.epoch == epoch and "a bad batch on rank 2 in step 2" in exc.cause, exc
