@@ -7,6 +7,7 @@ the spares and the verdicts.
     ...         with el.step():
     ...             train_step(el.mg)
     ...     except RanksLost as lost:           # every survivor, the same lost ranks
+    ...         model.reset_iter_state()         # FSDP2: the failed step's unsharded params out
     ...         mg = el.shrink()                 # None on a rank that became a spare
     ...         ...                              # rebuild the model on el.mg, from the state kept
 

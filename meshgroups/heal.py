@@ -33,8 +33,20 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     """``{name: tensor}``: the model's parameters (DTensors as they are) and, per parameter,
     each tensor of its optimizer state as ``<param>.<key>`` (a 0-dim tensor such as Adam's
     ``step`` as a 1-element view, so writing it writes the state). Every rank of one model
-    gets the same names once the optimizer state exists (see ``init_optimizer_state``)."""
+    gets the same names once the optimizer state exists (see ``init_optimizer_state``).
+
+    After a step that failed inside ``forward()`` or ``backward()``, FSDP2 still holds the
+    failed step's unsharded parameters: call ``reset_iter_state()`` on the root FSDP module
+    first (torch's recovery call), or a model whose parameters are none of the optimizer's is
+    refused here (``ValueError``) rather than read without its optimizer state."""
     out: dict[str, Any] = dict(model.named_parameters())
+    if optimizer is not None and optimizer.state and not any(p in optimizer.state for p in out.values()):
+        raise ValueError(
+            f"the optimizer holds state for {len(optimizer.state)} parameter(s), none of them one of the "
+            "model's: the model's registered parameters are not the optimizer's. After a step that failed "
+            "inside forward() or backward(), FSDP2 still holds the unsharded parameters: call "
+            "reset_iter_state() on the root FSDP module first"
+        )
     if optimizer is not None:
         for name, param in model.named_parameters():
             for key, value in sorted(optimizer.state.get(param, {}).items()):

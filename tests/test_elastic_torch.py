@@ -16,7 +16,7 @@ import torch.distributed as dist
 from meshgroups import Layout
 
 from ._dist import run, scaled
-from ._elastic_train import LAYOUT_SIZES, build, connect, load, replicas_equal, snapshot, train_step
+from ._elastic_train import LAYOUT_SIZES, batch, build, connect, load, replicas_equal, snapshot, train_step
 
 T = 6.0  # nominal seconds: the mesh's collective timeout
 
@@ -64,6 +64,7 @@ def worker_core(rank, world, port, ckpt):
     except RanksLost as exc:
         out["lost"], out["elapsed"], out["message"] = exc.lost, time.monotonic() - started, str(exc)
         out["bound"] = el.verdict_timeout + scaled(T)
+        model.reset_iter_state()  # FSDP2: the failed step's unsharded parameters out
     assert out["lost"] == (5,) and "rank 5 lost" in out["message"], out
     assert out["elapsed"] < out["bound"], out
     snap = snapshot(model, opt)  # step 2 never reached the optimizer: the state after step 1
@@ -137,8 +138,24 @@ def _after_heal(el, mg, rank, out, snap):
     out["losses_after_heal"] = [train_step(model, opt, el.layout, rank, s) for s in (5, 6)]
     same = replicas_equal(snapshot(model, opt), mg.group("dp_replicate"))
     assert same is True, same
+    # A step that fails inside forward() leaves FSDP2's unsharded parameters registered: the
+    # state is refused, not read without the optimizer's; torch's reset_iter_state() mends it.
+    hook = model[1].register_forward_hook(_fail_forward)
+    with pytest.raises(RuntimeError, match="a peer timed out"):
+        model(batch(el.layout, rank, 7))
+    hook.remove()
+    with pytest.raises(ValueError, match="reset_iter_state"):
+        training_state(model, opt)
+    model.reset_iter_state()
+    assert (
+        sorted(training_state(model, opt)) == sorted(snapshot(model, opt)) and len(snapshot(model, opt)) == 8
+    )
     el.close()
     return out
+
+
+def _fail_forward(*_):
+    raise RuntimeError("a peer timed out")
 
 
 def _host_store():
@@ -197,6 +214,7 @@ def worker_scenarios(rank, world, port):
             return None
         except RanksLost as exc:
             assert time.monotonic() - started < el.verdict_timeout + scaled(T), exc
+            model.reset_iter_state()  # FSDP2: the failed step's unsharded parameters out
             out["lost"].append(exc.lost)
             out["why"].append(el.verdicts[-1].why)
             return exc
