@@ -4,7 +4,8 @@ When a guarded step fails on a rank (``Elastic.step()``), the rank publishes the
 *checks in* for the current epoch. The verdict is decided once, atomically:
 
 - every check-in appends the rank to one store key (``roll``) by ``compare_set``; deciding is a
-  ``compare_set`` that marks the same key ``closed``. Every change of that key is one
+  ``compare_set`` that marks the same key ``closed``, with the rule that decided (so every rank
+  that sees the roll closed reads the same ``why``). Every change of that key is one
   compare-and-set, so a check-in either lands before the decision (the rank is a survivor) or
   finds the key closed (the rank was declared lost: ``Excluded``) — never both, on no rank;
 - a rank decides once every member has checked in (nobody lost), or every member still missing
@@ -134,8 +135,13 @@ def _read(store: dist.Store, key: str) -> str:
     return str(store.compare_set(key, _ABSENT, _ABSENT).decode())
 
 
+def _closed_why(roll: str) -> str:
+    """The rule that closed ``roll`` ("" while it is open)."""
+    return roll[len(_CLOSED) :].partition("\n")[0] if roll.startswith(_CLOSED) else ""
+
+
 def _ranks_of(roll: str) -> set[int]:
-    body = roll[len(_CLOSED) :] if roll.startswith(_CLOSED) else roll
+    body = roll[len(_CLOSED) :].partition("\n")[2] if roll.startswith(_CLOSED) else roll
     return {int(r) for r in body.split(",") if r and r != _ABSENT}
 
 
@@ -150,13 +156,16 @@ def _check_in(store: dist.Store, key: str, rank: int) -> str:
         expected = got
 
 
-def _close(store: dist.Store, key: str) -> str:
-    """Mark the roll closed (once, whoever comes first); returns the closed roll."""
+def _close(store: dist.Store, key: str, why: str) -> str:
+    """Mark the roll closed with the rule that decided (once, whoever comes first: the rule goes
+    in the same compare-and-set, so every rank that sees the roll closed reads the closer's
+    rule); returns the closed roll."""
     expected = _read(store, key)
     while not expected.startswith(_CLOSED):
         current = "" if expected == _ABSENT else expected
-        got = str(store.compare_set(key, current, _CLOSED + current).decode())
-        if got == _CLOSED + current:
+        closed = f"{_CLOSED}{why.replace(chr(10), ' ')}\n{current}"
+        got = str(store.compare_set(key, current, closed).decode())
+        if got == closed:
             return got
         expected = got
     return expected
@@ -202,8 +211,7 @@ def agree_lost(
             elif now - started >= timeout:
                 why = f"did not report within {timeout:g}s"
         if why:
-            roll = _close(store, roll_key)
-            store.compare_set(_key(epoch, "why"), "", why)
+            roll = _close(store, roll_key, why)
             break
         time.sleep(pause)
         pause = min(pause * 1.5, max(poll, 0.25))
@@ -212,9 +220,8 @@ def agree_lost(
     lost = tuple(r for r in members if r not in survivors)
     if rank not in survivors:  # unreachable: this rank checked in before the close
         raise _excluded(store, epoch, rank, roll)
-    why = _read(store, _key(epoch, "why"))
     cause = _read(store, _key(epoch, "failed"))
-    return Verdict(epoch, survivors, lost, "" if why == _ABSENT else why, "" if cause == _ABSENT else cause)
+    return Verdict(epoch, survivors, lost, _closed_why(roll), "" if cause == _ABSENT else cause)
 
 
 class Staleness:
@@ -287,9 +294,8 @@ def commit(
 
 
 def _excluded(store: dist.Store, epoch: int, rank: int, roll: str) -> Excluded:
-    why = _read(store, _key(epoch, "why"))
     return Excluded(
-        f"rank {rank} was declared lost in epoch {epoch} ({'' if why == _ABSENT else why}): it reported after "
+        f"rank {rank} was declared lost in epoch {epoch} ({_closed_why(roll)}): it reported after "
         f"the survivors ({sorted(_ranks_of(roll))}) had decided; it must not join their collectives — exit, "
         "or wait to be re-admitted as a spare"
     )

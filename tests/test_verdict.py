@@ -68,6 +68,7 @@ def test_a_slow_live_rank_is_waited_for_then_lost_everywhere_and_told(store):
         assert scaled(1.5) <= elapsed < scaled(1.5) + scaled(5)  # waited for the live rank
         late = _verdicts(store, 0, (0, 1, 2), (2,), timeout=scaled(1.5), stale_after=scaled(5))[2]
         assert isinstance(late, Excluded) and "rank 2 was declared lost in epoch 0" in str(late), late
+        assert f"({out[0].why})" in str(late), late  # the rule, read from the closed roll itself
     finally:
         for b in beats:
             b.stop()
