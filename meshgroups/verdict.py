@@ -135,14 +135,20 @@ def _read(store: dist.Store, key: str) -> str:
     return str(store.compare_set(key, _ABSENT, _ABSENT).decode())
 
 
+def _parts(roll: str) -> tuple[str, str]:
+    """``(why, ranks)`` of a roll: the rule that closed it ("" while it is open) and its check-ins."""
+    if not roll.startswith(_CLOSED):
+        return "", roll
+    why, _, body = roll[len(_CLOSED) :].partition("\n")
+    return why, body
+
+
 def _closed_why(roll: str) -> str:
-    """The rule that closed ``roll`` ("" while it is open)."""
-    return roll[len(_CLOSED) :].partition("\n")[0] if roll.startswith(_CLOSED) else ""
+    return _parts(roll)[0]
 
 
 def _ranks_of(roll: str) -> set[int]:
-    body = roll[len(_CLOSED) :].partition("\n")[2] if roll.startswith(_CLOSED) else roll
-    return {int(r) for r in body.split(",") if r and r != _ABSENT}
+    return {int(r) for r in _parts(roll)[1].split(",") if r and r != _ABSENT}
 
 
 def _check_in(store: dist.Store, key: str, rank: int) -> str:
@@ -194,7 +200,7 @@ def agree_lost(
     started = time.monotonic()
     roll = _check_in(store, roll_key, rank)
     if rank not in _ranks_of(roll):
-        raise _excluded(store, epoch, rank, roll)
+        raise _excluded(epoch, rank, roll)
     watch = Staleness(store, stale_after)
     why = ""
     pause = poll
@@ -219,7 +225,7 @@ def agree_lost(
     survivors = tuple(sorted(_ranks_of(roll)))
     lost = tuple(r for r in members if r not in survivors)
     if rank not in survivors:  # unreachable: this rank checked in before the close
-        raise _excluded(store, epoch, rank, roll)
+        raise _excluded(epoch, rank, roll)
     cause = _read(store, _key(epoch, "failed"))
     return Verdict(epoch, survivors, lost, _closed_why(roll), "" if cause == _ABSENT else cause)
 
@@ -293,7 +299,7 @@ def commit(
         pause = min(pause * 1.5, 0.25)
 
 
-def _excluded(store: dist.Store, epoch: int, rank: int, roll: str) -> Excluded:
+def _excluded(epoch: int, rank: int, roll: str) -> Excluded:
     return Excluded(
         f"rank {rank} was declared lost in epoch {epoch} ({_closed_why(roll)}): it reported after "
         f"the survivors ({sorted(_ranks_of(roll))}) had decided; it must not join their collectives — exit, "
