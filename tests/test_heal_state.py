@@ -52,3 +52,16 @@ def test_a_model_whose_parameters_are_not_the_optimizers_is_refused():
         training_state(other, opt)
     fresh = torch.optim.Adam(other.parameters())  # no state yet: nothing to miss
     assert sorted(training_state(other, fresh)) == ["0.weight", "1.weight"]
+
+
+def test_weight_sync_refuses_one_name_on_two_pipeline_stages():
+    """What weight sync infers for a dim the mesh does not cover: along the stage dim, the
+    weight lives on its stage only; one name on two stages (each with its own values) is two
+    weights, which no rollout name can tell apart: refused, never sent from either stage."""
+    from meshgroups.transfer import Weight
+    from meshgroups.transfer.sync_state import merge
+
+    stage0, stage1 = Weight("norm", (4,), stage=("pp", 0)), Weight("norm", (4,), stage=("pp", 1))
+    assert merge([[stage0], [stage0]]) == [stage0]
+    with pytest.raises(ValueError, match="ranks describe weight 'norm' differently"):
+        merge([[stage0], [stage1]])
