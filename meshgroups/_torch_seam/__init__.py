@@ -4,14 +4,21 @@
 
 
 A torch upgrade that moves these names breaks this package only. Two helpers write torch state,
-each for a reason the callers document: ``advance_group_count`` (re-align sequential group
+each for a reason the callers document
+(``internals`` checks, once, that every private piece is there): ``advance_group_count`` (re-align sequential group
 names after a failed build) and ``creation_store_prefix`` (give each ``init_mesh`` call its own
 store namespace, so rebuilt groups never read a previous incarnation's connection keys).
 """
 
 from __future__ import annotations
 
-from .builders import (
+# First, before any private name below is imported: a torch that lacks one is a clear error
+# naming its version and the missing piece (``internals``), not a half-built mesh later.
+from .internals import TESTED_TORCH, TorchInternalsError, check
+
+check()
+
+from .builders import (  # noqa: E402
     BackendConfig,
     CallFactory,
     GroupBuilder,
@@ -19,7 +26,7 @@ from .builders import (
     unregister_builder,
     use_collective_calls,
 )
-from .c10d import (
+from .c10d import (  # noqa: E402
     advance_group_count,
     bound_device_id,
     creation_store_prefix,
@@ -33,7 +40,7 @@ from .c10d import (
     set_group_timeout,
     shrink_nccl_group,
 )
-from .meshes import (
+from .meshes import (  # noqa: E402
     detach_builder,
     flatten_on_root,
     flattened_dim,
@@ -41,15 +48,20 @@ from .meshes import (
     make_group_mesh,
     make_root,
 )
-from .rooted_mesh import RootedMesh, flattened_layout, register_flattened
+from .placements import StridedShard  # noqa: E402
+from .rooted_mesh import RootedMesh, flattened_layout, register_flattened  # noqa: E402
 
 __all__ = [
+    "TESTED_TORCH",
     "BackendConfig",
     "CallFactory",
     "GroupBuilder",
     "RootedMesh",
+    "StridedShard",
+    "TorchInternalsError",
     "advance_group_count",
     "bound_device_id",
+    "check",
     "creation_store_prefix",
     "default_backend_name",
     "default_store",

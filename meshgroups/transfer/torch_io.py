@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as TorchReplicate
 from torch.distributed.tensor import Shard as TorchShard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from .._torch_seam import StridedShard as _StridedShard
 from ..errors import LayoutError
 from ..layout import Layout
 from .spec import Placement, Replicate, Shard, Weight
