@@ -3,7 +3,8 @@ counts and names, default timeout and backend, the bound device, a live group's 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -46,15 +47,28 @@ def creation_store_prefix(prefix: str) -> Iterator[None]:
     addresses. Swapping the default store's entry for a prefixed one while creating gives each
     call a namespace of its own; the groups keep a reference to their own store afterwards.
 
-    Hashed group names (``use_local_synchronization``, ``split_group``) get the prefix mixed in
-    too, so a group rebuilt after ``close()`` never takes the name of a destroyed one: an old
-    DeviceMesh slice holding that name then fails to resolve instead of silently resolving to
-    the new mesh's group. The prefix is the same on every rank of the call."""
+    Hashed group names (``use_local_synchronization``, ``split_group``) are ours inside: the
+    prefix, the ranks and how many groups over those ranks this rank has made in the call. So a
+    group rebuilt after ``close()`` never takes the name of a destroyed one (an old DeviceMesh
+    slice holding that name then fails to resolve instead of silently resolving to the new
+    mesh's group), and every member computes the same name whatever else it created: torch's
+    own salt is rank-local state — the number of groups this rank holds in 2.13, its group
+    counter in 2.14, which moves on every ``new_group`` call a rank makes — and after an elastic
+    loss the survivors have made different numbers of calls (kept groups are not re-created).
+    The prefix is the same on every rank of the call."""
     default_pg = _c10d._get_default_group()
     backend, store = _c10d._world.pg_map[default_pg]
     hash_ranks = _c10d._hash_ranks_to_str
+    made: dict[tuple[int, ...], int] = {}
+
+    def call_hash(ranks: Sequence[int]) -> str:
+        key = tuple(int(r) for r in ranks)
+        made[key] = made.get(key, 0) + 1
+        text = f"{prefix}|{','.join(map(str, key))}|{made[key]}"
+        return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
+
     _c10d._world.pg_map[default_pg] = (backend, dist.PrefixStore(prefix, store))
-    _c10d._hash_ranks_to_str = lambda ranks: hash_ranks([*ranks, prefix])  # type: ignore[list-item]
+    _c10d._hash_ranks_to_str = call_hash
     try:
         yield
     finally:
