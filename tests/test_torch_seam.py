@@ -70,3 +70,17 @@ def test_every_private_torch_import_is_in_the_seam():
                 continue
             offenders += _private_torch_imports(path)
     assert offenders == [], offenders
+
+
+def test_the_second_torchs_test_list_names_existing_files_and_ci_runs_it():
+    listed = [
+        line.strip()
+        for line in (ROOT / "tools" / "torch_tests.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert listed and all((ROOT / p).is_file() for p in listed), [
+        p for p in listed if not (ROOT / p).is_file()
+    ]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "torch==2.14.1" in ci and "tools/torch_tests.txt" in ci
+    assert all(v in (ROOT / "docs" / "index.md").read_text() for v in internals.TESTED_TORCH)
