@@ -184,6 +184,8 @@ def _scratch(tmp_path: Path) -> Path:
     for child in ROOT.iterdir():
         if child.name in SKIP_IN_SCRATCH or child.name.endswith(".egg-info"):
             continue
+        if (child / "pyvenv.cfg").is_file():  # any virtual env (.venv214 of docs/index.md): GBs
+            continue
         if child.is_file():
             shutil.copy2(child, cwd / child.name)
         elif child.is_dir() and not (child / "__init__.py").exists():
