@@ -139,6 +139,7 @@ def _heal_groups(
             held.setdefault(name, {})[rank] = entry
     groups: dict[tuple[str, ...], _HealGroup] = {}
     all_ranks = [int(r) for r in layout.grid.ravel()]
+    ranks_by_stage: dict[tuple[str, ...], dict[tuple[int, ...], list[int]]] = {}
     for name in sorted(held):
         by_rank = held[name]
         first_rank = min(by_rank)
@@ -152,9 +153,12 @@ def _heal_groups(
                 )
         stage_dims = _stage_dims(layout, dim, covered)
         group = groups.get(stage_dims) or groups.setdefault(stage_dims, _HealGroup(layout, dim, stage_dims))
-        stages: dict[tuple[int, ...], list[int]] = {}
-        for rank in all_ranks:
-            stages.setdefault(_stage_of(layout, rank, stage_dims), []).append(rank)
+        if stage_dims not in ranks_by_stage:  # once per set of stage dims, not per weight
+            stages: dict[tuple[int, ...], list[int]] = {}
+            for rank in all_ranks:
+                stages.setdefault(_stage_of(layout, rank, stage_dims), []).append(rank)
+            ranks_by_stage[stage_dims] = stages
+        stages = ranks_by_stage[stage_dims]
         for stage, ranks in sorted(stages.items()):
             holders = [r for r in ranks if r in by_rank]
             if not holders:
