@@ -1,6 +1,6 @@
 """Suite-wide settings: pytest-timeout's per-test limit scales with MESHGROUPS_TEST_TIME_SCALE,
 hypothesis has no per-example deadline (a loaded machine misses any fixed one), Ctrl-C or SIGTERM
-stops the run and every process it started (``tests/_reaper.py``), and ``--fast`` runs only what
+stops the run and every process it started (``tests/support/reaper.py``), and ``--fast`` runs only what
 spawns no process.
 
 ``pytest --fast``: every test runs up to the point where it would start a process (a
@@ -8,7 +8,7 @@ spawns no process.
 skipped there, so the subset needs no list kept by hand and picks up new tests by itself.
 
 The limit (``timeout`` in pyproject.toml, or a test's own ``@pytest.mark.timeout(n)``) only stops
-a hang; on a loaded machine the waits inside a test grow with the scale (``tests/_timing.py``), so
+a hang; on a loaded machine the waits inside a test grow with the scale (``tests/support/timing.py``), so
 the limit around them must grow with it too. An explicit ``--timeout`` or PYTEST_TIMEOUT wins.
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from ._reaper import install
-from ._timing import TIME_SCALE, scaled
+from .support.reaper import install
+from .support.timing import TIME_SCALE, scaled
 
 try:
     from hypothesis import HealthCheck, settings

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ._dist import run
+from .support.dist import run
 
 EXPLICIT = {
     4: [[0, 1, 2, 3], [3, 1], [2], [1, 2]],

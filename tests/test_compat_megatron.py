@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from meshgroups.compat.megatron_layout import megatron_plan
 
-from ._dist import run
-from .megatron_oracle import CONFIGS_8, megatron_expected, row_of
+from .support.dist import run
+from .support.megatron_oracle import CONFIGS_8, megatron_expected, row_of
 
 
 def plan_kwargs(cfg):
@@ -265,7 +265,7 @@ def worker_getters(rank, world):
     import meshgroups.compat.parallel_state as ps
     from meshgroups.compat.process_groups_config import ProcessGroupCollection
 
-    from .megatron_getters import expected_snapshot, snapshot
+    from .support.megatron_getters import expected_snapshot, snapshot
 
     compared = 0
     for cfg in GETTER_CONFIGS:
@@ -303,7 +303,7 @@ def worker_against_megatron_core(rank, world):
     import torch.distributed as dist
     from megatron.core import parallel_state as mcore
 
-    from .megatron_getters import snapshot
+    from .support.megatron_getters import snapshot
 
     compared = 0
     for cfg in GETTER_CONFIGS:
@@ -338,7 +338,7 @@ def test_every_getter_at_1024_ranks_on_the_fake_backend(cfg, rank):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from .megatron_getters import expected_snapshot, snapshot
+    from .support.megatron_getters import expected_snapshot, snapshot
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=1024)
     try:

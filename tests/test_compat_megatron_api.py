@@ -17,7 +17,7 @@ from meshgroups.compat.megatron_api import API, CLASSES, GLOBALS, PGC_API
 
 from meshgroups import LayoutError
 
-from .megatron_signatures import TABLE, collect
+from .support.megatron_signatures import TABLE, collect
 
 HAVE_MCORE = (
     importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None

@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 
-from ._dist import run
+from .support.dist import run
 
 # find_spec, not importorskip: the workers import this module, and megatron-core must not be
 # imported before install().

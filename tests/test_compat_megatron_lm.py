@@ -2,7 +2,7 @@
 0.16.1 installed and ``MEGATRON_LM_GIT_DIR`` naming a Megatron-LM git directory holding the tag
 ``core_v0.16.1``).
 
-Two jobs of 8 gloo processes (``tests/megatron_lm_harness.py``): a representative subset of the
+Two jobs of 8 gloo processes (``tests/support/megatron_lm_harness.py``): a representative subset of the
 files docs/megatron-tests.md measures — HyperCommGrid, the tensor-parallel mappings and
 cross-entropy, DDP's reduce-scatter with fp32 accumulation, pipeline helpers — in one pytest
 session on megatron-core, then in one on ``meshgroups.compat`` installed in its place. Every
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ._timing import scaled
+from .support.timing import scaled
 
 HAVE_MCORE = (
     importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
@@ -53,8 +53,8 @@ def _has_tag() -> bool:
     f"directory with the tag {TAG}",
 )
 def test_megatron_lm_unit_tests_pass_on_compat_as_on_megatron_core(tmp_path: Path) -> None:
-    from .megatron_lm_harness import run_files
-    from .megatron_lm_sources import extract
+    from .support.megatron_lm_harness import run_files
+    from .support.megatron_lm_sources import extract
 
     files = extract(GIT_DIR, TAG, tmp_path, SUBSET)
     assert files == SUBSET
@@ -84,8 +84,8 @@ def test_harness_session_keeps_its_part_of_the_sampled_tests(tmp_path: Path) -> 
     its slice of them; the harness reads the count and the verdicts back."""
     import sys
 
-    from .megatron_lm_harness import _collected, _rank_outcomes
-    from .megatron_lm_sources import CONFTEST
+    from .support.megatron_lm_harness import _collected, _rank_outcomes
+    from .support.megatron_lm_sources import CONFTEST
 
     (tmp_path / "conftest.py").write_text(CONFTEST)
     utilities = tmp_path / "tests" / "unit_tests"

@@ -13,9 +13,9 @@ import warnings
 
 import pytest
 
-from ._dist import run
-from .megatron_oracle import megatron_expected, row_of
-from .megatron_style import CONFIGS, INVALID, ORDERS, scenario
+from .support.dist import run
+from .support.megatron_oracle import megatron_expected, row_of
+from .support.megatron_style import CONFIGS, INVALID, ORDERS, scenario
 
 # MESHGROUPS_NO_MEGATRON_REF=1 runs the compat half alone (what CI runs, megatron-core absent).
 HAVE_MCORE = (

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from meshgroups import Layout
 
-from ._dist import run, scaled
-from ._elastic_train import LAYOUT_SIZES, batch, build, connect, load, replicas_equal, snapshot, train_step
+from .support.dist import run, scaled
+from .support.elastic_train import LAYOUT_SIZES, batch, build, connect, load, replicas_equal, snapshot, train_step
 
 T = 6.0  # nominal seconds: the mesh's collective timeout
 

@@ -1,7 +1,7 @@
 """The suite as a tool run by hand: a signal to pytest stops the run within seconds, and no
 process it started survives — its gloo ranks, the forkserver they come from, the resource tracker.
 
-Each case runs ``tests/_interrupt_job.py`` (two real spawned ranks that wait until stopped) in a
+Each case runs ``tests/support/interrupt_job.py`` (two real spawned ranks that wait until stopped) in a
 pytest of its own, in a new session, waits until both ranks are up, signals that pytest, and then
 checks that it ends and that no process of its session is left.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ._timing import scaled
+from .support.timing import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,7 +53,7 @@ def _alive(pid: int) -> bool:
 def test_a_signal_stops_the_run_and_leaves_no_process(sig, tmp_path):
     env = dict(os.environ, MESHGROUPS_INTERRUPT_DIR=str(tmp_path))
     run = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/_interrupt_job.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/support/interrupt_job.py"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -6,7 +6,7 @@ import pytest
 
 from meshgroups import Layout
 
-from ._dist import run, scaled
+from .support.dist import run, scaled
 
 
 def dense_expert_layout() -> Layout:

@@ -23,7 +23,7 @@ from meshgroups.compat.megatron_layout import megatron_plan
 
 from meshgroups import Layout
 
-from ._timing import scaled
+from .support.timing import scaled
 
 NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
 # Random parameter sets are drawn from this seed (set MESHGROUPS_NOTEBOOK_SEED to draw others);

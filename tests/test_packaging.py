@@ -82,14 +82,14 @@ def test_sdist_tests_run(dists, tmp_path):
     top = next(tmp_path.iterdir())
     for needed in (
         "LICENSE",
-        "tests/_dist.py",
-        "tests/megatron_oracle.py",
-        "tests/test_order.py",
+        "tests/support/dist.py",
+        "tests/support/megatron_oracle.py",
+        "tests/test_layout_order.py",
         "compat/py.typed",
     ):
         assert (top / needed).exists(), needed
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_order.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_layout_order.py"],
         cwd=top,
         capture_output=True,
         text=True,

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from ._dist import PortTaken, free_port, run, scaled
+from .support.dist import PortTaken, free_port, run, scaled
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -14,7 +14,7 @@ from meshgroups import Layout
 from meshgroups.cli import main
 from meshgroups.render import group_ids, html, plot, text
 
-from ._timing import scaled
+from .support.timing import scaled
 
 
 def cli(*args, env=None, timeout=120):

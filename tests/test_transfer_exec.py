@@ -15,8 +15,8 @@ import pytest
 
 from meshgroups import Layout, LayoutError
 
-from ._dist import run
-from ._transfer_exec_util import _buffers, _check, _full, _run, _shards, _talk_only
+from .support.dist import run
+from .support.transfer_exec_util import _buffers, _check, _full, _run, _shards, _talk_only
 
 
 # --------------------------------------------------------------------------------- job 1: disjoint

@@ -1,5 +1,5 @@
 """Mapped plans (numpy only, no processes): fusions, splits, interleaves, ties and casts against a
-brute force that fills every rollout buffer element by element (``tests/_mapped_oracle.py``)."""
+brute force that fills every rollout buffer element by element (``tests/support/mapped_oracle.py``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from meshgroups import Layout, LayoutError, Topology
 from meshgroups.transfer import NameMap, Shard, Weight, plan_transfer
 
-from ._mapped_oracle import check_mapped, check_mapped_local, mapped_worlds, node_of
-from ._transfer_oracle import check_balance, check_plan
+from .support.mapped_oracle import check_mapped, check_mapped_local, mapped_worlds, node_of
+from .support.transfer_oracle import check_balance, check_plan
 
 T2 = Topology(node=2)
 

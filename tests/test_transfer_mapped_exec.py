@@ -8,7 +8,7 @@ the cast at the sender is the torch side's (``WeightSync``)."""
 
 from __future__ import annotations
 
-from ._dist import run
+from .support.dist import run
 
 
 def _job(rank: int, world: int) -> int:

@@ -1,6 +1,6 @@
 """The transfer plan (numpy only, no processes) against a brute force over every element.
 
-The brute force (``tests/_transfer_oracle.py``) checks each plan message element by element and
+The brute force (``tests/support/transfer_oracle.py``) checks each plan message element by element and
 the cross-node bytes against their minimum; the balance tests are in
 ``tests/test_transfer_balance.py``.
 """
@@ -18,7 +18,7 @@ from meshgroups import Layout, LayoutError, Topology
 from meshgroups.transfer import Message, Replicate, Shard, Weight, plan_transfer
 from meshgroups.transfer.spec import chunk
 
-from ._transfer_oracle import T4, _layers, _node, _scenario, check_balance, check_local, check_plan, worlds
+from .support.transfer_oracle import T4, _layers, _node, _scenario, check_balance, check_local, check_plan, worlds
 
 
 def test_box_matches_torch_dtensor() -> None:

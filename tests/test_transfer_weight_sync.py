@@ -15,8 +15,8 @@ import pytest
 
 from meshgroups import Layout, LayoutError
 
-from ._dist import run, scaled
-from ._sync_models import (
+from .support.dist import run, scaled
+from .support.sync_models import (
     FFN,
     HIDDEN,
     KV,
@@ -33,7 +33,7 @@ from ._sync_models import (
     train_step,
     vllm_names,
 )
-from ._transfer_exec_util import _sends_only
+from .support.transfer_exec_util import _sends_only
 
 
 def _everyone(full):

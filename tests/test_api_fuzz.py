@@ -4,7 +4,7 @@ AttributeError, StopIteration, RecursionError, MemoryError, KeyError, a hang or 
 
 Each area calls every entry point with one argument replaced by each hostile value (the others
 valid) and collects every escape, so a failure lists them all; the command line's hostile input
-is in ``test_fuzz_cli.py``. Numbers that are plain nonsense (string ranks, ``1_000``, a repeated
+is in ``test_cli_fuzz.py``. Numbers that are plain nonsense (string ranks, ``1_000``, a repeated
 level) must be refused, not merely survive.
 """
 

@@ -1,6 +1,6 @@
 """Megatron-LM's unit tests extracted for CPU gloo runs: which files, and the mechanical rewrites.
 
-Tests' helper for ``tests/megatron_lm_harness.py`` (not collected by pytest). ``extract`` copies
+Tests' helper for ``tests/support/megatron_lm_harness.py`` (not collected by pytest). ``extract`` copies
 the files of ``GROUPS`` (and the support code they import) at a tag of a Megatron-LM git
 directory into a scratch directory, applying ``REWRITES`` — only where the sources name a device
 or a backend, never an assertion — and writes a ``conftest.py`` that, in compat mode, calls
@@ -125,7 +125,7 @@ UTILITIES_REWRITES: list[tuple[str, str, str]] = [
 ]
 
 CONFTEST = r'''
-"""Written by tests/megatron_lm_harness.py: compat install, and the mock module the tests import."""
+"""Written by tests/support/megatron_lm_harness.py: compat install, and the mock module the tests import."""
 import os
 import re
 import sys

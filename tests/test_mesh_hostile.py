@@ -4,7 +4,7 @@ also the class torch / Megatron raise, and the next good call still works."""
 
 from __future__ import annotations
 
-from tests._dist import run
+from tests.support.dist import run
 
 
 def _worker(rank: int, world: int) -> bool:

@@ -1,7 +1,7 @@
 """Hostile input to the command line, driven in-process (``meshgroups.cli.main``): a refusal must be
 exit status 2 with one ``error:`` line and no traceback — hostile arguments, hostile JSON files,
 random words; the demo starts only what the layout needs. The API's hostile input is in
-``test_fuzz.py``.
+``test_api_fuzz.py``.
 """
 
 from __future__ import annotations

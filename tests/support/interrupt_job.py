@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from ._dist import run
+from .dist import run
 
 
 def _rank_waits(rank: int, world: int, where: str) -> None:

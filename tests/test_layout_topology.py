@@ -17,7 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from meshgroups import Layout, LayoutError, Topology, init_mesh, layout_of
 from meshgroups.render import span_table
 
-from ._timing import scaled
+from .support.timing import scaled
 
 NAMES = ("pp", "dp", "cp", "tp")
 

@@ -17,7 +17,7 @@ from meshgroups.cohort import Cohort, current_cohort, use_cohort
 from meshgroups.errors import Excluded
 from meshgroups.verdict import Heartbeat, StepAborted, agree_lost, commit, failed_step, publish_failure
 
-from ._timing import scaled
+from .support.timing import scaled
 
 
 @pytest.fixture

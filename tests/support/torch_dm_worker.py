@@ -1,4 +1,4 @@
-"""One rank of ``tests/torch_dm_harness.py``: runs torch's own DeviceMesh tests, one at a time,
+"""One rank of ``tests/support/torch_dm_harness.py``: runs torch's own DeviceMesh tests, one at a time,
 in a process that lives for many tests (harness helper; not collected by pytest).
 
 In ``meshgroups`` mode every mesh the tests build goes through ``meshgroups.init_mesh``: the

@@ -5,7 +5,7 @@ constructor and each public method) as ``{name: [[param, kind, default], ...]}``
 positional order, kinds and ``repr`` of defaults; annotations are left out. The committed table
 ``tests/data/megatron_core_0.16.1_signatures.json`` was made with megatron-core 0.16.1 installed:
 
-    python -m tests.megatron_signatures > tests/data/megatron_core_0.16.1_signatures.json
+    python -m tests.support.megatron_signatures > tests/data/megatron_core_0.16.1_signatures.json
 """
 
 from __future__ import annotations

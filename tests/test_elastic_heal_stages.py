@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from ._dist import run
+from .support.dist import run
 
 WORLD = 8
 

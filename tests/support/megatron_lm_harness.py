@@ -2,7 +2,7 @@
 meshgroups.compat substituted for it, and print a table per test file (tests' helper, not
 collected by pytest).
 
-    python -m tests.megatron_lm_harness --git-dir <Megatron-LM git dir> [--tag core_v0.16.1]
+    python -m tests.support.megatron_lm_harness --git-dir <Megatron-LM git dir> [--tag core_v0.16.1]
         [--mode compat|megatron-core|both] [--world 8] [--chunk N] [--max-params N] [FILE_OR_GROUP ...]
 
 ``FILE_OR_GROUP``: a group of ``tests/megatron_lm_sources.GROUPS`` (``parallel_state`` — the

@@ -13,7 +13,7 @@ import numpy as np
 
 from meshgroups import Layout
 
-from ._dist import run, scaled
+from .support.dist import run, scaled
 
 # ranks do not increase along any dim: torch's sorted groups would permute data here
 PERMUTED = np.array([[[6, 3], [0, 5]], [[2, 7], [4, 1]]])

@@ -1,7 +1,7 @@
 """Faults on real gloo processes (world 4): a rank that raises before, during or after the check,
 never arrives, arrives late, dies (also while creating groups); retries; two threads; argument
 mismatches; close() cycles; the torchrun demo exiting 0 every time. Every collective call in
-step (issue 18's one-rank errors and skipped calls) is in ``test_faults_in_step.py``.
+step (issue 18's one-rank errors and skipped calls) is in ``test_mesh_faults_in_step.py``.
 
 Every group is verified by an all_gather of global ranks inside it, so a cross-wired group
 (members other than declared) fails the test. Every wait has a timeout; elapsed times are
@@ -16,8 +16,8 @@ import pytest
 
 from meshgroups import Layout
 
-from ._dist import run, scaled
-from ._fault_helpers import FLATTEN, LAYOUT, _outcome, verify_groups
+from .support.dist import run, scaled
+from .support.fault_helpers import FLATTEN, LAYOUT, _outcome, verify_groups
 
 
 def _subsets(lay):

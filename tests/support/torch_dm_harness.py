@@ -1,14 +1,14 @@
 """Run torch's own DeviceMesh tests on gloo CPU processes, on plain torch and with every mesh built
 through ``meshgroups.init_mesh`` (tests' helper, not collected by pytest).
 
-    python -m tests.torch_dm_harness --torch-tests <PyTorch checkout> [--mode torch|meshgroups|both]
+    python -m tests.support.torch_dm_harness --torch-tests <PyTorch checkout> [--mode torch|meshgroups|both]
         [--classes DeviceMeshTest,DTensorMeshTest] [-k substring] [--timeout 120]
 
 Reads ``test/distributed/test_device_mesh.py`` (every test class) and ``DTensorMeshTest`` of
 ``test/distributed/tensor/test_dtensor.py`` from the checkout (torch's tests are not in the wheel;
 never copy them into this repository). Each test runs as torch's ``MultiProcessTestCase`` runs it
 (one process per rank, the test's own ``world_size``, ``with_comms``' gloo default group), but in
-a pool of 8 long-lived rank processes per mode (``tests/_torch_dm_worker.py``) instead of 8 fresh
+a pool of 8 long-lived rank processes per mode (``tests/support/torch_dm_worker.py``) instead of 8 fresh
 processes per test. In ``meshgroups`` mode the tests' ``init_device_mesh`` and ``DeviceMesh(...)``
 build through ``init_mesh``. Every test is bounded: the default group's timeout is ``--timeout``/2,
 and a test still running after ``--timeout`` seconds (default 120 s times
@@ -31,7 +31,7 @@ import unittest
 from pathlib import Path
 from typing import Any
 
-from tests._timing import scaled
+from tests.support.timing import scaled
 
 FILES = {
     "test_device_mesh": "test/distributed/test_device_mesh.py",
@@ -52,7 +52,7 @@ CANNOT_APPLY: dict[str, str] = {
 
 def discover(paths: dict[str, str], only: list[str], pattern: str) -> list[tuple[str, str, str, int]]:
     """``(module, class, test, world_size)`` for every selected test, in file order."""
-    from tests._torch_dm_worker import _load
+    from tests.support.torch_dm_worker import _load
 
     out = []
     for module_name, path in paths.items():
@@ -83,7 +83,7 @@ class Pool:
         self.start()
 
     def start(self) -> None:
-        from tests._torch_dm_worker import serve
+        from tests.support.torch_dm_worker import serve
 
         ctx = multiprocessing.get_context("spawn")
         for rank in range(POOL):

@@ -12,8 +12,8 @@ import pytest
 
 from meshgroups import Layout
 
-from ._dist import run, scaled
-from ._fault_helpers import FLATTEN, LAYOUT, _outcome, verify_groups
+from .support.dist import run, scaled
+from .support.fault_helpers import FLATTEN, LAYOUT, _outcome, verify_groups
 
 # ------------------------------------------------------------------------------------------------
 # Issue 18: every collective call stays in step. One test per numbered case of the issue; each

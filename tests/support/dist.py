@@ -4,7 +4,7 @@ Starting processes is the slow part (each imports torch), so each test runs many
 job. A worker returns a picklable result; an exception in any rank fails the test with that
 rank's traceback; a job that outlives ``timeout`` is killed and fails instead of hanging CI.
 
-Waits scale with MESHGROUPS_TEST_TIME_SCALE (see ``tests/_timing.py``): :func:`run` scales its job
+Waits scale with MESHGROUPS_TEST_TIME_SCALE (see ``tests/support/timing.py``): :func:`run` scales its job
 timeout and the default group's timeout itself; tests scale their own waits with ``scaled``.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from ._reaper import die_with_parent
-from ._timing import TIME_SCALE, scaled
+from .reaper import die_with_parent
+from .timing import TIME_SCALE, scaled
 
 __all__ = ["TIME_SCALE", "free_port", "run", "scaled"]
 

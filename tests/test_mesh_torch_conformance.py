@@ -24,7 +24,7 @@ import re
 import numpy as np
 import pytest
 
-from ._dist import run
+from .support.dist import run
 
 # ranks do not increase along any dim: torch's sorted groups would permute data here
 PERMUTED = np.array([[[6, 3], [0, 5]], [[2, 7], [4, 1]]])

@@ -6,7 +6,7 @@ that die with their parent (Linux) when the run is killed outright. Torch-free.
   then raise ``KeyboardInterrupt``, so pytest stops and reports within seconds; a second signal
   exits at once. The resource tracker is left alone: it exits by itself (and cleans up) when the
   last process holding its pipe ends.
-- ``die_with_parent()`` (a forkserver and each rank it forks, from ``tests/_dist.py``): the kernel
+- ``die_with_parent()`` (a forkserver and each rank it forks, from ``tests/support/dist.py``): the kernel
   sends SIGKILL when the parent ends (``prctl(PR_SET_PDEATHSIG)``), so a SIGKILLed pytest takes
   the forkserver and every rank with it.
 

@@ -1,7 +1,7 @@
 """A tiny Llama-shaped trainer (Hugging Face names: separate q/k/v with grouped-query sizes,
 gate/up, a head tied to the embedding) on FSDP2 × TP, one real optimizer step of it, and the
 rollout side in vLLM's layout (fused ``qkv_proj`` / ``gate_up_proj``, each tp rank holding its
-shard of q, then of k, then of v), built from local tensors. Used by ``test_weight_sync.py``."""
+shard of q, then of k, then of v), built from local tensors. Used by ``test_transfer_weight_sync.py``."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""The suite's helpers: process harnesses, oracles, timing (not collected by pytest)."""
