@@ -16,7 +16,16 @@ import torch.distributed as dist
 from meshgroups import Layout
 
 from .support.dist import run, scaled
-from .support.elastic_train import LAYOUT_SIZES, batch, build, connect, load, replicas_equal, snapshot, train_step
+from .support.elastic_train import (
+    LAYOUT_SIZES,
+    batch,
+    build,
+    connect,
+    load,
+    replicas_equal,
+    snapshot,
+    train_step,
+)
 
 T = 6.0  # nominal seconds: the mesh's collective timeout
 

@@ -18,7 +18,16 @@ from meshgroups import Layout, LayoutError, Topology
 from meshgroups.transfer import Message, Replicate, Shard, Weight, plan_transfer
 from meshgroups.transfer.spec import chunk
 
-from .support.transfer_oracle import T4, _layers, _node, _scenario, check_balance, check_local, check_plan, worlds
+from .support.transfer_oracle import (
+    T4,
+    _layers,
+    _node,
+    _scenario,
+    check_balance,
+    check_local,
+    check_plan,
+    worlds,
+)
 
 
 def test_box_matches_torch_dtensor() -> None:
