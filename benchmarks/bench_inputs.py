@@ -15,8 +15,9 @@ from collections.abc import Callable
 import numpy as np
 from meshgroups.compat.group_initializer import TrainDPGroupInitializer
 
-from meshgroups import Layout, Topology, placement
-from meshgroups.render import span_table
+from meshgroups import Layout, Topology
+from meshgroups.layout import placement
+from meshgroups.render.formats import span_table
 
 
 def median_ms(fn: Callable[[], object], repeat: int = 3) -> float:
@@ -183,7 +184,7 @@ def main() -> None:
         )
     )
     try:
-        from meshgroups.render import plot
+        from meshgroups.render.formats import plot
 
         print(
             row(

@@ -4,3 +4,6 @@
 - ``meshgroups.compat.parallel_state`` and ``meshgroups.compat.process_groups_config``: Megatron-style parallel state
   and ``ModelCommProcessGroups`` / ``GradCommProcessGroups``.
 """
+
+# The package itself exports nothing: each module above is a drop-in under its legacy path.
+__all__: list[str] = []

@@ -3,9 +3,10 @@
 ``make_function(name, ps)`` builds megatron-core's ``name`` — a group getter
 ``(check_initialized=True)``, a size or rank (override first, megatron-core's fallbacks), a
 source rank, or a setter ``(world_size)`` / ``(rank)`` — with megatron-core's exact signature,
-reading groups through ``ps.lookup`` / ``ps.ranks_of`` and overrides from ``ps``'s globals::
+reading groups through ``state.lookup`` / ``state.ranks_of`` and overrides through
+``state.override`` / ``state.set_override`` (``state``: ``megatron_state``)::
 
-    >>> make_function("get_tensor_model_parallel_group", ps)   # doctest: +SKIP
+    >>> make_function("get_tensor_model_parallel_group", megatron_state, "ps")   # doctest: +SKIP
     <function get_tensor_model_parallel_group at ...>
 """
 
@@ -16,19 +17,19 @@ from types import ModuleType
 from typing import Any
 
 import torch.distributed as dist
-
-from .megatron_api import API, FIELD_WHAT
+from meshgroups.compat.megatron_api import API, FIELD_WHAT
 
 __all__ = ["make_function"]
 
 
-def make_function(api_name: str, ps: ModuleType) -> Callable[..., Any]:
-    """megatron-core's ``api_name`` for a ``custom``-free row of the table, bound to ``ps``."""
+def make_function(api_name: str, ps: ModuleType, module_name: str) -> Callable[..., Any]:
+    """megatron-core's ``api_name`` for a ``custom``-free row of the table, bound to the state
+    module ``ps``; ``module_name`` is the module it is offered from (its ``__module__``)."""
     api = API[api_name]
     name, over = api.field or "", api.override
 
     def override() -> Any:
-        return None if over is None else ps.__dict__[over]
+        return None if over is None else ps.override(over)
 
     if api.kind == "group":
 
@@ -64,17 +65,17 @@ def make_function(api_name: str, ps: ModuleType) -> Callable[..., Any]:
     elif api.kind == "set" and over is not None and over.endswith("WORLD_SIZE"):
 
         def fn(world_size: int | None) -> None:
-            setattr(ps, over, world_size)
+            ps.set_override(over, world_size)
 
     elif api.kind == "set" and over is not None:
 
         def fn(rank: int | None) -> None:
-            setattr(ps, over, rank)
+            ps.set_override(over, rank)
 
     else:
         raise ValueError(f"{api_name}: kind {api.kind!r} is written out by hand, not generated")
     fn.__name__ = fn.__qualname__ = api_name
-    fn.__module__ = ps.__name__
+    fn.__module__ = module_name
     fn.__doc__ = (
         f"megatron-core's ``{api_name}`` ({api.kind} of the {FIELD_WHAT.get(name, name) or 'state'})."
     )

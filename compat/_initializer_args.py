@@ -2,7 +2,7 @@
 refusal reach every rank: constructing is local, but it leads into the collective
 ``init_dist_group``, so a refusal on one rank is published as that call's outcome.
 
-    >>> _check_ranks([3, 1], world_size=4)  # any order, kept as given
+    >>> check_ranks([3, 1], world_size=4)  # any order, kept as given
     [3, 1]
 """
 
@@ -13,11 +13,11 @@ from abc import ABCMeta
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from meshgroups.checks import check_int, short_repr
-from meshgroups.collective import publish_refusal
+from meshgroups.layout.checks import check_int, short_repr
+from meshgroups.mesh import publish_refusal
 
 
-def _check_divides(name: str, size: object, world_size: int) -> int:
+def check_divides(name: str, size: object, world_size: int) -> int:
     size = check_int(size, name)
     if size < 1 or world_size % size:
         raise ValueError(
@@ -26,7 +26,7 @@ def _check_divides(name: str, size: object, world_size: int) -> int:
     return size
 
 
-def _check_ranks(ranks: object, world_size: int) -> list[int]:
+def check_ranks(ranks: object, world_size: int) -> list[int]:
     """Distinct ranks in ``[0, world_size)``; O(n log n) (one sort), and at most ``world_size + 1``
     items are read, so an endless iterable is refused rather than consumed."""
     if isinstance(ranks, (str, bytes, Mapping)) or not isinstance(ranks, Iterable):
@@ -55,10 +55,10 @@ def _short(ranks: list[int], limit: int = 16) -> str:
     return f"[{', '.join(map(str, ranks[:limit]))}, …] ({len(ranks)} ranks)"
 
 
-class _RefusalsReachEveryRank(ABCMeta):
+class RefusalsReachEveryRank(ABCMeta):
     """Constructing an initializer is local, but it leads into the collective ``init_dist_group``:
     a constructor that refuses its arguments on one rank publishes the refusal as that call's
-    outcome (``meshgroups.collective.publish_refusal``), so the other ranks' ``init_dist_group``
+    outcome (``meshgroups.mesh.collective.publish_refusal``), so the other ranks' ``init_dist_group``
     raises the same class at once, naming this rank, instead of waiting out the timeout."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:

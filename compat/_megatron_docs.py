@@ -18,7 +18,7 @@ import inspect
 import re
 from types import ModuleType
 
-from .megatron_api import API, Api
+from meshgroups.compat.megatron_api import API, Api
 
 ARGS = {
     "check_initialized": "raise ``NotInitializedError`` (an ``AssertionError``, also a ``ValueError``) "

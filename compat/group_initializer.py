@@ -33,13 +33,12 @@ from __future__ import annotations
 from abc import abstractmethod
 
 import torch.distributed as dist
+from meshgroups.compat._initializer_args import RefusalsReachEveryRank, check_divides, check_ranks
 from torch.distributed import ProcessGroup
 
 from meshgroups import GroupCache, Layout, Strategy, init_mesh
-from meshgroups.checks import MAX_WORLD_SIZE, check_int, short_repr
-from meshgroups.collective import collective_entry
-
-from ._initializer_args import _check_divides, _check_ranks, _RefusalsReachEveryRank
+from meshgroups.layout.checks import MAX_WORLD_SIZE, check_int, short_repr
+from meshgroups.mesh import collective_entry
 
 __all__ = [
     "CommMode",
@@ -130,7 +129,7 @@ class ParallelMode(CommMode):
     WEIGHT_TRANSFER: str = "WEIGHT_TRANSFER"
 
 
-class ProcessGroupInitializer(metaclass=_RefusalsReachEveryRank):
+class ProcessGroupInitializer(metaclass=RefusalsReachEveryRank):
     """Abstract base class for process group initialization.
 
     Attributes:
@@ -209,7 +208,7 @@ class ProcessGroupInitializer(metaclass=_RefusalsReachEveryRank):
             use_cpu: If True, use 'gloo' backend for CPU tensors.
             backend: Communication backend to use.
         """
-        checked = _check_ranks(ranks, self.world_size)
+        checked = check_ranks(ranks, self.world_size)
         self._update_from_layout(Layout.from_grid(checked, ("members",)), ("members",), use_cpu, backend)
 
     def _update_from_layout(self, layout: Layout, dims: tuple[str, ...], use_cpu: bool, backend: str) -> None:
@@ -266,7 +265,7 @@ class _ExplicitRanksInitializer(_LayoutInitializer):
 
     def __init__(self, rank: int, world_size: int, ranks: list[int]) -> None:
         super().__init__(rank, world_size)
-        self.ranks: list[int] = _check_ranks(ranks, self.world_size)
+        self.ranks: list[int] = check_ranks(ranks, self.world_size)
         self.mode = self._mode
 
     @property
@@ -319,7 +318,7 @@ class DPGroupInitializer(_LayoutInitializer):
 
     def __init__(self, rank: int, world_size: int, data_parallel_size: int) -> None:
         super().__init__(rank, world_size)
-        self.data_parallel_size: int = _check_divides(
+        self.data_parallel_size: int = check_divides(
             "data_parallel_size", data_parallel_size, self.world_size
         )
         self.process_num_between_dp_rank: int = self.world_size // self.data_parallel_size
@@ -345,7 +344,7 @@ class TPGroupInitializer(_LayoutInitializer):
 
     def __init__(self, rank: int, world_size: int, tensor_parallel_size: int) -> None:
         super().__init__(rank, world_size)
-        self.tensor_parallel_size: int = _check_divides(
+        self.tensor_parallel_size: int = check_divides(
             "tensor_parallel_size", tensor_parallel_size, self.world_size
         )
         self.tensor_parallel_group_num: int = self.world_size // self.tensor_parallel_size
@@ -371,7 +370,7 @@ class SPGroupInitializer(_LayoutInitializer):
 
     def __init__(self, rank: int, world_size: int, sequence_parallel_size: int) -> None:
         super().__init__(rank, world_size)
-        self.sequence_parallel_size: int = _check_divides(
+        self.sequence_parallel_size: int = check_divides(
             "sequence_parallel_size", sequence_parallel_size, self.world_size
         )
         self.sequence_parallel_group_num: int = self.world_size // self.sequence_parallel_size
@@ -397,7 +396,7 @@ class InterNodeGroupInitializer(_LayoutInitializer):
 
     def __init__(self, rank: int, world_size: int, local_world_size: int) -> None:
         super().__init__(rank, world_size)
-        self.local_world_size: int = _check_divides("local_world_size", local_world_size, self.world_size)
+        self.local_world_size: int = check_divides("local_world_size", local_world_size, self.world_size)
         self.node_count: int = self.world_size // self.local_world_size
         self.mode = CommMode.INTER_NODE
 

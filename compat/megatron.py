@@ -26,9 +26,9 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from meshgroups import Strategy
+from meshgroups.compat import parallel_state, process_groups_config
 
-from . import parallel_state, process_groups_config
+from meshgroups import Strategy
 
 __all__ = ["install", "installed", "uninstall"]
 

@@ -20,9 +20,8 @@ from math import prod
 from typing import Any
 
 import torch
-
-from . import parallel_state as _ps
-from ._errors import AlreadyInitializedError, NotInitializedError
+from meshgroups.compat._errors import AlreadyInitializedError, NotInitializedError
+from meshgroups.compat.megatron_state import SLOTS, lookup
 
 __all__ = [
     "destroy_global_memory_buffer",
@@ -73,39 +72,39 @@ def _megatron_class(name: str, fallback: type) -> Any:
 
 
 def _set_global_memory_buffer() -> None:
-    if _ps._GLOBAL_MEMORY_BUFFER is not None:
+    if SLOTS.memory_buffer is not None:
         raise AlreadyInitializedError("global memory buffer is already initialized")
-    _ps._GLOBAL_MEMORY_BUFFER = _megatron_class("GlobalMemoryBuffer", GlobalMemoryBuffer)()
+    SLOTS.memory_buffer = _megatron_class("GlobalMemoryBuffer", GlobalMemoryBuffer)()
 
 
 def _set_global_symmetric_memory_buffer() -> None:
-    if _ps._GLOBAL_SYMMETRIC_MEMORY_BUFFER is not None:
+    if SLOTS.symmetric_memory_buffer is not None:
         raise AlreadyInitializedError("global symmetric memory buffer is already initialized")
     cls = _megatron_class("GlobalSymmetricMemoryBuffer", GlobalSymmetricMemoryBuffer)
-    _ps._GLOBAL_SYMMETRIC_MEMORY_BUFFER = cls(size_in_mb=256, process_group=_ps.lookup("tp"))
+    SLOTS.symmetric_memory_buffer = cls(size_in_mb=256, process_group=lookup("tp"))
 
 
 def get_global_memory_buffer() -> Any:
     """The global ``GlobalMemoryBuffer`` (made by ``initialize_model_parallel``)."""
-    if _ps._GLOBAL_MEMORY_BUFFER is None:
+    if SLOTS.memory_buffer is None:
         raise NotInitializedError(
             "global memory buffer is not initialized: call initialize_model_parallel first"
         )
-    return _ps._GLOBAL_MEMORY_BUFFER
+    return SLOTS.memory_buffer
 
 
 def get_global_symmetric_memory_buffer() -> Any:
     """The global ``GlobalSymmetricMemoryBuffer`` (made by ``_set_global_symmetric_memory_buffer``)."""
-    if _ps._GLOBAL_SYMMETRIC_MEMORY_BUFFER is None:
+    if SLOTS.symmetric_memory_buffer is None:
         raise NotInitializedError("global symmetric memory buffer is not initialized")
-    return _ps._GLOBAL_SYMMETRIC_MEMORY_BUFFER
+    return SLOTS.symmetric_memory_buffer
 
 
 def destroy_global_memory_buffer() -> None:
     """Drop the global memory buffer."""
-    _ps._GLOBAL_MEMORY_BUFFER = None
+    SLOTS.memory_buffer = None
 
 
 def destroy_global_symmetric_memory_buffer() -> None:
     """Drop the global symmetric memory buffer."""
-    _ps._GLOBAL_SYMMETRIC_MEMORY_BUFFER = None
+    SLOTS.symmetric_memory_buffer = None

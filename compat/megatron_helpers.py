@@ -18,12 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from meshgroups.compat._errors import MegatronAssertionError, MegatronRuntimeError
+from meshgroups.compat.megatron_layout import hybrid_sizes
 
 from meshgroups import Layout, LayoutError
 from meshgroups.mesh import set_group_timeout
-
-from ._errors import MegatronAssertionError, MegatronRuntimeError
-from .megatron_layout import hybrid_sizes
 
 __all__ = [
     "RankGenerator",
@@ -50,6 +49,11 @@ class RankGenerator:
 
     ``order`` lists tokens fastest first; tokens left out must have size 1 (appended, as in
     megatron-core). ``layout`` is the ``meshgroups.Layout`` behind it.
+
+    Args:
+        tp, ep, dp, pp, cp: the sizes (one of ep and cp must be 1).
+        order: the order string, fastest first (``"tp-cp-ep-dp-pp"``).
+        rank_offset: the first global rank.
     """
 
     def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0) -> None:
@@ -248,7 +252,7 @@ def overwrite_nccl_comm_cfgs(nccl_comm_cfgs: dict[str, Any], pg_name: str, key_v
 def update_pg_timeout(timeout: timedelta, pg: dist.ProcessGroup | None = None) -> None:
     """After a barrier on ``pg``, set the timeout of ``pg`` — or, with ``pg=None``, of the
     default group and every group compat made (the layout's and ``create_group``'s)."""
-    from . import parallel_state
+    from meshgroups.compat.megatron_state import held_groups
 
     dist.barrier(pg)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -257,7 +261,7 @@ def update_pg_timeout(timeout: timedelta, pg: dist.ProcessGroup | None = None) -
         set_group_timeout(pg, timeout)
         return
     seen: set[int] = set()
-    for group in [*created_groups, *parallel_state.held_groups()]:
+    for group in [*created_groups, *held_groups()]:
         if id(group) not in seen:
             seen.add(id(group))
             set_group_timeout(group, timeout)

@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from meshgroups import Layout, LayoutError
-from meshgroups.checks import check_int, formula, product
+from meshgroups.compat._errors import MegatronAssertionError, MegatronRuntimeError
 
-from ._errors import MegatronAssertionError, MegatronRuntimeError
+from meshgroups import Layout, LayoutError
+from meshgroups.layout.checks import check_int, formula, product
 
 RanksCallback = Callable[[list[int]], list[int]]
 
@@ -228,3 +228,6 @@ def megatron_plan(
         "n_opt": n_opt,
     }
     return MegatronPlan(dense.with_views(**views), subsets, fields, tuple(hcp_levels), sizes_used)
+
+
+__all__ = ["MegatronPlan", "hybrid_sizes", "megatron_plan"]

@@ -29,31 +29,36 @@ the embedding rank lists megatron-core leaves set.
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-
-from meshgroups import GroupCache, MeshGroups, Strategy, init_mesh
-from meshgroups.collective import collective_entry
-
-from ._errors import (
+from meshgroups.compat._errors import (
     AlreadyInitializedError,
     MegatronAssertionError,
     MegatronRuntimeError,
     NotInitializedError,
 )
-from ._generated import make_function
-from .megatron_api import API, FIELD_WHAT, GLOBALS, OVERRIDES
-from .megatron_layout import MegatronPlan, megatron_plan
+from meshgroups.compat.megatron_api import API, GLOBALS
+from meshgroups.compat.megatron_layout import MegatronPlan, megatron_plan
+from meshgroups.compat.megatron_state import (
+    FUNCTIONS,
+    SLOTS,
+    MegatronState,
+    hcp_groups,
+    held_groups,
+    hybrid_groups,
+    require,
+    set_override,
+)
+
+from meshgroups import GroupCache, MeshGroups, Strategy, init_mesh
+from meshgroups.mesh import collective_entry
 
 _MODULE = sys.modules[__name__]
-for _name in OVERRIDES:  # megatron-core's plain-value globals, real module attributes here too
-    setattr(_MODULE, _name, None)
-_GLOBAL_MEMORY_BUFFER: Any = None
-_GLOBAL_SYMMETRIC_MEMORY_BUFFER: Any = None
 
 # Megatron keywords this layer does not implement, with the value that means "off".
 _UNSUPPORTED: dict[str, Any] = {
@@ -63,42 +68,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "high_priority_stream_groups": (None, []),
 }
 _DEFAULT_STRATEGY: list[Strategy] = ["global"]
-
-
-@dataclass
-class _State:
-    plan: MegatronPlan
-    mesh_groups: MeshGroups
-    all_gather: MeshGroups | None = None
-    _cache: dict[tuple[str, bool], Any] = field(default_factory=dict)
-
-    def group(self, name: str, gloo: bool = False) -> dist.ProcessGroup | None:
-        key = (name, gloo)
-        if key not in self._cache:
-            self._cache[key] = self._lookup(name, gloo)
-        return self._cache[key]
-
-    def _lookup(self, name: str, gloo: bool) -> dist.ProcessGroup | None:
-        if name == "dp_cp_ag":
-            return None if self.all_gather is None else self.all_gather.group("dp", "cp")
-        if name == "inter_dist_opt" and self.plan.sizes["n_opt"] == 1:
-            return None  # megatron-core builds no inter-instance group for one instance
-        if name not in self.plan.fields:
-            return None
-        if gloo and not self.mesh_groups.gloo_twins:
-            return None
-        dims = self.plan.fields[name]
-        return self.mesh_groups.group(*((dims,) if isinstance(dims, str) else dims), gloo=gloo)
-
-    def ranks(self, name: str) -> list[int] | None:
-        key = (name, "ranks")
-        if key not in self._cache:
-            dims = self.plan.fields[name]
-            self._cache[key] = self.mesh_groups.ranks(*((dims,) if isinstance(dims, str) else dims))  # type: ignore[index]
-        return self._cache[key]  # type: ignore[index]
-
-
-_STATE: _State | None = None
 
 
 def set_default_strategy(strategy: Strategy) -> None:
@@ -160,7 +129,7 @@ def megatron_config(
         get_position_embedding_ranks=options["get_position_embedding_ranks"],
         hybrid_context_parallel=options["hybrid_context_parallel"],
     )
-    if _STATE is not None:
+    if SLOTS.state is not None:
         raise AlreadyInitializedError(
             "model parallel groups are already initialized; call destroy_model_parallel() first"
         )
@@ -234,7 +203,6 @@ def initialize_model_parallel(
         RuntimeError (also ``ValueError``): sizes that don't divide the world; vpp without pp.
         NotImplementedError: SHARP, UCC, NCCL communicator configs, high-priority streams.
     """
-    global _STATE
     options = dict(locals())
     config = megatron_config(
         tensor_model_parallel_size,
@@ -242,10 +210,10 @@ def initialize_model_parallel(
         virtual_pipeline_model_parallel_size,
         options,
     )
-    _STATE = _build(config)
+    SLOTS.state = _build(config)
 
 
-def _build(config: _Config) -> _State:
+def _build(config: _Config) -> MegatronState:
     """Create the plan's groups (every rank, collectively) and the state that serves them."""
     plan = config.plan
     mesh_groups = init_mesh(
@@ -270,20 +238,20 @@ def _build(config: _Config) -> _State:
         except BaseException:
             mesh_groups.close()
             raise
-    state = _State(plan, mesh_groups, all_gather)
+    state = MegatronState(plan, mesh_groups, all_gather)
     if config.virtual_pipeline_model_parallel_size is not None:
-        _MODULE._VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = 0  # type: ignore[attr-defined]
-        _MODULE._VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = config.virtual_pipeline_model_parallel_size  # type: ignore[attr-defined]
-
-    global _GLOBAL_MEMORY_BUFFER
-    _GLOBAL_MEMORY_BUFFER = None
+        set_override("_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK", 0)
+        set_override(
+            "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", config.virtual_pipeline_model_parallel_size
+        )
+    SLOTS.memory_buffer = None
     _set_global_memory_buffer()
     return state
 
 
 def is_initialized() -> bool:
     """Useful for code that runs with or without model parallelism."""
-    return _STATE is not None
+    return SLOTS.state is not None
 
 
 def is_unitialized() -> bool:
@@ -298,16 +266,12 @@ def is_unitialized() -> bool:
 
 def model_parallel_is_initialized() -> bool:
     """True between ``initialize_model_parallel`` and ``destroy_model_parallel``."""
-    return _STATE is not None
+    return SLOTS.state is not None
 
 
 def destroy_model_parallel() -> None:
     """Destroy every group ``initialize_model_parallel`` created and reset the module state."""
-    global _STATE, _GLOBAL_MEMORY_BUFFER, _GLOBAL_SYMMETRIC_MEMORY_BUFFER
-    state, _STATE = _STATE, None
-    for name in OVERRIDES:
-        setattr(_MODULE, name, None)
-    _GLOBAL_MEMORY_BUFFER = _GLOBAL_SYMMETRIC_MEMORY_BUFFER = None
+    state = SLOTS.reset()
     if state is not None and dist.is_initialized():
         if state.all_gather is not None:
             state.all_gather.close()
@@ -323,62 +287,12 @@ def get_mesh_groups() -> MeshGroups:
     Raises:
         NotInitializedError: before ``initialize_model_parallel``.
     """
-    return _state("model parallel groups").mesh_groups
-
-
-def held_groups() -> list[dist.ProcessGroup]:
-    """Every distinct group the state holds on this rank (for ``update_pg_timeout``)."""
-    if _STATE is None:
-        return []
-    names = [*FIELD_WHAT, *_STATE.plan.fields]
-    found = [_STATE.group(n, gloo) for n in names for gloo in (False, True)]
-    return list({id(g): g for g in found if g is not None}.values())
-
-
-# ------------------------------------------------------------------ lookups used by every getter
-def _state(what: str) -> _State:
-    if _STATE is None:
-        raise NotInitializedError(f"{what} is not initialized: call initialize_model_parallel first")
-    return _STATE
-
-
-def lookup(name: str, check_initialized: bool = True, gloo: bool = False, what: str = "") -> Any:
-    """This rank's group of family ``name`` (None where Megatron has None); with
-    ``check_initialized`` a missing group raises ``NotInitializedError`` (an AssertionError)."""
-    what = what or FIELD_WHAT.get(name, name) + (" (gloo)" if gloo else "")
-    if _STATE is None:
-        if check_initialized:
-            _state(what)
-        return None
-    group = _STATE.group(name, gloo)
-    if group is None and check_initialized:
-        if gloo and not _STATE.mesh_groups.gloo_twins:
-            raise NotInitializedError(f"{what} is not initialized: pass create_gloo_process_groups=True")
-        raise NotInitializedError(
-            f"{what} is not initialized on rank {dist.get_rank()} (this rank is in no such group)"
-        )
-    return group
-
-
-def ranks_of(name: str) -> list[int]:
-    """This rank's global ranks in family ``name`` (``NotInitializedError`` if none)."""
-    what = FIELD_WHAT.get(name, name)
-    ranks = _state(what).ranks(name)
-    if ranks is None:
-        raise NotInitializedError(
-            f"{what} is not initialized on rank {dist.get_rank()} (this rank is in no such group)"
-        )
-    return ranks
-
-
-def local_rank_of(name: str) -> int:
-    return ranks_of(name).index(dist.get_rank())
+    return require("model parallel groups").mesh_groups
 
 
 # ------------------------------------------------------------------ table-driven functions
-for _api_name, _api in API.items():
-    if _api.kind != "custom":
-        setattr(_MODULE, _api_name, make_function(_api_name, _MODULE))
+for _api_name, _function in FUNCTIONS.items():
+    setattr(_MODULE, _api_name, _function)
 
 
 # ------------------------------------------------------------------ module state, Megatron's way
@@ -386,44 +300,62 @@ def __getattr__(name: str) -> Any:
     """megatron-core's module globals (``_MODEL_PARALLEL_GROUP``, ``_PIPELINE_GLOBAL_RANKS``,
     ...), read off the state: ``None`` before initialisation and after destroy."""
     if name == "_global_process_group_list":
-        from .megatron_helpers import created_groups
+        from meshgroups.compat.megatron_helpers import created_groups
 
-        return None if _STATE is None else [*created_groups, *held_groups()]
+        return None if SLOTS.state is None else [*created_groups, *held_groups()]
     if name not in GLOBALS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     family, what = GLOBALS[name]
     if family == "hybrid":
-        return {} if _STATE is None else _hybrid_groups()
-    if _STATE is None:
+        return hybrid_groups()
+    state = SLOTS.state
+    if state is None:
         return None
     if family == "hcp":
-        return _hcp_groups()
+        return hcp_groups()
     if what == "ranks":
-        return _STATE.ranks(family)
-    return _STATE.group(family, gloo=what == "gloo")
-
-
-def _hcp_groups() -> list[dist.ProcessGroup] | None:
-    if _STATE is None or not _STATE.plan.hcp_levels:
-        return None
-    return [_STATE.group(level[0]) for level in _STATE.plan.hcp_levels]  # type: ignore[misc]
-
-
-def _hybrid_groups() -> dict[int, dist.ProcessGroup]:
-    assert _STATE is not None
-    names = [n for n in _STATE.plan.fields if n.startswith("hybrid_dp_cp_")]
-    found = {int(n.rsplit("_", 1)[1]): _STATE.group(n) for n in names}
-    return {g: pg for g, pg in found.items() if pg is not None}
+        return state.ranks(family)
+    return state.group(family, gloo=what == "gloo")
 
 
 # The custom (argument-dependent) functions, the helpers and the memory buffers.
-from .megatron_buffers import *  # noqa: E402, F403
-from .megatron_buffers import _set_global_memory_buffer, _set_global_symmetric_memory_buffer  # noqa: E402, F401
-from .megatron_helpers import *  # noqa: E402, F403
-from .parallel_state_ranks import *  # noqa: E402, F403
+from meshgroups.compat.megatron_buffers import *  # noqa: E402, F403
+from meshgroups.compat.megatron_buffers import _set_global_memory_buffer, _set_global_symmetric_memory_buffer  # noqa: E402, F401
+from meshgroups.compat.megatron_helpers import *  # noqa: E402, F403
+from meshgroups.compat.parallel_state_ranks import *  # noqa: E402, F403
 
 __all__ = [*sorted(API), "RankGenerator", "get_mesh_groups", "set_default_strategy"]  # noqa: F405
 
-from ._megatron_docs import complete as _complete_docs  # noqa: E402
+from meshgroups.compat._megatron_docs import complete as _complete_docs  # noqa: E402
+
+
+class _Front(types.ModuleType):
+    """This module as megatron-core code sees it: its plain globals (``OVERRIDES``) and memory
+    buffers read and write ``megatron_state.SLOTS``, so ``ps._MPU_TENSOR_MODEL_PARALLEL_RANK = 1``
+    (how Megatron sets them) and the setters agree with every getter."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in SLOTS.overrides:
+            return SLOTS.overrides[name]
+        if name in _BUFFERS:
+            return getattr(SLOTS, _BUFFERS[name])
+        return _module_getattr(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in SLOTS.overrides:
+            SLOTS.overrides[name] = value
+        elif name in _BUFFERS:
+            setattr(SLOTS, _BUFFERS[name], value)
+        else:
+            super().__setattr__(name, value)
+
+
+_BUFFERS = {
+    "_GLOBAL_MEMORY_BUFFER": "memory_buffer",
+    "_GLOBAL_SYMMETRIC_MEMORY_BUFFER": "symmetric_memory_buffer",
+}
+_module_getattr = __getattr__
+del __getattr__  # served by _Front.__getattr__ (a module's own __getattr__ would shadow it)
+_MODULE.__class__ = _Front
 
 _complete_docs(_MODULE)  # the Args/Returns/Raises sections, from the table

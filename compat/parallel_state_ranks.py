@@ -15,9 +15,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-
-from . import parallel_state as _ps
-from ._errors import MegatronAssertionError
+from meshgroups.compat._errors import MegatronAssertionError, NotInitializedError
+from meshgroups.compat.megatron_state import (
+    FUNCTIONS,
+    SLOTS,
+    hcp_groups,
+    hybrid_groups,
+    local_rank_of,
+    lookup,
+    override,
+    ranks_of,
+    set_override,
+)
 
 __all__ = [
     "get_all_ranks",
@@ -54,13 +63,13 @@ __all__ = [
 
 
 def _override(name: str) -> Any:
-    return getattr(_ps, name)
+    return override(name)
 
 
 def _call(name: str) -> int:
     """A table-generated function of ``parallel_state`` (made at its import, so not visible to
     type checkers)."""
-    fn: Callable[[], int] = getattr(_ps, name)
+    fn: Callable[[], int] = FUNCTIONS[name]
     return fn()
 
 
@@ -91,7 +100,7 @@ def get_data_parallel_group(
     ``partial_data_parallel``; the separate all-gather communicator with
     ``independent_all_gather``, built by ``create_all_gather_group=True``)."""
     family = _dp_family(with_context_parallel, partial_data_parallel, independent_all_gather)
-    group = _ps.lookup(family)
+    group = lookup(family)
     _no_partial_without_cp(with_context_parallel, partial_data_parallel)
     return group
 
@@ -100,14 +109,14 @@ def get_data_parallel_group_gloo(
     with_context_parallel: bool = False, partial_data_parallel: bool = False
 ) -> Any:
     """The gloo twin of ``get_data_parallel_group``."""
-    group = _ps.lookup(_dp_family(with_context_parallel, partial_data_parallel), gloo=True)
+    group = lookup(_dp_family(with_context_parallel, partial_data_parallel), gloo=True)
     _no_partial_without_cp(with_context_parallel, partial_data_parallel)
     return group
 
 
 def has_separate_all_gather_group() -> bool:
     """True if ``create_all_gather_group=True`` built a separate dp×cp all-gather communicator."""
-    return _ps.lookup("dp_cp_ag", check_initialized=False) is not None
+    return lookup("dp_cp_ag", check_initialized=False) is not None
 
 
 def get_data_parallel_world_size(
@@ -118,9 +127,9 @@ def get_data_parallel_world_size(
         return _override("_MPU_DATA_PARALLEL_WORLD_SIZE")
     if not dist.is_initialized():
         return 0
-    _ps.lookup(_dp_family(with_context_parallel, partial_data_parallel))
+    lookup(_dp_family(with_context_parallel, partial_data_parallel))
     _no_partial_without_cp(with_context_parallel, partial_data_parallel)
-    return len(_ps.ranks_of(_dp_family(with_context_parallel, partial_data_parallel)))
+    return len(ranks_of(_dp_family(with_context_parallel, partial_data_parallel)))
 
 
 def get_data_parallel_rank(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
@@ -129,21 +138,21 @@ def get_data_parallel_rank(with_context_parallel: bool = False, partial_data_par
         return _override("_MPU_DATA_PARALLEL_RANK")
     if not dist.is_initialized():
         return 0
-    _ps.lookup(_dp_family(with_context_parallel, partial_data_parallel))
+    lookup(_dp_family(with_context_parallel, partial_data_parallel))
     _no_partial_without_cp(with_context_parallel, partial_data_parallel)
-    return _ps.local_rank_of(_dp_family(with_context_parallel, partial_data_parallel))
+    return local_rank_of(_dp_family(with_context_parallel, partial_data_parallel))
 
 
 def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
     """The first global rank of this rank's data-parallel group."""
-    return _ps.ranks_of("dp_cp" if with_context_parallel else "dp")[0]
+    return ranks_of("dp_cp" if with_context_parallel else "dp")[0]
 
 
 def get_tensor_and_data_parallel_group(
     check_initialized: bool = True, with_context_parallel: bool = False
 ) -> Any:
     """The tensor × data (× context with ``with_context_parallel``) parallel group."""
-    return _ps.lookup("tp_dp_cp" if with_context_parallel else "tp_dp", check_initialized)
+    return lookup("tp_dp_cp" if with_context_parallel else "tp_dp", check_initialized)
 
 
 def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False) -> Any:
@@ -152,22 +161,22 @@ def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_r
         family = "tp_cp" if with_context_parallel else "tp"
     else:
         family = "tp_dp_cp" if with_context_parallel else "tp_dp"
-    return _ps.lookup(family, what="FP8 amax reduction group")
+    return lookup(family, what="FP8 amax reduction group")
 
 
 # ------------------------------------------------------------------ context parallel
 def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[int] | None:
     """The global ranks of this rank's context-parallel group."""
-    if _ps._STATE is None and not check_initialized:
+    if SLOTS.state is None and not check_initialized:
         return None
-    return _ps.ranks_of("cp")
+    return ranks_of("cp")
 
 
 def get_hierarchical_context_parallel_groups(check_initialized: bool = True) -> Any:
     """This rank's hierarchical context-parallel groups, level 0 (innermost) first."""
-    groups = _ps._hcp_groups()
+    groups = hcp_groups()
     if groups is None and check_initialized:
-        raise _ps.NotInitializedError(
+        raise NotInitializedError(
             "hierarchical context parallel groups are not initialized "
             "(initialize_model_parallel(hierarchical_context_parallel_sizes=...) was not given)"
         )
@@ -179,8 +188,8 @@ def get_hybrid_data_context_parallel_groups(
 ) -> Any:
     """The hybrid DP×CP group of ``group_size`` ranks (the dp×cp group at full size)."""
     if get_data_parallel_world_size(with_context_parallel=True) == group_size:
-        return _ps.lookup("dp_cp", check_initialized)
-    groups = _ps._hybrid_groups() if _ps._STATE is not None else {}
+        return lookup("dp_cp", check_initialized)
+    groups = hybrid_groups() if SLOTS.state is not None else {}
     if group_size not in groups:
         raise KeyError(group_size)  # megatron-core: a plain dict lookup
     return groups[group_size]
@@ -191,18 +200,18 @@ def get_expert_tensor_parallel_world_size() -> int | None:
     """Size of the expert tensor-parallel group (tp's override when there is no such group)."""
     if _override("_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE") is not None:
         return _override("_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE")
-    if _ps.lookup("expt_tp", check_initialized=False) is None:
+    if lookup("expt_tp", check_initialized=False) is None:
         return _override("_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE")
-    return len(_ps.ranks_of("expt_tp"))
+    return len(ranks_of("expt_tp"))
 
 
 def get_expert_tensor_parallel_rank() -> int | None:
     """This rank's index in its expert tensor-parallel group (tp's override without a group)."""
     if _override("_MPU_EXPERT_TENSOR_PARALLEL_RANK") is not None:
         return _override("_MPU_EXPERT_TENSOR_PARALLEL_RANK")
-    if _ps.lookup("expt_tp", check_initialized=False) is None:
+    if lookup("expt_tp", check_initialized=False) is None:
         return _override("_MPU_TENSOR_MODEL_PARALLEL_RANK")
-    return _ps.local_rank_of("expt_tp")
+    return local_rank_of("expt_tp")
 
 
 def _edp(partial: bool) -> str:
@@ -213,7 +222,7 @@ def get_expert_data_parallel_group(
     check_initialized: bool = True, partial_expert_data_parallel: bool = False
 ) -> Any:
     """The expert data-parallel group, or its intra-instance part."""
-    return _ps.lookup(_edp(partial_expert_data_parallel), check_initialized)
+    return lookup(_edp(partial_expert_data_parallel), check_initialized)
 
 
 def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = False) -> Any:
@@ -228,28 +237,28 @@ def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = F
 
 def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False) -> Any:
     """The gloo twin of ``get_expert_data_parallel_group``."""
-    return _ps.lookup(_edp(partial_expert_data_parallel), gloo=True)
+    return lookup(_edp(partial_expert_data_parallel), gloo=True)
 
 
 def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
     """Size of the expert data-parallel group (0 without ``torch.distributed``)."""
     if not dist.is_initialized():
         return 0
-    _ps.lookup(_edp(partial_expert_data_parallel))
-    return len(_ps.ranks_of(_edp(partial_expert_data_parallel)))
+    lookup(_edp(partial_expert_data_parallel))
+    return len(ranks_of(_edp(partial_expert_data_parallel)))
 
 
 def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
     """This rank's index in its expert data-parallel group (0 without ``torch.distributed``)."""
     if not dist.is_initialized():
         return 0
-    _ps.lookup(_edp(partial_expert_data_parallel))
-    return _ps.local_rank_of(_edp(partial_expert_data_parallel))
+    lookup(_edp(partial_expert_data_parallel))
+    return local_rank_of(_edp(partial_expert_data_parallel))
 
 
 # ------------------------------------------------------------------ pipeline stages
 def _pp_ranks() -> list[int]:
-    return _ps.ranks_of("pp")
+    return ranks_of("pp")
 
 
 def get_pipeline_model_parallel_first_rank() -> int:
@@ -305,7 +314,7 @@ def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = N
 
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """True if this rank holds (a copy of) the word embeddings; False before initialisation."""
-    ranks = None if _ps._STATE is None else _ps._STATE.ranks("embd")
+    ranks = None if SLOTS.state is None else SLOTS.state.ranks("embd")
     rank = dist.get_rank()
     if ranks is None or rank not in ranks:
         return False
@@ -320,7 +329,7 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
 
 def is_rank_in_position_embedding_group() -> bool:
     """True if this rank holds the position embeddings; False before initialisation."""
-    ranks = None if _ps._STATE is None else _ps._STATE.ranks("pos_embd")
+    ranks = None if SLOTS.state is None else SLOTS.state.ranks("pos_embd")
     return ranks is not None and dist.get_rank() in ranks
 
 
@@ -337,7 +346,7 @@ def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
         DeprecationWarning,
         stacklevel=2,
     )
-    _ps._VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = rank
+    set_override("_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK", rank)
 
 
 def get_virtual_pipeline_model_parallel_world_size() -> int | None:

@@ -14,8 +14,7 @@ import logging
 from typing import Any
 
 import torch.distributed as dist
-
-from . import parallel_state as ps
+from meshgroups.compat import parallel_state as ps
 
 __all__ = ["for_ddp", "for_optimizer"]
 

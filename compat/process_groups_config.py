@@ -23,11 +23,10 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from meshgroups.compat import parallel_state
+from meshgroups.compat.megatron_layout import FIELD_DIMS
 
 from meshgroups import MeshGroups
-
-from . import parallel_state
-from .megatron_layout import FIELD_DIMS
 
 __all__ = [
     "GradCommProcessGroups",
@@ -271,7 +270,7 @@ class ProcessGroupCollection(_ProcessGroupFields):
     ) -> dict[str, Any]:
         """The groups megatron-core's optimizer set-up needs, from ``pg_collection`` or (None)
         from ``parallel_state``; see ``pg_setup.for_optimizer``."""
-        from .pg_setup import for_optimizer
+        from meshgroups.compat.pg_setup import for_optimizer
 
         return for_optimizer(pg_collection, model_chunks, use_gloo_process_groups)
 
@@ -281,7 +280,7 @@ class ProcessGroupCollection(_ProcessGroupFields):
     ) -> dict[str, Any]:
         """The groups megatron-core's DDP needs, from ``pg_collection`` or (None) from
         ``parallel_state``; see ``pg_setup.for_ddp``."""
-        from .pg_setup import for_ddp
+        from meshgroups.compat.pg_setup import for_ddp
 
         return for_ddp(pg_collection, config, ddp_config)
 

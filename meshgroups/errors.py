@@ -22,7 +22,7 @@ class LayoutError(ValueError):
 
 
 class RecoveryError(LayoutError):
-    """A recovery plan (``meshgroups.elastic``) cannot be made from these arguments: the lost
+    """A recovery plan (``meshgroups.elastic.plans``) cannot be made from these arguments: the lost
     ranks hit every replica, a rank is not in the layout, too few spares, an unknown dim, ..."""
 
 
@@ -66,7 +66,7 @@ class ConcurrentInitError(RuntimeError):
     """``init_mesh`` was called from a second thread while another call was in progress."""
 
 
-class StepFailed(RuntimeError):
+class StepFailedError(RuntimeError):
     """A guarded training step failed on some rank (``Elastic.step()``); raised on every live
     rank alike once the ranks agreed who is still alive.
 
@@ -92,18 +92,24 @@ class StepFailed(RuntimeError):
         self.lost, self.epoch, self.survivors, self.cause = lost, epoch, survivors, cause
 
 
-class RanksLost(StepFailed):
+class RanksLostError(StepFailedError):
     """Ranks died (or hung past the verdict's timeout): ``lost`` names them, on every survivor.
 
     Args:
-        message, lost, epoch, survivors, cause: as :class:`StepFailed`.
+        message, lost, epoch, survivors, cause: as :class:`StepFailedError`.
     """
 
 
-class Excluded(RuntimeError):
+class ExcludedError(RuntimeError):
     """This rank was declared lost by the verdict (it reported after the decision, or never
     reported while it hung); it must not take part in the survivors' collectives. Exit, or
     wait to be re-admitted as a spare."""
+
+
+# The names before the ``Error`` suffix (0.3, 0.4): user code catches them.
+StepFailed = StepFailedError
+RanksLost = RanksLostError
+Excluded = ExcludedError
 
 
 # Errors that are also the class torch raises for the same misuse, so code written against
@@ -174,15 +180,18 @@ __all__ = [
     "DeviceTypeError",
     "DuplicateNameError",
     "Excluded",
+    "ExcludedError",
     "LayoutError",
     "MeshBuildError",
     "MeshConfigError",
     "MismatchError",
     "NameCountError",
     "RanksLost",
+    "RanksLostError",
     "RecoveryError",
     "RendezvousTimeout",
     "StepFailed",
+    "StepFailedError",
     "StoreConnectionError",
     "UnknownDimError",
     "WorldSizeError",

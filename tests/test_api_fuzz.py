@@ -19,9 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshgroups import Layout, LayoutError, Topology, render
-from meshgroups.checks import short_repr
-from meshgroups.order import megatron_order
+from meshgroups import Layout, LayoutError, Topology
+from meshgroups.layout.checks import short_repr
+from meshgroups.layout.order import megatron_order
+from meshgroups.render import formats as render
 
 
 def _deep(depth: int) -> list:
@@ -180,7 +181,7 @@ RENDER: dict[str, Callable[[object], object]] = {
 
 
 def test_widget_entry_points_raise_only_type_or_value_errors():
-    from meshgroups import widgets
+    from meshgroups.render import widgets
 
     sizes = {"pp": 2, "cp": 1, "tp": 2}
     calls = {

@@ -64,13 +64,13 @@ def _step(model, opt, mg, layout, rank, step, el=None, die_rank=None):
 
 
 def _snapshot(model, opt):
-    from meshgroups.heal import training_state
+    from meshgroups.elastic.heal import training_state
 
     return {k: local(v).detach().clone() for k, v in training_state(model, opt).items()}
 
 
 def _heal(el, mg, rank, out, snap):
-    from meshgroups.heal import fill_replicas, init_optimizer_state, training_state
+    from meshgroups.elastic.heal import fill_replicas, init_optimizer_state, training_state
 
     layout = el.layout
     model, opt = _build(mg, rank, layout)
@@ -105,8 +105,8 @@ def _heal(el, mg, rank, out, snap):
 
 
 def worker(rank, world, port):
-    from meshgroups import Layout, RanksLost
-    from meshgroups.elastic_mesh import Elastic
+    from meshgroups import Layout, RanksLostError
+    from meshgroups.elastic.elastic_mesh import Elastic
 
     connect(rank, world, port, scaled(60))
     el = Elastic(
@@ -129,7 +129,7 @@ def worker(rank, world, port):
         with el.step():
             _step(model, opt, mg, el.layout, rank, 2, el=el, die_rank=7)
         raise AssertionError("the step did not fail")
-    except RanksLost as exc:
+    except RanksLostError as exc:
         out["lost"] = exc.lost
     snap = _snapshot(model, opt)  # the state after step 1 on every survivor
     del model, opt
@@ -139,7 +139,7 @@ def worker(rank, world, port):
     model, opt = _build(mg, rank, el.layout)
     import torch
 
-    from meshgroups.heal import init_optimizer_state, training_state
+    from meshgroups.elastic.heal import init_optimizer_state, training_state
 
     init_optimizer_state(model, opt)
     with torch.no_grad():

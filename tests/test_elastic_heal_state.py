@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshgroups.heal import training_state
+from meshgroups.elastic.heal import training_state
 
 
 def _model_and_adam(frozen: bool = False):

@@ -31,7 +31,7 @@ T = 6.0  # nominal seconds: the mesh's collective timeout
 
 
 def _elastic(layout, spares):
-    from meshgroups.elastic_mesh import Elastic
+    from meshgroups.elastic.elastic_mesh import Elastic
 
     # stale_after: generous, so a live rank whose heartbeat thread a loaded machine starves is
     # not taken for dead; verdict_timeout: generous too, so a live rank that a loaded machine
@@ -50,7 +50,7 @@ def _elastic(layout, spares):
 def worker_core(rank, world, port, ckpt):
     """HSDP × TP on ranks 0-7, spare 8. Rank 5 dies mid-step 2; survivors shrink to
     dp_replicate=1, keep training (checked against a reference run), then heal with 4, 6, 7, 8."""
-    from meshgroups import GroupCache, RanksLost, init_mesh
+    from meshgroups import GroupCache, RanksLostError, init_mesh
 
     connect(rank, world, port, scaled(60))
     out = {}
@@ -70,7 +70,7 @@ def worker_core(rank, world, port, ckpt):
         with el.step():
             train_step(model, opt, el.layout, rank, 2, die_rank=5, el=el)
         raise AssertionError("the step did not fail")
-    except RanksLost as exc:
+    except RanksLostError as exc:
         out["lost"], out["elapsed"], out["message"] = exc.lost, time.monotonic() - started, str(exc)
         out["bound"] = el.verdict_timeout + scaled(T)
         model.reset_iter_state()  # FSDP2: the failed step's unsharded parameters out
@@ -88,9 +88,9 @@ def worker_core(rank, world, port, ckpt):
     assert all(out["kept"].values()), out["kept"]
     created = [dist.get_process_group_ranks(g) for g in el.cache.groups() if id(g) not in known]
     assert created and all(5 not in r for r in created), created
-    assert dist.get_process_group_ranks(el.group) == [0, 1, 2, 3]
+    assert dist.get_process_group_ranks(el.live_group) == [0, 1, 2, 3]
     # Keep training on dp_replicate=1; a reference run on a fresh mesh from the same state.
-    # The reference's parameters come back through DCP, saved on the new mesh over el.group (the
+    # The reference's parameters come back through DCP, saved on the new mesh over el.live_group (the
     # default group holds the dead rank: DCP gets the survivors' group).
     import torch
     import torch.distributed.checkpoint as dcp
@@ -101,12 +101,12 @@ def worker_core(rank, world, port, ckpt):
         model, opt = build(mg if ref is None else ref)
         load(model, opt, snap)
         if ref is None:
-            dcp.save({"model": model.state_dict()}, checkpoint_id=ckpt, process_group=el.group)
+            dcp.save({"model": model.state_dict()}, checkpoint_id=ckpt, process_group=el.live_group)
         else:
             with torch.no_grad():
                 for p in model.parameters():
                     p.to_local().zero_()
-            dcp.load({"model": model.state_dict()}, checkpoint_id=ckpt, process_group=el.group)
+            dcp.load({"model": model.state_dict()}, checkpoint_id=ckpt, process_group=el.live_group)
         losses = [train_step(model, opt, el.layout, rank, s) for s in (3, 4)]
         runs[name] = (losses, snapshot(model, opt))
         if ref is not None:
@@ -132,7 +132,7 @@ def _spare_heals(el, out):
 
 
 def _after_heal(el, mg, rank, out, snap):
-    from meshgroups.heal import fill_replicas, init_optimizer_state, training_state
+    from meshgroups.elastic.heal import fill_replicas, init_optimizer_state, training_state
 
     assert el.layout.size("dp_replicate") == 2 and el.grown == (1,)
     model, opt = build(mg)
@@ -203,8 +203,8 @@ def worker_scenarios(rank, world, port):
     1. rank 0 dies (the store is this test's, not rank 0's): the spare node replaces node 0-1;
     2. rank 3 dies in the next step (two failures in a row): shrink; 3. rank 5 dies during that
     recovery: one verdict, and the retried shrink works; training goes on every time."""
-    from meshgroups import RanksLost
-    from meshgroups.heal import fill_replicas, training_state
+    from meshgroups import RanksLostError
+    from meshgroups.elastic.heal import fill_replicas, training_state
 
     connect(rank, world, port, scaled(60))
     out = {"lost": [], "why": []}
@@ -221,7 +221,7 @@ def worker_scenarios(rank, world, port):
             with el.step():
                 train_step(model, opt, el.layout, rank, step, die_rank=die_rank, el=el)
             return None
-        except RanksLost as exc:
+        except RanksLostError as exc:
             assert time.monotonic() - started < el.verdict_timeout + scaled(T), exc
             model.reset_iter_state()  # FSDP2: the failed step's unsharded parameters out
             out["lost"].append(exc.lost)
@@ -233,7 +233,7 @@ def worker_scenarios(rank, world, port):
         if snap is not None and rank in snap_owner:
             load(model, opt, snap)
         else:
-            from meshgroups.heal import init_optimizer_state
+            from meshgroups.elastic.heal import init_optimizer_state
 
             init_optimizer_state(model, opt)
         if fill:
@@ -248,7 +248,7 @@ def worker_scenarios(rank, world, port):
         failed = guarded(model, opt)
         assert failed is None, failed
         before = {"tp": mg.group("tp")}
-        assert isinstance(failed := guarded(model, opt, die_rank=0), RanksLost), failed
+        assert isinstance(failed := guarded(model, opt, die_rank=0), RanksLostError), failed
         snap, snap_owner = snapshot(model, opt), (2, 3, 4, 5)
         del model, opt
         mg = el.substitute(node=2)
@@ -262,18 +262,18 @@ def worker_scenarios(rank, world, port):
     same = replicas_equal(snapshot(model, opt), mg.group("dp_replicate"))
     assert same is True, same
     # 2. Two failures in a row: rank 3 dies mid-step; 3. rank 5 dies during the shrink.
-    assert isinstance(failed := guarded(model, opt, die_rank=3), RanksLost), failed
+    assert isinstance(failed := guarded(model, opt, die_rank=3), RanksLostError), failed
     snap, snap_owner = snapshot(model, opt), (4, 5, 6, 7)
     del model, opt
     if rank == 5:
         import os
 
-        import meshgroups.recover
+        import meshgroups.elastic.recover
 
-        meshgroups.recover._retire_out_of_step = lambda *a, **k: os._exit(0)
+        meshgroups.elastic.recover._retire_out_of_step = lambda *a, **k: os._exit(0)
     try:
         mg = el.shrink()
-    except RanksLost as exc:  # the recovery itself failed: one verdict, then the retry
+    except RanksLostError as exc:  # the recovery itself failed: one verdict, then the retry
         out["lost"].append(exc.lost)
         out["why"].append(el.verdicts[-1].why)
         # the meeting saw rank 5 die (its heartbeat), it did not wait out its timeout
@@ -323,11 +323,11 @@ def test_rank0_lost_node_substituted_two_failures_and_a_failure_during_recovery(
 
 def worker_step_failed(rank, world, port):
     """Nobody dies: rank 1 raises before a tp all_reduce that rank 0 makes (and times out in).
-    Every rank gets StepFailed with nobody lost; rebuild() retires the out-of-step tp group
+    Every rank gets StepFailedError with nobody lost; rebuild() retires the out-of-step tp group
     {0, 1} (its members issued different numbers of collectives) and keeps {2, 3} as is."""
     import torch
 
-    from meshgroups import StepFailed
+    from meshgroups import StepFailedError
 
     connect(rank, world, port, scaled(60))
     el = _elastic(Layout(dp_replicate=2, tp=2), spares=())
@@ -341,9 +341,9 @@ def worker_step_failed(rank, world, port):
                 dist.all_reduce(torch.ones(1), group=tp)  # rank 1 never comes: a timeout
             el.commit()
         raise AssertionError("the step did not fail")
-    except StepFailed as exc:
+    except StepFailedError as exc:
         assert exc.lost == () and "a bad batch on rank 1" in exc.cause, exc
-        assert type(exc) is StepFailed
+        assert type(exc) is StepFailedError
     mg = el.rebuild()
     same = mg.group("tp") is tp
     assert same == (rank in (2, 3)), (rank, same)
@@ -352,7 +352,7 @@ def worker_step_failed(rank, world, port):
     assert t.item() == {0: 1.0, 1: 1.0, 2: 5.0, 3: 5.0}[rank]
     # A rank still finishing step 1 when a peer fails in step 2 (rank 3 holds on until rank 2's
     # failure is published): its step 1 succeeded, and it fails in step 2, as the rest.
-    from meshgroups.verdict import failure_published
+    from meshgroups.elastic.verdict import failure_published
 
     epoch = el.epoch
     with el.step():
@@ -367,7 +367,7 @@ def worker_step_failed(rank, world, port):
                 raise ValueError("a bad batch on rank 2 in step 2")
             el.commit()  # ranks 0, 1 and 3: aborted by rank 2's failure
         raise AssertionError("step 2 did not fail")
-    except StepFailed as exc:
+    except StepFailedError as exc:
         assert exc.epoch == epoch and "a bad batch on rank 2 in step 2" in exc.cause, exc
     el.close()
     return same

@@ -1,6 +1,6 @@
 """The verdict on a real TCPStore, ranks as threads (each with its own client connection): one
 decision everywhere; a slow rank that is alive is waited for until the timeout and then lost on
-every rank, and told so (``Excluded``); a dead rank (stale heartbeat) is lost without waiting
+every rank, and told so (``ExcludedError``); a dead rank (stale heartbeat) is lost without waiting
 for the timeout; ``commit`` passes when every member arrives and stops at a published failure.
 Cohorts: validation and the store namespace."""
 
@@ -13,9 +13,16 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from meshgroups.cohort import Cohort, current_cohort, use_cohort
-from meshgroups.errors import Excluded
-from meshgroups.verdict import Heartbeat, StepAborted, agree_lost, commit, failed_step, publish_failure
+from meshgroups.elastic.verdict import (
+    Heartbeat,
+    StepAbortedError,
+    agree_lost,
+    commit,
+    failed_step,
+    publish_failure,
+)
+from meshgroups.errors import ExcludedError
+from meshgroups.mesh.cohort import Cohort, current_cohort, use_cohort
 
 from .support.timing import scaled
 
@@ -67,7 +74,7 @@ def test_a_slow_live_rank_is_waited_for_then_lost_everywhere_and_told(store):
         assert "did not report" in out[0].why and "Connection closed" in out[0].cause
         assert scaled(1.5) <= elapsed < scaled(1.5) + scaled(5)  # waited for the live rank
         late = _verdicts(store, 0, (0, 1, 2), (2,), timeout=scaled(1.5), stale_after=scaled(5))[2]
-        assert isinstance(late, Excluded) and "rank 2 was declared lost in epoch 0" in str(late), late
+        assert isinstance(late, ExcludedError) and "rank 2 was declared lost in epoch 0" in str(late), late
         assert f"({out[0].why})" in str(late), late  # the rule, read from the closed roll itself
     finally:
         for b in beats:
@@ -102,7 +109,7 @@ def test_commit_passes_together_and_stops_at_a_failure(store):
             try:
                 commit(_client(store), 7, number, (0, 1), r, timeout=scaled(20), stale_after=scaled(10))
                 results[(r, number)] = "ok"
-            except StepAborted as exc:
+            except StepAbortedError as exc:
                 results[(r, number)] = str(exc)
 
         threads = [threading.Thread(target=one, args=(r, 0)) for r in (0, 1)]
@@ -150,7 +157,7 @@ def test_cohorts():
 def _meet(master, members, ranks, watch, timeout, base):
     """``Meeting.agree`` of one meeting on each of ``ranks`` at once (threads); {rank: result or
     exception}. ``members`` may hold ranks that never come."""
-    from meshgroups.rendezvous import Meeting
+    from meshgroups.mesh.rendezvous import Meeting
 
     def one(r):
         meeting = Meeting(
@@ -166,8 +173,8 @@ def test_a_meeting_stops_waiting_for_a_rank_whose_heartbeat_stopped(store):
     ranks 0-2 raise the same RendezvousTimeout naming it as dead, without waiting out the
     meeting's timeout (10 minutes here: a test that ends at all ended early). With every member
     present the probe never fires and the meeting passes."""
+    from meshgroups.elastic.verdict import Staleness
     from meshgroups.errors import RendezvousTimeout
-    from meshgroups.verdict import Staleness
 
     beats = [Heartbeat(_client(store), r, scaled(0.05)) for r in (0, 1, 2)]
     try:

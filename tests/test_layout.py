@@ -254,7 +254,7 @@ def test_layout_core_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, meshgroups, meshgroups.layout; meshgroups.Layout(a=2).groups('a'); assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, meshgroups, meshgroups.layout.core; meshgroups.Layout(a=2).groups('a'); assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -277,12 +277,17 @@ def test_large_world_layout_only():
 def test_docstring_examples_run():
     import doctest
 
-    import meshgroups._layout_topology
     import meshgroups.errors
-    import meshgroups.layout
-    import meshgroups.topology
+    import meshgroups.layout.core
+    import meshgroups.layout.layout_topology
+    import meshgroups.layout.topology
     from meshgroups import Layout, Topology
 
-    for module in (meshgroups.layout, meshgroups._layout_topology, meshgroups.topology, meshgroups.errors):
+    for module in (
+        meshgroups.layout.core,
+        meshgroups.layout.layout_topology,
+        meshgroups.layout.topology,
+        meshgroups.errors,
+    ):
         result = doctest.testmod(module, extraglobs={"Layout": Layout, "Topology": Topology})
         assert result.attempted >= 1 and result.failed == 0, module.__name__

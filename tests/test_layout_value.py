@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshgroups import Layout
-from meshgroups.checks import MAX_RANK, MAX_WORLD_SIZE
 from meshgroups.errors import LayoutError
+from meshgroups.layout.checks import MAX_RANK, MAX_WORLD_SIZE
 
 NAMES = ("pp", "dp", "cp", "tp", "ep")
 
@@ -310,24 +310,26 @@ def test_core_modules_use_public_layout_api_only():
     root = pathlib.Path(__file__).resolve().parent.parent
     private = re.compile(r"\b(layout|main|view|other|a|b|owner|source|out)\._[a-z]")
     for module in (
-        "algebra.py",
-        "views.py",
-        "_serialize.py",
-        "topology.py",
-        "render.py",
-        "_render_grid.py",
-        "render_plot.py",
-        "render_spans.py",
+        "layout/algebra.py",
+        "layout/views.py",
+        "layout/serialize.py",
+        "layout/topology.py",
+        "render/formats.py",
+        "render/window.py",
+        "render/figure.py",
+        "render/spans.py",
     ):
         text = (root / "meshgroups" / module).read_text()
         assert not private.search(text), f"{module} reaches into a Layout's private fields"
         # The one exception: algebra builds selections of a layout's own positions with the
         # trusted constructor (no re-validation of ranks that cannot have changed).
-        allowed = {"algebra.py": {"_derived"}}.get(module, set())
+        allowed = {"layout/algebra.py": {"_derived"}}.get(module, set())
         used = set(re.findall(r"\)\.(_[a-z]\w*)", text))
         assert used <= allowed, f"{module} uses private Layout members {sorted(used - allowed)}"
-    layout_src = (root / "meshgroups" / "layout.py").read_text()
-    assert "from .render" not in layout_src.replace("from .render import html  # lazily", "")
+    layout_src = (root / "meshgroups" / "layout" / "core.py").read_text()
+    assert "from meshgroups.render" not in layout_src.replace(
+        "from meshgroups.render.formats import html  # lazily: the core imports no renderer", ""
+    )
     for path in (root / "compat").glob("*.py"):
         assert not re.search(r"meshgroups\._", path.read_text()), f"{path.name} imports a private module"
 
@@ -340,7 +342,7 @@ def test_layout_value_and_errors_need_no_torch_or_renderer():
         "import sys, meshgroups; from meshgroups.errors import LayoutError; "
         "L = meshgroups.Layout(a=2, b=2); L.groups('a'); L.flatten('a', 'b'); hash(L); L.select('a', 0); "
         "repr(L); L.to_dict(); "
-        "assert 'torch' not in sys.modules and 'meshgroups.render' not in sys.modules, sorted(sys.modules)"
+        "assert 'torch' not in sys.modules and 'meshgroups.render.formats' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

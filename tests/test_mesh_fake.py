@@ -136,3 +136,42 @@ def test_root_and_derived_meshes_skip_torch_world_scans_at_131k(fake_rank, monke
     twin = DeviceMesh("cpu", root.mesh, mesh_dim_names=BIG.names, _init_backend=False)
     assert hash(root) == hash(twin) and root == twin and root._flatten_rank_map is meshes[1]._flatten_rank_map
     assert twin.get_coordinate() == root.get_coordinate()
+
+
+@pytest.mark.parametrize("fake_rank", [(5, 16)], indirect=True)
+def test_mesh_options_build_what_the_keywords_build(fake_rank):
+    from datetime import timedelta
+
+    from meshgroups import MeshOptions
+
+    lay = Layout(dp=4, tp=4)
+    opts = MeshOptions(strategy="local", timeout=30, gloo_twins=False)
+    with init_mesh(lay, flatten=[("dp", "tp")], options=opts, check=None) as by_value:
+        with init_mesh(lay, flatten=[("dp", "tp")], strategy="local", timeout=30) as by_keywords:
+            for dims in [("dp",), ("tp",), ("dp", "tp")]:
+                assert by_value.ranks(*dims) == by_keywords.ranks(*dims)
+            # what the mesh reports it was built with is the value it was given
+            assert by_value.options == by_keywords.options
+            assert by_value.options.strategy == "local"
+            assert by_value.options.timeout == timedelta(seconds=30)
+            assert by_value.declared_flatten == (("dp", "tp"),)
+    # frozen: a value compared across ranks cannot change under the caller
+    with pytest.raises(AttributeError):
+        opts.strategy = "global"  # type: ignore[misc]
+    override = {"tp": "gloo"}
+    held = MeshOptions(backend_override=override)
+    override["dp"] = "gloo"
+    assert dict(held.backend_override) == {"tp": "gloo"}
+
+
+@pytest.mark.parametrize("fake_rank", [(0, 4)], indirect=True)
+def test_options_and_option_keywords_together_are_refused(fake_rank):
+    from meshgroups import MeshOptions
+
+    with pytest.raises(TypeError, match="not both.*strategy"):
+        init_mesh(Layout(dp=2, tp=2), options=MeshOptions(), strategy="local")
+    with pytest.raises(TypeError, match="options must be a meshgroups.MeshOptions"):
+        init_mesh(Layout(dp=2, tp=2), options={"strategy": "local"})  # type: ignore[arg-type]
+    # the refused calls left the protocol in step: the next call builds
+    with init_mesh(Layout(dp=2, tp=2)) as mg:
+        assert mg.size() == 4 and mg.size("tp") == 2

@@ -62,7 +62,7 @@ def worker_retries(rank, world):
             raise RuntimeError("injected failure in group creation")
         return real_new_group(*args, **kwargs)
 
-    from meshgroups._torch_seam import held_group_count
+    from meshgroups.mesh.torch_seam import held_group_count
 
     for strategy in ("global", "local"):
         calls["n"] = 0
@@ -202,7 +202,7 @@ def worker_rank_dies(rank, world, victim):
     if victim != 0:
         assert f"rank {victim} never arrived" in str(exc), str(exc)
         # rank 0 hosts the store: it waits for the other survivors before its process exits
-        from meshgroups._torch_seam import default_store
+        from meshgroups.mesh.torch_seam import default_store
 
         store = default_store()
         store.add("survivors_done", 1)
@@ -228,7 +228,7 @@ def test_losing_the_store_host_is_not_a_timeout():
 def _resources():
     import os
 
-    from meshgroups._torch_seam import default_store, held_group_count
+    from meshgroups.mesh.torch_seam import default_store, held_group_count
 
     return {
         "groups": held_group_count(),
@@ -298,7 +298,7 @@ def worker_dies_creating_groups(rank, world, victim):
     import torch.distributed as dist
 
     from meshgroups import init_mesh
-    from meshgroups._torch_seam import default_store
+    from meshgroups.mesh.torch_seam import default_store
 
     with init_mesh(LAYOUT, timeout=scaled(10)) as mg:
         verify_groups(mg, LAYOUT, rank)

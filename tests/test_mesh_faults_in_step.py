@@ -42,7 +42,7 @@ def worker_in_step(rank, world):
     from meshgroups.compat import parallel_state as ps
 
     from meshgroups import GroupCache, init_mesh
-    from meshgroups._torch_seam import default_store
+    from meshgroups.mesh.torch_seam import default_store
 
     out = {}
     mg = init_mesh(LAYOUT, timeout=scaled(20))

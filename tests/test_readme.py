@@ -5,11 +5,10 @@ conventions, implemented here (any section added later is picked up by itself to
 
 - A ```python block runs in a fresh interpreter (its own subprocess), in a scratch directory.
 - ``<!-- run: gloo N -->`` on the line right before a block: the block runs on each of N spawned
-  processes, with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), the
-  variables ``rank`` and ``world_size`` defined and ``torch.distributed`` initialised (gloo) —
-  unless the block calls ``init_process_group`` itself, as a user's script does. The blocks of one
-  page needing the same N share one spawned job, in page order, each in a fresh namespace, with a
-  barrier after each.
+  processes with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) and
+  nothing else: it initialises ``torch.distributed`` and reads its rank itself, so it runs as
+  pasted into a ``torchrun`` script. The blocks of one page needing the same N share one spawned
+  job, in page order, each in a fresh namespace.
 - ``<!-- run: skip (reason) -->``: not run; the reason is required.
 - In any fenced block, a line starting with ``$ `` is a shell command, run with the venv's
   ``python``/``meshgroups`` first on PATH. The lines after it, up to the next ``$ `` or the fence,
@@ -261,19 +260,15 @@ def _run_blocks(rank: int, world: int, blocks: list[tuple[str, int, str, bool]],
         LOCAL_WORLD_SIZE=str(world),
         GROUP_RANK="0",
     )
-    for (page, line, code, initialises), port in zip(blocks, ports):
+    for (page, line, code, _), port in zip(blocks, ports):
         os.environ["MASTER_PORT"] = str(port)
-        if initialises and dist.is_initialized():
+        if dist.is_initialized():  # a block that did not destroy its default group
             dist.destroy_process_group()
-        if not initialises and not dist.is_initialized():
-            dist.init_process_group("gloo")
-        namespace = {"__name__": "__main__", "rank": rank, "world_size": world}
+        namespace = {"__name__": "__main__"}  # as in a torchrun script: no harness names
         try:
             exec(compile(code, str(ROOT / page), "exec"), namespace)
         except BaseException as exc:
             raise AssertionError(f"{page}:{line}: the block failed on rank {rank}: {exc!r}") from exc
-        if dist.is_initialized():
-            dist.barrier()
     if dist.is_initialized():
         dist.destroy_process_group()
     return len(blocks)
@@ -283,6 +278,27 @@ GLOO: dict[tuple[str, int], list[Block]] = {}  # (page, N): one spawned job each
 for _b in PYTHON:
     if _kind(_b)[0] == "gloo":
         GLOO.setdefault((_b.page, int(str(_kind(_b)[1]))), []).append(_b)
+
+
+def test_every_block_run_on_processes_stands_alone_in_a_torchrun_script():
+    """Nothing is injected: a block that uses ``rank`` defines it, and it initialises the
+    default group itself."""
+    lacking = []
+    for blocks in GLOO.values():
+        for b in blocks:
+            tree = ast.parse(b.code)
+            stored = {
+                n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+            }
+            loaded = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+            if "init_process_group(" not in b.code:
+                lacking.append(f"{b.where}: does not call init_process_group")
+            lacking += [
+                f"{b.where}: uses {name} without defining it"
+                for name in ("rank", "world_size")
+                if name in loaded - stored
+            ]
+    assert not lacking, "\n".join(lacking)
 
 
 @pytest.mark.parametrize("job", list(GLOO), ids=[f"{page}-gloo{world}" for page, world in GLOO])
@@ -391,7 +407,9 @@ def test_shell_command_gives_the_output_shown(cmd, tmp_path):
 
 def test_plot_without_matplotlib_says_what_the_docs_say(tmp_path):
     """Without the plot extra, `plot` prints an install hint; the CLI page quotes that hint."""
-    hide = "import sys; sys.modules['matplotlib'] = None; from meshgroups.cli import main; sys.exit(main())"
+    hide = (
+        "import sys; sys.modules['matplotlib'] = None; from meshgroups.cli.app import main; sys.exit(main())"
+    )
     out = subprocess.run(
         [sys.executable, "-c", hide, "plot", "tp=2", "-o", "x.png"],
         cwd=tmp_path,

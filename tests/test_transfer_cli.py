@@ -8,7 +8,7 @@ import json
 import pytest
 
 from meshgroups import Layout, Topology
-from meshgroups.cli import main
+from meshgroups.cli.app import main
 from meshgroups.transfer import NameMap, Shard, Weight, plan_transfer
 from meshgroups.transfer.conventions import vllm_map
 from meshgroups.transfer.presets import model_config, model_weights
@@ -132,7 +132,7 @@ def test_presets_are_public_and_torch_free():
     import subprocess
     import sys
 
-    from meshgroups import _cli_transfer
+    from meshgroups.cli import transfer as _cli_transfer
     from meshgroups.transfer import presets
 
     assert _cli_transfer.model_weights is presets.model_weights

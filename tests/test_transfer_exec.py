@@ -190,7 +190,7 @@ def _cut_pieces(rank):
 def worker_disjoint(rank, world):
     import torch.distributed as dist
 
-    from meshgroups._torch_seam import held_group_count
+    from meshgroups.mesh.torch_seam import held_group_count
 
     held = held_group_count()
     out = {"fsdp_tp": _fsdp_tp(rank), "pipeline": _pipeline_permuted(rank), "experts": _experts(rank)}

@@ -23,7 +23,7 @@ def _checked_calls(rank, out):
     import torch
 
     from meshgroups import MeshConfigError, MismatchError, Topology
-    from meshgroups._torch_seam import held_group_count
+    from meshgroups.mesh.torch_seam import held_group_count
     from meshgroups.transfer import Shard, Weight, plan_transfer
     from meshgroups.transfer.execute import TransferError, execute
     from meshgroups.transfer.jobs import init_job

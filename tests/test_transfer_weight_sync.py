@@ -337,7 +337,7 @@ def _cast_at_the_sender(rank, out):
 def worker(rank, world):
     import torch.distributed as dist
 
-    from meshgroups._torch_seam import held_group_count
+    from meshgroups.mesh.torch_seam import held_group_count
 
     held = held_group_count()
     out: dict = {}

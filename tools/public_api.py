@@ -1,12 +1,13 @@
-"""The public surface of meshgroups, computed, never listed by hand: one source for the API
-reference (``tools/mkdocs_hooks.py``) and for the docstring test (``tests/test_docstrings.py``).
+"""The public surface of meshgroups, read from the code, never listed by hand: one source for the
+API reference (``tools/mkdocs_hooks.py``) and for the docstring test (``tests/test_docstrings.py``).
 
-Public means what Python's conventions say: the packages ``meshgroups``, ``meshgroups.transfer``
-and ``meshgroups.compat``, and every module of theirs whose name has no leading underscore; in
-each, the names of its ``__all__``, or, without one, the classes and functions it defines whose
-names have no leading underscore. An object is listed once, where it is first met (a package's
-``__all__`` before its modules), so ``meshgroups.Layout`` is not listed again under
-``meshgroups.layout``. A module added later is picked up by itself.
+Public means what each package says in its ``__all__``: the packages ``meshgroups``, its
+subpackages without a leading underscore (``layout``, ``mesh``, ``elastic``, ``transfer``,
+``render``, ``cli``), ``meshgroups.compat``, and the few modules users are told to import by
+their path (``MODULES``: the typed errors, the transfer presets and conventions, compat's
+drop-in modules, whose paths are the legacy APIs' own). A public module without ``__all__`` is an
+error. An object is listed once, where it is first met (a package before its modules), so
+``meshgroups.Layout`` is not listed again under ``meshgroups.layout``.
 
     >>> ("meshgroups", "Layout") in [(m, n) for m, names in public_api() for n in names]
     True
@@ -19,54 +20,47 @@ import inspect
 import pkgutil
 from types import ModuleType
 
-PACKAGES = ("meshgroups", "meshgroups.transfer", "meshgroups.compat")
-# The modules the docs tell users to import (besides the packages): their docstrings name every
-# argument and the return value (tests/test_docstrings.py).
-USER_MODULES = (
-    "meshgroups",
-    "meshgroups.collective",
+ROOT = "meshgroups"
+# Modules (not packages) whose path users import: their own ``__all__`` is public too.
+MODULES = (
     "meshgroups.errors",
-    "meshgroups.render",
-    "meshgroups.transfer",
-    "meshgroups.transfer.execute",
-    "meshgroups.transfer.fanout_groups",
-    "meshgroups.transfer.jobs",
+    "meshgroups.layout.checks",
+    "meshgroups.transfer.conventions",
     "meshgroups.transfer.presets",
-    "meshgroups.transfer.torch_io",
     "meshgroups.compat.group_initializer",
     "meshgroups.compat.megatron",
+    "meshgroups.compat.megatron_layout",
     "meshgroups.compat.parallel_state",
     "meshgroups.compat.process_groups_config",
 )
 SKIP_MODULES = {"meshgroups.__main__"}
+# The one place private torch APIs are used: shared by the subsystems, not offered to users.
+INTERNAL_PACKAGES = {"meshgroups.mesh.torch_seam"}
+
+
+def public_packages() -> list[str]:
+    """``meshgroups`` and every subpackage whose dotted path has no part with a leading underscore."""
+    names = [ROOT]
+    root = importlib.import_module(ROOT)
+    for info in pkgutil.walk_packages(root.__path__, prefix=f"{ROOT}."):
+        if info.ispkg and not any(part.startswith("_") for part in info.name.split(".")):
+            if not any(info.name == p or info.name.startswith(p + ".") for p in INTERNAL_PACKAGES):
+                names.append(info.name)
+    if "meshgroups.compat" not in names:  # installed from compat/ (package-dir), not found by walking
+        names.append("meshgroups.compat")
+    return names
 
 
 def public_modules() -> list[str]:
-    """Every public module: each package, then its modules without a leading underscore."""
-    names: list[str] = []
-    for package in PACKAGES:
-        names.append(package)
-        module = importlib.import_module(package)
-        subs = sorted(info.name for info in pkgutil.iter_modules(module.__path__))
-        for sub in subs:
-            full = f"{package}.{sub}"
-            if sub.startswith("_") or full in PACKAGES or full in SKIP_MODULES:
-                continue
-            names.append(full)
-    return names
+    """Every public module: the packages, then ``MODULES``."""
+    return public_packages() + [m for m in MODULES if m not in SKIP_MODULES]
 
 
 def _names(module: ModuleType) -> list[str]:
     exported = getattr(module, "__all__", None)
-    if exported is not None:
-        return list(exported)
-    return [
-        name
-        for name, obj in vars(module).items()
-        if not name.startswith("_")
-        and (inspect.isclass(obj) or inspect.isfunction(obj))
-        and getattr(obj, "__module__", None) == module.__name__
-    ]
+    if exported is None:
+        raise ValueError(f"public module {module.__name__} has no __all__: say what it exports")
+    return list(exported)
 
 
 def public_api() -> list[tuple[str, list[str]]]:
@@ -84,3 +78,18 @@ def public_api() -> list[tuple[str, list[str]]]:
             mine.append(attr)
         out.append((name, mine))
     return out
+
+
+# The modules whose docstrings must name every argument and the return value
+# (tests/test_docstrings.py): the ones the README and the guides tell users to call.
+USER_MODULES = (
+    "meshgroups",
+    "meshgroups.mesh",
+    "meshgroups.errors",
+    "meshgroups.render",
+    "meshgroups.transfer",
+    "meshgroups.compat.group_initializer",
+    "meshgroups.compat.megatron",
+    "meshgroups.compat.parallel_state",
+    "meshgroups.compat.process_groups_config",
+)

@@ -35,8 +35,8 @@ from functools import cached_property
 
 import numpy as np
 
-from ..errors import LayoutError
-from .stream import Stream
+from meshgroups.errors import LayoutError
+from meshgroups.transfer.stream import Stream
 
 
 class PlanError(LayoutError):

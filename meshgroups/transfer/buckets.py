@@ -19,11 +19,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import MeshConfigError
-from .spec import Box, Weight
+from meshgroups.errors import MeshConfigError
+from meshgroups.transfer.spec import Box, Weight
 
 if TYPE_CHECKING:
-    from .plan import Message
+    from meshgroups.transfer.plan import Message
 
 
 @dataclass(frozen=True)

@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .assign import PairRoute
-from .shards import BlockKey, Side
-from .spec import Box, Weight
-from .stream import Stream, StreamSet
+from meshgroups.transfer.assign import PairRoute
+from meshgroups.transfer.shards import BlockKey, Side
+from meshgroups.transfer.spec import Box, Weight
+from meshgroups.transfer.stream import Stream, StreamSet
 
 if TYPE_CHECKING:
-    from .assign import ByNode
+    from meshgroups.transfer.assign import ByNode
 
 
 class Choices:

@@ -27,9 +27,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..checks import is_int
-from ..errors import LayoutError
-from .names import NameMap, Rule, Segment
+from meshgroups.errors import LayoutError
+from meshgroups.layout.checks import is_int
+from meshgroups.transfer.names import NameMap, Rule, Segment
 
 #: Conventions :func:`layer_names` knows.
 CONVENTIONS = ("hf", "vllm", "megatron")

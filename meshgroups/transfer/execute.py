@@ -57,18 +57,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .._torch_seam import default_timeout
-from ..cohort import current_cohort
-from ..errors import MeshConfigError
-from ..layout import Layout
-from ..plan import as_timedelta
-from .buckets import Buckets, Part, parts_by_bucket
-from .spec import Box, Weight
-from .status import Status, TransferError, agree, claim_tags, next_tag, step_tag, where
+from meshgroups.errors import MeshConfigError
+from meshgroups.layout.core import Layout
+from meshgroups.mesh.cohort import current_cohort
+from meshgroups.mesh.plan import as_timedelta
+from meshgroups.mesh.torch_seam import default_timeout
+from meshgroups.transfer.buckets import Buckets, Part, parts_by_bucket
+from meshgroups.transfer.spec import Box, Weight
+from meshgroups.transfer.status import Status, TransferError, agree, claim_tags, next_tag, step_tag, where
 
 if TYPE_CHECKING:
-    from .jobs import TransferGroups
-    from .plan import Plan
+    from meshgroups.transfer.jobs import TransferGroups
+    from meshgroups.transfer.plan import Plan
 
 #: Default bucket: 64 MiB of full weight size.
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -336,7 +336,7 @@ def execute(
         groups: ``TransferGroups`` of this plan: fan-outs go as broadcasts over them; without,
             every slice goes point-to-point.
         group: the ranks that take part and exchange status (default: the whole world, or the
-            live ranks' group of the current cohort after a loss, ``meshgroups.cohort``).
+            live ranks' group of the current cohort after a loss, ``meshgroups.mesh.cohort``).
 
     Raises:
         TransferError: on every rank, when any rank failed (a bad input, a failed or timed-out

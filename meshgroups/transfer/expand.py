@@ -24,11 +24,11 @@ import difflib
 import fnmatch
 from collections.abc import Mapping, Sequence
 
-from ..errors import LayoutError
-from ..layout import Layout
-from .mapped import Link, Mapped, SegmentWeight
-from .names import NameMap, Rule
-from .spec import Weight, dtype_name
+from meshgroups.errors import LayoutError
+from meshgroups.layout.core import Layout
+from meshgroups.transfer.mapped import Link, Mapped, SegmentWeight
+from meshgroups.transfer.names import NameMap, Rule
+from meshgroups.transfer.spec import Weight, dtype_name
 
 #: ``cast=``: None (dtypes must match), True (any), a dtype name, or {rollout name or pattern: dtype}.
 Cast = bool | str | Mapping[str, str] | None

@@ -44,17 +44,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._torch_seam import default_backend_name, default_timeout
-from ..cohort import current_cohort
-from ..collective import collective_call
-from ..errors import MeshConfigError
-from ..groups import GroupCache
-from ..layout import Layout
-from ..mesh import MeshGroups, init_mesh
-from ..plan import as_timedelta
-from ..strategies import Strategy
-from .plan import Message, Plan
-from .spec import Box
+from meshgroups.errors import MeshConfigError
+from meshgroups.layout.core import Layout
+from meshgroups.mesh.cohort import current_cohort
+from meshgroups.mesh.collective import collective_call
+from meshgroups.mesh.groups import GroupCache
+from meshgroups.mesh.mesh_groups import MeshGroups, init_mesh
+from meshgroups.mesh.plan import as_timedelta
+from meshgroups.mesh.strategies import Strategy
+from meshgroups.mesh.torch_seam import default_backend_name, default_timeout
+from meshgroups.transfer.plan import Message, Plan
+from meshgroups.transfer.spec import Box
 
 RouteKey = tuple[str, int, Box, int]
 

@@ -26,21 +26,22 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch.distributed as dist
 
-from ..collective import collective_call
-from ..errors import LayoutError, MeshConfigError
-from ..groups import GroupCache
-from ..layout import Layout
-from ..mesh import MeshGroups, init_mesh
-from ..strategies import Strategy
-from .fanout_groups import RouteKey, TransferGroups, fanouts
+from meshgroups.errors import LayoutError, MeshConfigError
+from meshgroups.layout.core import Layout
+from meshgroups.mesh.collective import collective_call
+from meshgroups.mesh.groups import GroupCache
+from meshgroups.mesh.mesh_groups import MeshGroups, init_mesh
+from meshgroups.mesh.options import MeshOptions
+from meshgroups.mesh.strategies import Strategy
+from meshgroups.transfer.fanout_groups import RouteKey, TransferGroups, fanouts
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from meshgroups.transfer.plan import Plan
 
 Sharing = Literal["disjoint", "colocated", "any"]
 SHARINGS = ("disjoint", "colocated", "any")
@@ -87,16 +88,16 @@ class Job:
     leaving ``with job:``) releases the meshes and every ``TransferGroups`` made from the job.
 
     Made by ``init_job``: ``meshes`` and ``cache`` as above, ``sharing`` as passed to it,
-    ``options`` the ``init_mesh`` options every layout was built with (transfer groups use them).
+    ``options`` the ``MeshOptions`` every layout was built with (transfer groups use them).
     """
 
     def __init__(
-        self, meshes: Mapping[str, MeshGroups], cache: GroupCache, sharing: str, options: dict
+        self, meshes: Mapping[str, MeshGroups], cache: GroupCache, sharing: str, options: MeshOptions
     ) -> None:
         self.meshes = dict(meshes)
         self.cache = cache
         self.sharing = sharing
-        self._options = options
+        self.options = options
         self._transfer: list[TransferGroups] = []
         self._closed = False
 
@@ -126,7 +127,16 @@ class Job:
         with collective_call("TransferGroups"):  # TransferGroups joins this call
             if self._closed:
                 raise RuntimeError("this Job was closed; its process groups are destroyed")
-            groups = TransferGroups(plan, cache=GroupCache(), **self._options)
+            o = self.options
+            groups = TransferGroups(
+                plan,
+                cache=GroupCache(),
+                device_type=o.device_type,
+                backend=o.backend,
+                timeout=o.timeout,
+                strategy=o.strategy,  # type: ignore[arg-type]
+                check=o.check,
+            )
         self._transfer.append(groups)
         return groups
 
@@ -163,7 +173,7 @@ def init_job(
 ) -> Job:
     """Build every layout of a job (collective: every rank of the world calls it alike).
 
-    One collective call (``collective_call("init_job")``, see ``meshgroups.collective``): its
+    One collective call (``collective_call("init_job")``, see ``meshgroups.mesh.collective``): its
     number is taken before anything is checked, every check below runs inside it (so an error
     on one rank is raised on every rank, the same class, naming that rank), the ranks compare
     ``sharing``, the layouts (names and fingerprints) and ``flatten`` at their first meeting,
@@ -198,27 +208,22 @@ def init_job(
         flat = _check_job(layouts, sharing, flatten)
         call.compare(
             sharing=sharing,
-            layouts=_digest_text(", ".join(f"{n}={layouts[n].fingerprint()}" for n in layouts)),
-            flatten=_digest_text(repr(sorted((n, [tuple(d) for d in f]) for n, f in flat.items()))),
+            layouts=digest_text(", ".join(f"{n}={layouts[n].fingerprint()}" for n in layouts)),
+            flatten=digest_text(repr(sorted((n, [tuple(d) for d in f]) for n, f in flat.items()))),
         )
         cache = GroupCache()
-        options: dict[str, Any] = {
-            "device_type": device_type,
-            "backend": backend,
-            "timeout": timeout,
-            "strategy": strategy,
-        }
+        options = MeshOptions(
+            device_type=device_type, backend=backend, timeout=timeout, strategy=strategy, check=check
+        )
         meshes: dict[str, MeshGroups] = {}
         try:
             for name, layout in layouts.items():  # each joins this call (one number, one protocol)
-                meshes[name] = init_mesh(
-                    layout, flatten=flat.get(name, ()), cache=cache, check=check, **options
-                )
+                meshes[name] = init_mesh(layout, flatten=flat.get(name, ()), cache=cache, options=options)
         except BaseException:
             for mg in meshes.values():
                 mg.close()
             raise
-        return Job(meshes, cache, sharing, {**options, "check": check})
+        return Job(meshes, cache, sharing, options)
 
 
 def _check_job(
@@ -247,7 +252,7 @@ def _check_job(
     return flat
 
 
-def _digest_text(text: str, limit: int = 120) -> str:
+def digest_text(text: str, limit: int = 120) -> str:
     """``text`` itself when short, else its start and a hash of all of it: the compared value
     of a collective call is shown in a mismatch and must differ whenever ``text`` does."""
     if len(text) <= limit:

@@ -26,9 +26,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from ..errors import LayoutError
-from ..layout import Layout
-from .spec import Box, Weight
+from meshgroups.errors import LayoutError
+from meshgroups.layout.core import Layout
+from meshgroups.transfer.spec import Box, Weight
 
 
 @dataclass(frozen=True)

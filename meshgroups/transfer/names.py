@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checks import is_int
-from ..errors import LayoutError
+from meshgroups.errors import LayoutError
+from meshgroups.layout.checks import is_int
 
 #: How a rule's parts are sharded where the rollout shards the fused axis.
 SHARDINGS = ("per_part", "whole")

@@ -32,15 +32,15 @@ from typing import overload
 
 import numpy as np
 
-from ..errors import LayoutError
-from ..layout import Layout
-from ..topology import Topology
-from .expand import Cast, check_weights, map_weights
-from .mapped import Mapped, Move
-from .names import NameMap
-from .routes import Chunk, Planner
-from .spec import Box, Weight
-from .stats import HolderSets, RankStats, Tally
+from meshgroups.errors import LayoutError
+from meshgroups.layout.core import Layout
+from meshgroups.layout.topology import Topology
+from meshgroups.transfer.expand import Cast, check_weights, map_weights
+from meshgroups.transfer.mapped import Mapped, Move
+from meshgroups.transfer.names import NameMap
+from meshgroups.transfer.routes import Chunk, Planner
+from meshgroups.transfer.spec import Box, Weight
+from meshgroups.transfer.stats import HolderSets, RankStats, Tally
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class _LazyMessages(Sequence[Message]):
         return list(_messages(self._names, self._planner.weight_chunks(w)))[j - first]
 
 
-class Plan:
+class TransferPlan:
     """A transfer plan; see the module docstring.
 
     Attributes:
@@ -272,7 +272,7 @@ class Plan:
 
     def __repr__(self) -> str:
         who = "whole" if self.rank is None else f"rank {self.rank}"
-        return f"<Plan {who}: {self.n_messages} messages, {self.cross_node_bytes:,} cross-node bytes>"
+        return f"<TransferPlan {who}: {self.n_messages} messages, {self.cross_node_bytes:,} cross-node bytes>"
 
 
 def _num(x: float) -> str:
@@ -325,7 +325,7 @@ def plan_transfer(
     name_map: NameMap | Mapping[str, object] | None = None,
     cast: Cast = None,
     allow_unused: bool | Sequence[str] = False,
-) -> Plan:
+) -> TransferPlan:
     """Plan moving ``dst_weights`` (matched by name to ``src_weights``) from ``src`` to ``dst``.
 
     Args:
@@ -369,14 +369,14 @@ def plan_transfer(
         for c in chunks:
             tally.add(c.src, c.dst, np.full(c.src.size, c.nbytes, np.int64), c.step)
         msgs = list(_messages([w.name for w in planner.weights], iter(chunks)))
-        plan = Plan(planner, int(rank), msgs, tally, None, -1)
+        plan = TransferPlan(planner, int(rank), msgs, tally, None, -1)
     else:
         plan = _whole(planner, src, dst)
     plan.mapping = mapping
     return plan
 
 
-def _whole(planner: Planner, src: Layout, dst: Layout) -> Plan:
+def _whole(planner: Planner, src: Layout, dst: Layout) -> TransferPlan:
     """Walk every weight once, keeping only statistics (messages stay lazy)."""
     size = max(src.max_rank, dst.max_rank) + 1
     tally = Tally(size, planner.node_size)
@@ -396,7 +396,12 @@ def _whole(planner: Planner, src: Layout, dst: Layout) -> Plan:
                 sets.add(r.src_holders, step0, r.n_cross * c.piece_nbytes, c.quantum_nbytes)
     s = tally.result()
     send_bounds = sets.bounds(s.send_step0, s.send_cross)
-    return Plan(planner, None, _LazyMessages(planner, counts), tally, bound, int(holds.sum()), send_bounds)
+    return TransferPlan(
+        planner, None, _LazyMessages(planner, counts), tally, bound, int(holds.sum()), send_bounds
+    )
 
 
-__all__ = ["Message", "Plan", "plan_transfer"]
+# The name before 0.4.1; the mesh bridge and elastic recovery have plans of their own.
+Plan = TransferPlan
+
+__all__ = ["Message", "Plan", "TransferPlan", "plan_transfer"]

@@ -35,9 +35,9 @@ numpy only (no torch), like the rest of ``meshgroups.transfer``'s planning side.
 
 from __future__ import annotations
 
-from ..layout import Layout
-from .conventions import CONVENTIONS, ModelConfig, layer_names
-from .spec import Placement, Shard, Weight
+from meshgroups.layout.core import Layout
+from meshgroups.transfer.conventions import CONVENTIONS, ModelConfig, layer_names
+from meshgroups.transfer.spec import Placement, Shard, Weight
 
 #: name: (hidden, ffn, kv width, vocab, layers, experts (0: dense), dtype)
 MODELS: dict[str, tuple[int, int, int, int, int, int, str]] = {

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..layout import Layout
-from .assign import ByNode, PairRoute, PlanError
-from .choose import Choices
-from .shards import BlockKey, Side, axis_pairs, holders
-from .spec import Box, Weight
-from .stream import Stream
+from meshgroups.layout.core import Layout
+from meshgroups.transfer.assign import ByNode, PairRoute, PlanError
+from meshgroups.transfer.choose import Choices
+from meshgroups.transfer.shards import BlockKey, Side, axis_pairs, holders
+from meshgroups.transfer.spec import Box, Weight
+from meshgroups.transfer.stream import Stream
 
 
 def cut_box(box: Box, lo: int, hi: int) -> Box:

@@ -21,8 +21,8 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from ..layout import Layout
-from .spec import Box, Weight, intervals
+from meshgroups.layout.core import Layout
+from meshgroups.transfer.spec import Box, Weight, intervals
 
 #: One axis's tiling: ``(full extent, sharding dim sizes, window start, window stop)`` — the
 #: pieces of the full axis clipped to the window and counted from its start (a whole axis:

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
-from ..checks import is_int
-from ..errors import LayoutError
+from meshgroups.errors import LayoutError
+from meshgroups.layout.checks import is_int
 
 if TYPE_CHECKING:
-    from ..layout import Layout
+    from meshgroups.layout.core import Layout
 
 Box = tuple[tuple[int, int], ...]
 

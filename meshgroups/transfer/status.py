@@ -93,7 +93,7 @@ class Status:
         t = torch.zeros(self.size + 3, dtype=torch.int64, device=self.device)
         t[self.me] = int(failed)
         t[self.size], t[self.size + 1], t[self.size + 2] = digest, -digest, tag
-        bound = timeout or self.timeout
+        bound = timeout if timeout is not None else self.timeout
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         if work is not None and work.wait(bound) is False:
             raise TimeoutError(f"a rank did not reach the status exchange within {bound}")
@@ -128,7 +128,7 @@ def agree(
 ) -> int:
     """The status exchange: raise the same ``TransferError`` on every rank if any failed;
     otherwise return the largest ``tag`` proposed."""
-    bound = timeout or status.timeout
+    bound = timeout if timeout is not None else status.timeout
     try:
         failed, same, top = status.exchange(error is not None, digest, tag, bound)
     except Exception as exc:

@@ -42,23 +42,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._torch_seam import default_timeout
-from ..collective import collective_call
-from ..errors import LayoutError, MeshConfigError
-from ..groups import GroupCache
-from ..layout import Layout
-from ..plan import as_timedelta
-from ..topology import Topology
-from .execute import DEFAULT_BUCKET_BYTES, Progress, Report, execute
-from .expand import Cast
-from .fanout_groups import TransferGroups
-from .jobs import Job, _digest_text
-from .names import NameMap
-from .plan import Plan, plan_transfer
-from .spec import Weight
-from .status import Status, TransferError
-from .sync_state import Tensors, merge, read, slices
-from .torch_io import local_weights
+from meshgroups.errors import LayoutError, MeshConfigError
+from meshgroups.layout.core import Layout
+from meshgroups.layout.topology import Topology
+from meshgroups.mesh.collective import collective_call
+from meshgroups.mesh.groups import GroupCache
+from meshgroups.mesh.plan import as_timedelta
+from meshgroups.mesh.torch_seam import default_timeout
+from meshgroups.transfer.execute import DEFAULT_BUCKET_BYTES, Progress, Report, execute
+from meshgroups.transfer.expand import Cast
+from meshgroups.transfer.fanout_groups import TransferGroups
+from meshgroups.transfer.jobs import Job, digest_text
+from meshgroups.transfer.names import NameMap
+from meshgroups.transfer.plan import Plan, plan_transfer
+from meshgroups.transfer.spec import Weight
+from meshgroups.transfer.status import Status, TransferError
+from meshgroups.transfer.sync_state import Tensors, merge, read, slices
+from meshgroups.transfer.torch_io import local_weights
 
 
 class WeightSync:
@@ -174,7 +174,7 @@ class WeightSync:
             state, _, rollout_local = self._read()
             call.compare(
                 layouts=state[0],
-                name_map=_digest_text(self.name_map.dumps()),
+                name_map=digest_text(self.name_map.dumps()),
                 settings=(repr(self.cast), repr(self.allow_unused), self.bucket_bytes, repr(self.topology)),
             )
             tw, _ = local_weights(self.trainer, self.trainer_layout, dims=self.dims, stage_dim=self.stage_dim)

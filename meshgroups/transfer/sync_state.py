@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..errors import LayoutError
-from .spec import Box, Weight
+from meshgroups.errors import LayoutError
+from meshgroups.transfer.spec import Box, Weight
 
 #: A module (its ``named_parameters``), a ``{name: tensor}`` mapping, or ``None`` (no part here).
 Tensors = torch.nn.Module | Mapping[str, Any] | None

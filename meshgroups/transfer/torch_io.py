@@ -28,11 +28,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as TorchReplicate
 from torch.distributed.tensor import Shard as TorchShard
 
-from .._torch_seam import StridedShard as _StridedShard
-from ..errors import LayoutError
-from ..layout import Layout
-from .spec import Placement, Replicate, Shard, Weight
-from .sync_state import merge
+from meshgroups.errors import LayoutError
+from meshgroups.layout.core import Layout
+from meshgroups.mesh.torch_seam import StridedShard as _StridedShard
+from meshgroups.transfer.spec import Placement, Replicate, Shard, Weight
+from meshgroups.transfer.sync_state import merge
 
 
 @dataclass
