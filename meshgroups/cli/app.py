@@ -406,6 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
     from meshgroups.cli.elastic import register as register_elastic  # recovery plans: their own module
 
     parser.get_default("commands").update(register_elastic(sub))
+    from meshgroups.cli.cost import add_parser as add_cost  # what a layout costs
+    from meshgroups.cli.cost import run as run_cost
+
+    cost = add_cost(sub)
+    cost.set_defaults(run=lambda _parser, args: run_cost(args), parser=cost)
+    parser.get_default("commands")["cost"] = cost
     return parser
 
 

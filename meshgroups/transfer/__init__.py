@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshgroups.transfer.assign import PlanError
 from meshgroups.transfer.expand import map_weights
+from meshgroups.transfer.families import hf_to_vllm
 
 # Planner internals that 0.3/0.4 exported here: still importable, no longer the public surface.
 from meshgroups.transfer.mapped import Link as Link
@@ -32,7 +33,9 @@ from meshgroups.transfer.names import Rule as Rule
 from meshgroups.transfer.names import Segment as Segment
 from meshgroups.transfer.plan import Message, Plan, TransferPlan, plan_transfer
 from meshgroups.transfer.presets import model_weights
+from meshgroups.transfer.quant import BlockFP8
 from meshgroups.transfer.spec import Box, Placement, Replicate, Shard, Weight
+from meshgroups.transfer.stacking import Stack, expert_order
 
 if TYPE_CHECKING:
     from meshgroups.transfer.execute import Report, TransferError, execute
@@ -54,6 +57,7 @@ _TORCH_SIDE = {
 }
 
 __all__ = [
+    "BlockFP8",
     "Box",
     "Job",
     "Message",
@@ -64,12 +68,15 @@ __all__ = [
     "Replicate",
     "Report",
     "Shard",
+    "Stack",
     "TransferError",
     "TransferGroups",
     "TransferPlan",
     "Weight",
     "WeightSync",
     "execute",
+    "expert_order",
+    "hf_to_vllm",
     "init_job",
     "local_weights",
     "map_weights",

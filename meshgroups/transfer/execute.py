@@ -9,7 +9,7 @@ passes empty mappings)::
 Buckets are the same on every rank (``buckets.Buckets``: weights in plan order, big ones cut
 into row blocks, packed by full size), so a rank stages about one bucket at a time. Before the
 first bucket every rank checks its inputs against its boxes, and the ranks check that their
-sends and receives pair up (``_check_pairing``). Per bucket: prepare (views and
+sends and receives pair up (``pairing.check_pairing``). Per bucket: prepare (views and
 staging buffers of both steps), agree that every rank is ready (one small all-reduce), step 0
 (sources send; colocated ranks copy locally), write into the buffers, step 1 (forwards inside a
 node, sent from the buffers just written), agree that every rank finished, call ``progress``
@@ -63,8 +63,10 @@ from meshgroups.mesh.cohort import current_cohort
 from meshgroups.mesh.plan import as_timedelta
 from meshgroups.mesh.torch_seam import default_timeout
 from meshgroups.transfer.buckets import Buckets, Part, parts_by_bucket
+from meshgroups.transfer.packing import PackBuffers, land, pack
+from meshgroups.transfer.pairing import check_pairing
 from meshgroups.transfer.spec import Box, Weight
-from meshgroups.transfer.status import Status, TransferError, agree, claim_tags, next_tag, step_tag, where
+from meshgroups.transfer.status import Status, TransferError, agree, claim_tags, next_tag, step_tag
 
 if TYPE_CHECKING:
     from meshgroups.transfer.jobs import TransferGroups
@@ -105,6 +107,8 @@ class Report:
         bytes_copied: bytes this rank copied locally.
         broadcasts: the broadcasts this rank took part in.
         weights: the weights written on this rank.
+        p2p_messages: the point-to-point messages this rank posted (sends and receives): with
+            packing one per peer, direction and step of a bucket, else one per slice.
     """
 
     buckets: int = 0
@@ -114,6 +118,9 @@ class Report:
     bytes_copied: int = 0
     broadcasts: int = 0
     weights: tuple[str, ...] = field(default_factory=tuple)
+    p2p_messages: int = (
+        0  # point-to-point messages posted (sends and receives; one per peer and step when packed)
+    )
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -148,7 +155,9 @@ class _Local:
                 f"{what}[{weight.name!r}] on rank {self.me} has shape {tuple(t.shape)}, but its box {box} "
                 f"needs {need}"
             )
-        if _dtype_name(t) != weight.dtype:
+        wire = self.pairs[w][1].dtype
+        # A source may come already in the wire dtype (block fp8: quantized by the caller).
+        if _dtype_name(t) != weight.dtype and not (side == "src" and _dtype_name(t) == wire):
             raise MeshConfigError(
                 f"{what}[{weight.name!r}] on rank {self.me} is {_dtype_name(t)}, the plan says {weight.dtype}"
             )
@@ -162,7 +171,10 @@ class _Local:
         """The dtype weight ``w`` crosses links in when it differs from the source's (the
         destination's: a mapped plan with a cast), else ``None``."""
         src, dst = self.pairs[w]
-        return None if src.dtype == dst.dtype else getattr(torch, dst.dtype)
+        given = self.tensors.get(("src", w))
+        if src.dtype == dst.dtype or (given is not None and _dtype_name(given[0]) == dst.dtype):
+            return None
+        return getattr(torch, dst.dtype)
 
 
 def _digest(pairs: Sequence[tuple[Weight, Weight]], src: Layout, dst: Layout, extra: object) -> int:
@@ -180,6 +192,7 @@ class _Step:
     p2p: list[tuple[bool, torch.Tensor, int]] = field(default_factory=list)  # (is send, tensor, peer)
     casts: list[tuple[tuple[int, ...], int, Box, int, torch.Tensor]] = field(default_factory=list)
     landing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (staging, dst view)
+    messages: int = 0  # point-to-point messages posted (after packing)
 
 
 def _staged(
@@ -196,9 +209,13 @@ def _staged(
     return staging
 
 
-def _prepare(parts: Sequence[Part], local: _Local, groups: TransferGroups | None, report: Report) -> _Step:
+def _prepare(
+    parts: Sequence[Part], local: _Local, groups: TransferGroups | None, report: Report, packed: bool = False
+) -> _Step:
     """Sends and receives are ordered by (weight, box, sender, receiver) on both sides, so the
-    point-to-point pairs match; a fan-out is one broadcast for its sender and each receiver."""
+    point-to-point pairs match; a fan-out is one broadcast for its sender and each receiver.
+    ``packed``: a point-to-point receive lands straight in its view (unpacked from the
+    peer's one message, ``packing``), with no staging buffer of its own."""
     me, step = local.me, _Step()
     staged: dict[tuple[int, Box], torch.Tensor] = {}
     cast_seen: set[tuple[tuple[int, ...], int, Box]] = set()
@@ -227,6 +244,9 @@ def _prepare(parts: Sequence[Part], local: _Local, groups: TransferGroups | None
             elif (ranks, p.w, p.box) not in cast_seen:
                 cast_seen.add((ranks, p.w, p.box))
                 step.casts.append((ranks, p.w, p.box, p.src, staged[(p.w, p.box)]))
+        elif packed and ranks is None:
+            step.p2p.append((False, local.view("dst", p.w, p.box), p.src))
+            report.bytes_received += p.nbytes
         else:
             view = local.view("dst", p.w, p.box)
             buf = torch.empty(view.shape, dtype=view.dtype, device=view.device)
@@ -240,21 +260,44 @@ def _prepare(parts: Sequence[Part], local: _Local, groups: TransferGroups | None
     return step
 
 
-def _run(step: _Step, groups: TransferGroups | None, timeout: timedelta, tag: int) -> int:
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as its bytes (same storage): gloo's collectives know no float8 dtype."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
+
+
+def _run(
+    step: _Step,
+    groups: TransferGroups | None,
+    timeout: timedelta,
+    tag: int,
+    buffers: PackBuffers | None = None,
+    key: object = None,
+) -> int:
     """Post every send, receive and broadcast of a prepared step, wait (``timeout`` for the
     whole step), write the buffers. Point-to-point operations carry the step's ``tag``;
-    broadcasts go in one order on every rank (by group, weight, box). Returns broadcasts made."""
+    broadcasts go in one order on every rank (by group, weight, box). With ``buffers``, the
+    point-to-point slices go packed, one message per peer and direction (``packing``).
+    Returns broadcasts made."""
     with torch.no_grad():  # buffers may be parameters (leaves that require grad)
         for dst_view, src_view in step.copies:
             dst_view.copy_(src_view)
         for staging, view in step.fills:
             staging.copy_(view)
     p2p = groups.p2p if groups is not None else None  # None: the default group
-    ops = [dist.P2POp(dist.isend if send else dist.irecv, t, peer, p2p, tag) for send, t, peer in step.p2p]
+    messages: list[tuple[bool, torch.Tensor, int]] = step.p2p
+    unpack: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if buffers is not None:
+        with torch.no_grad():
+            messages, unpack = pack(step.p2p, buffers, key)
+    step.messages = len(messages)
+    ops = [
+        dist.P2POp(dist.isend if send else dist.irecv, _bytes(t), peer, p2p, tag)
+        for send, t, peer in messages
+    ]
     works = list(dist.batch_isend_irecv(ops)) if ops else []
     for ranks, _, _, src, data in sorted(step.casts, key=lambda c: (c[0], c[1], c[2])):
         group = groups.group(ranks) if groups is not None else None
-        works.append(dist.broadcast(data, src=src, group=group, async_op=True))
+        works.append(dist.broadcast(_bytes(data), src=src, group=group, async_op=True))
     deadline = time.monotonic() + timeout.total_seconds()
     for work in works:
         left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
@@ -263,49 +306,9 @@ def _run(step: _Step, groups: TransferGroups | None, timeout: timedelta, tag: in
     with torch.no_grad():
         for buf, view in step.landing:
             view.copy_(buf)
+        for piece, view in unpack:
+            land(piece, view)
     return len(step.casts)
-
-
-_PAIRING_MOD = 1 << 40  # per-rank sums below it: a world of 2^23 ranks sums within int64
-
-
-def _check_pairing(status: Status, parts: Mapping[int, Sequence[Part]], me: int) -> None:
-    """Every send pairs with a receive: the hashes of the slices the ranks send and of those
-    they receive sum to the same over the status group (one all-reduce; the same verdict on
-    every rank). Parts of different plans — other ``plan_transfer`` options on some rank, which
-    the digest cannot see — fail here, before any data moves, instead of pairing wrong data."""
-    sent = received = 0
-    for ps in parts.values():
-        for p in ps:
-            if p.src == p.dst:
-                continue
-            text = f"{p.key}|{p.dst}|{p.box}"
-            h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") % _PAIRING_MOD
-            if p.src == me:
-                sent = (sent + h) % _PAIRING_MOD
-            if p.dst == me:
-                received = (received + h) % _PAIRING_MOD
-    try:
-        total_sent, total_received = status.sums([sent, received])
-    except Exception as exc:
-        raise TransferError(
-            f"weight transfer: rank {me} got no status from every rank in {where(-1, 'check')} "
-            f"({type(exc).__name__}: {exc}); a rank is gone or stuck",
-            (),
-            -1,
-            "check",
-            (),
-        ) from exc
-    if (total_sent - total_received) % _PAIRING_MOD:
-        raise TransferError(
-            "weight transfer failed in the check before the first bucket — the ranks' plans do not pair "
-            "up: the slices they plan to send are not the slices they plan to receive (parts of different "
-            "plans, e.g. plan_transfer called with other options on some rank); nothing was moved",
-            (),
-            -1,
-            "check",
-            (),
-        )
 
 
 def execute(
@@ -318,6 +321,8 @@ def execute(
     timeout: timedelta | float | None = None,
     groups: TransferGroups | None = None,
     group: dist.ProcessGroup | None = None,
+    packed: bool = True,
+    buffers: PackBuffers | None = None,
 ) -> Report:
     """Copy every destination shard of ``plan`` from the source shards (collective).
 
@@ -337,6 +342,11 @@ def execute(
             every slice goes point-to-point.
         group: the ranks that take part and exchange status (default: the whole world, or the
             live ranks' group of the current cohort after a loss, ``meshgroups.mesh.cohort``).
+        packed: the point-to-point slices of one step of a bucket go as one message per peer
+            and direction (``meshgroups.transfer.packing``; same bytes); ``False``: one per
+            slice. The same on every rank.
+        buffers: where packed buffers are kept across calls (a ``PackBuffers``; ``WeightSync``
+            keeps one); default: new ones for this call.
 
     Raises:
         TransferError: on every rank, when any rank failed (a bad input, a failed or timed-out
@@ -382,25 +392,29 @@ def execute(
         report.weights = tuple(sorted({pairs[p.w][1].name for p in mine}))
     except Exception as exc:
         error = error or exc
-    digest = _digest(pairs, src, dst, (bucket_bytes, None if groups is None else groups.sets))
+    digest = _digest(pairs, src, dst, (bucket_bytes, None if groups is None else groups.sets, bool(packed)))
     total = sum(p.nbytes for ps in parts.values() for p in ps)
     done: list[str] = []
     # The check also agrees on this call's first p2p tag (the largest any rank proposes).
     first = agree(status, error, digest, -1, "check", done, tag=next_tag())
-    _check_pairing(status, parts, me)
+    check_pairing(status, parts, me)
     claim_tags(first, buckets.count)  # before any bucket: a failed call's tags stay used
+    pack_bufs = (buffers if buffers is not None else PackBuffers()) if packed else None
     for b in range(buckets.count):
         steps: list[_Step] = []
         error = None
         try:
             for s in (0, 1):
-                steps.append(_prepare([p for p in parts.get(b, ()) if p.step == s], local, groups, report))
+                steps.append(
+                    _prepare([p for p in parts.get(b, ()) if p.step == s], local, groups, report, packed)
+                )
         except Exception as exc:
             error = exc
         agree(status, error, digest, b, "prepare", done)
         try:
             for s, step in enumerate(steps):
-                report.broadcasts += _run(step, groups, wait, step_tag(first, b, s))
+                report.broadcasts += _run(step, groups, wait, step_tag(first, b, s), pack_bufs, (b, s))
+                report.p2p_messages += step.messages
         except Exception as exc:
             error = exc
         try:

@@ -26,8 +26,10 @@ from collections.abc import Mapping, Sequence
 
 from meshgroups.errors import LayoutError
 from meshgroups.layout.core import Layout
+from meshgroups.transfer.linking import Used, rule_links
 from meshgroups.transfer.mapped import Link, Mapped, SegmentWeight
-from meshgroups.transfer.names import NameMap, Rule
+from meshgroups.transfer.names import NameMap
+from meshgroups.transfer.quant import BlockFP8, quantized_links, scale_weights
 from meshgroups.transfer.spec import Weight, dtype_name
 
 #: ``cast=``: None (dtypes must match), True (any), a dtype name, or {rollout name or pattern: dtype}.
@@ -65,6 +67,7 @@ def map_weights(
     name_map: NameMap | Mapping[str, object] | None = None,
     cast: Cast = None,
     allow_unused: bool | Sequence[str] = False,
+    quantize: BlockFP8 | None = None,
 ) -> Mapped:
     """Every rollout weight's links under ``name_map``, checked both ways.
 
@@ -79,6 +82,10 @@ def map_weights(
             always the rollout's (the sender casts).
         allow_unused: ``True`` or names/patterns of trainer weights that may go unused (listed
             on :attr:`Mapped.unused`).
+        quantize: ``BlockFP8()``: each ``float8_e4m3fn`` rollout weight is quantized in
+            blocks at the sender (the cast to it is allowed), and its scale tensor
+            ``<name>_scale_inv`` (listed among ``dst_weights``, no rule of its own) gets one
+            scale link per link of the weight (:mod:`~meshgroups.transfer.quant`).
 
     Returns:
         The :class:`Mapped` links (one per segment of every rollout weight), in plan order.
@@ -93,11 +100,21 @@ def map_weights(
     nm = NameMap.of(name_map)
     allowed_unused = _allow_patterns(allow_unused)
     _check_cast(cast)
+    scales = scale_weights(dst_weights, quantize)
+    for name in scales:
+        if name in nm:
+            raise LayoutError(
+                f"name map: {name!r} is the block-fp8 scales of {scales[name].name!r}; the sender computes them, "
+                "so it takes no rule"
+            )
+    cast = _with_fp8(cast, scales.values())
     by_name = {w.name: w for w in src_weights}
     rollout_names = {w.name for w in dst_weights}
     links: list[Link] = []
-    used: dict[str, list[tuple[int | None, int, int]]] = {}
+    used: Used = {}
     for rw in dst_weights:
+        if rw.name in scales:  # derived below from its value tensor's links
+            continue
         rule = nm.rule(rw.name)
         for seg in rule.segments:
             if seg.source not in by_name:
@@ -109,85 +126,18 @@ def map_weights(
                     f"rollout weight {rw.name!r} {rw.shape} is trainer weight {tw.name!r} {tw.shape}: "
                     "a rename needs the same shape (fuse or split with a rule along an axis)"
                 )
-            wire = _wire(cast, rw, tw)
+            wire = wire_dtype(cast, rw, tw)
             pair = (_seg(rw.name, tw, tw.dtype, None), _seg(rw.name, rw, wire, None))
             links.append(Link(rw.name, rw.name, tw.name, *pair, None, 0, (rw,), 0, 0, src, dst))
-            used.setdefault(tw.name, []).append((None, 0, 0))
+            used.setdefault(tw.name, []).append((None, 0, 0, None))
             continue
-        links.extend(_links(rw, rule, by_name, cast, used, src, dst))
+        links.extend(rule_links(rw, rule, by_name, cast, used, src, dst))
+    if quantize is not None and scales:
+        links = quantized_links(links, scales, dst_weights, quantize)
     for link in links:
         if link.name != link.rollout and link.name in rollout_names:
             raise LayoutError(f"link name {link.name!r} is also a rollout weight's name; rename that weight")
     return Mapped(links, _unused(src_weights, used, allowed_unused, allow_unused))
-
-
-def _links(
-    rw: Weight,
-    rule: Rule,
-    by_name: Mapping[str, Weight],
-    cast: Cast,
-    used: dict[str, list[tuple[int | None, int, int]]],
-    src: Layout,
-    dst: Layout,
-) -> list[Link]:
-    """The links of one rollout weight under a rule of segments along ``rule.axis``."""
-    axis = rule.axis
-    if axis >= len(rw.shape):
-        raise LayoutError(f"name map, rollout weight {rw.name!r} {rw.shape}: axis {axis} is out of range")
-    resolved: list[list[tuple[Weight, int, int]]] = []
-    for part in rule.parts:
-        rows = []
-        for seg in part:
-            tw = by_name[seg.source]
-            other = [a for a in range(len(rw.shape)) if a != axis]
-            if len(tw.shape) != len(rw.shape) or any(tw.shape[a] != rw.shape[a] for a in other):
-                raise LayoutError(
-                    f"name map, rollout weight {rw.name!r} {rw.shape}: trainer weight {tw.name!r} "
-                    f"{tw.shape} must match it on every axis but {axis}"
-                )
-            stop = tw.shape[axis] if seg.stop is None else seg.stop
-            if stop > tw.shape[axis]:
-                raise LayoutError(
-                    f"name map, rollout weight {rw.name!r}: segment [{seg.start}, {stop}) of trainer weight "
-                    f"{tw.name!r} is outside its axis {axis} of {tw.shape[axis]}"
-                )
-            rows.append((tw, seg.start, stop))
-        resolved.append(rows)
-    total = sum(b - a for rows in resolved for _, a, b in rows)
-    if total != rw.shape[axis]:
-        sizes = " + ".join(f"{tw.name}[{a}:{b}]" for rows in resolved for tw, a, b in rows)
-        raise LayoutError(
-            f"name map, rollout weight {rw.name!r}: its segments must tile axis {axis} of {rw.shape[axis]} "
-            f"exactly, but {sizes} = {total}"
-        )
-    # With sharding="whole" the concatenation is one part: the rollout shards it as one tensor.
-    groups = [[(p, k, r) for k, r in enumerate(rows)] for p, rows in enumerate(resolved)]
-    if rule.sharding == "whole":
-        groups = [[row for g in groups for row in g]]
-    extents = [sum(b - a for _, _, (_, a, b) in g) for g in groups]
-    parts = tuple(
-        Weight(rw.name, _with(rw.shape, axis, n), rw.dtype, rw.placements, rw.stage, rw.shard_order)
-        for n in extents
-    )
-    out = []
-    for gi, (g, extent) in enumerate(zip(groups, extents)):
-        offset = 0
-        for p, k, (tw, a, b) in g:
-            name = f"{rw.name}[{p}.{k}]"
-            n = b - a
-            shape = _with(rw.shape, axis, n)
-            s_win = None if (a, b) == (0, tw.shape[axis]) else (axis, a, tw.shape[axis])
-            d_win = None if (offset, n) == (0, extent) else (axis, offset, extent)
-            s = _seg(name, tw, tw.dtype, s_win, shape)
-            d = _seg(name, rw, _wire(cast, rw, tw), d_win, shape)
-            out.append(Link(name, rw.name, tw.name, s, d, axis, a, parts, gi, offset, src, dst))
-            used.setdefault(tw.name, []).append((axis, a, b))
-            offset += n
-    return out
-
-
-def _with(shape: tuple[int, ...], axis: int, n: int) -> tuple[int, ...]:
-    return (*shape[:axis], n, *shape[axis + 1 :])
 
 
 def _seg(
@@ -198,6 +148,18 @@ def _seg(
     shape: tuple[int, ...] | None = None,
 ) -> SegmentWeight:
     return SegmentWeight(name, shape or w.shape, dtype, w.placements, w.stage, w.shard_order, window)
+
+
+def _with_fp8(cast: Cast, fp8: object) -> Cast:
+    """``cast`` that also allows the cast into each block-fp8 rollout weight (by exact name)."""
+    names = {w.name: w.dtype for w in fp8}  # type: ignore[attr-defined]
+    if not names or cast is True:
+        return cast
+    if cast is None:
+        return names
+    if isinstance(cast, str):
+        return {**names, "*": cast}
+    return {**names, **cast}  # type: ignore[dict-item]
 
 
 def _check_cast(cast: Cast) -> None:
@@ -215,9 +177,23 @@ def _check_cast(cast: Cast) -> None:
     )
 
 
-def _wire(cast: Cast, rw: Weight, tw: Weight) -> str:
+def wire_dtype(cast: Cast, rw: Weight, tw: Weight) -> str:
     """The wire dtype of trainer weight ``tw`` going into rollout weight ``rw``: the rollout's,
-    if the dtypes match or ``cast`` allows the cast."""
+    if the dtypes match or ``cast`` allows the cast.
+
+    Args:
+        cast: as :func:`map_weights`' ``cast``.
+        rw, tw: the rollout and the trainer weight.
+
+    Returns:
+        The rollout's dtype name.
+
+    Raises:
+        LayoutError: a dtype change ``cast`` does not allow, naming both weights.
+
+    >>> wire_dtype("bfloat16", Weight("w", (2,), "bfloat16"), Weight("w", (2,)))
+    'bfloat16'
+    """
     if tw.dtype == rw.dtype or cast is True:
         return rw.dtype
     want: str | None = None
@@ -263,24 +239,30 @@ def _allow_patterns(allow: bool | Sequence[str]) -> tuple[str, ...]:
 
 def _unused(
     src_weights: Sequence[Weight],
-    used: Mapping[str, list[tuple[int | None, int, int]]],
+    used: Used,
     allowed: tuple[str, ...],
     allow: object,
 ) -> tuple[str, ...]:
-    """Trainer weights (or ranges of one) no link reads; an error unless ``allowed``."""
+    """Trainer weights (or ranges of one) no link reads; an error unless ``allowed``. A weight
+    read expert by expert (segments with ``index``) is checked per expert."""
     out: list[str] = []
     for tw in src_weights:
         uses = used.get(tw.name)
         if uses is None:
             out.append(tw.name)
             continue
-        if any(axis is None for axis, _, _ in uses):
+        if any(axis is None for axis, _, _, _ in uses):
             continue
-        axes = sorted({a for a, _, _ in uses if a is not None})
-        gaps_by_axis = {a: _gaps(tw.shape[a], [(lo, hi) for ax, lo, hi in uses if ax == a]) for a in axes}
-        if all(gaps_by_axis.values()):  # no one axis is covered whole
-            axis, gaps = next(iter(gaps_by_axis.items()))
-            out.extend(f"{tw.name}[axis {axis}: {lo}:{hi}]" for lo, hi in gaps)
+        indexed = {i for *_, i in uses if i is not None}
+        if not indexed:
+            out.extend(_range_gaps(tw.name, tw.shape, [(a, lo, hi) for a, lo, hi, _ in uses]))
+            continue
+        for i in range(tw.shape[0]):
+            mine = [(a, lo, hi) for a, lo, hi, j in uses if j == i]
+            if not mine:
+                out.append(f"{tw.name}[index {i}]")
+            else:
+                out.extend(_range_gaps(f"{tw.name}[index {i}]", tw.shape, mine))
     refused = [u for u in out if not any(fnmatch.fnmatchcase(u.split("[")[0], p) for p in allowed)]
     if refused:
         more = f" and {len(refused) - 8} more" if len(refused) > 8 else ""
@@ -289,6 +271,16 @@ def _unused(
             f"allow_unused=True (or their names) to leave them (allow_unused={allow!r})"
         )
     return tuple(out)
+
+
+def _range_gaps(name: str, shape: tuple[int, ...], uses: list[tuple[int | None, int, int]]) -> list[str]:
+    """``name[axis a: lo:hi]`` for the gaps, unless one axis is covered whole."""
+    axes = sorted({a for a, _, _ in uses if a is not None})
+    gaps_by_axis = {a: _gaps(shape[a], [(lo, hi) for ax, lo, hi in uses if ax == a]) for a in axes}
+    if gaps_by_axis and all(gaps_by_axis.values()):  # no one axis is covered whole
+        axis, gaps = next(iter(gaps_by_axis.items()))
+        return [f"{name}[axis {axis}: {lo}:{hi}]" for lo, hi in gaps]
+    return []
 
 
 def _gaps(n: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -302,4 +294,4 @@ def _gaps(n: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-__all__ = ["Cast", "check_weights", "map_weights"]
+__all__ = ["Cast", "check_weights", "map_weights", "wire_dtype"]

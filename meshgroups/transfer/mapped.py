@@ -25,37 +25,71 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from meshgroups.errors import LayoutError
 from meshgroups.layout.core import Layout
 from meshgroups.transfer.spec import Box, Weight
 
+#: One cut of one axis: ``(axis, start, full extent)``.
+Window = tuple[int, int, int]
+
+
+def windows_of(weight: Weight) -> tuple[Window, ...]:
+    """The cuts of ``weight``: a :class:`SegmentWeight`'s windows, one per cut axis (in axis
+    order); ``()`` for a whole weight.
+
+    Args:
+        weight: any weight.
+
+    Returns:
+        ``((axis, start, full), ...)``.
+
+    >>> windows_of(SegmentWeight("w", (2, 4), window=(0, 2, 8)))
+    ((0, 2, 8),)
+    """
+    w = getattr(weight, "window", None)
+    if w is None:
+        return ()
+    if len(w) == 3 and all(isinstance(x, int) for x in w):
+        return (w,)
+    return tuple(w)
+
 
 @dataclass(frozen=True)
 class SegmentWeight(Weight):
-    """A weight cut to ``window = (axis, start, full)``: indices ``[start, start + shape[axis])``
-    of an axis of ``full`` elements, keeping the full weight's shard boundaries (a rank holds
-    its full shard clipped to the window, in window coordinates). ``None``: the whole weight.
+    """A weight cut to windows: ``window = (axis, start, full)`` keeps indices
+    ``[start, start + shape[axis])`` of an axis of ``full`` elements (several such triples cut
+    several axes), keeping the full weight's shard boundaries (a rank holds its full shard
+    clipped to the window, in window coordinates). ``None``: the whole weight.
 
     Args:
         name, shape, dtype, placements, stage, shard_order: as :class:`Weight` (``shape`` is the
-            window's: the full weight's with ``shape[axis]`` cut to the window's length).
-        window: ``(axis, start, full)``, or ``None`` for the whole weight.
+            window's: the full weight's with each cut axis cut to the window's length).
+        window: ``(axis, start, full)``, a tuple of such triples (one per cut axis), or ``None``.
 
     Raises:
-        LayoutError: the window does not fit the shape (or a :class:`Weight` field is bad).
+        LayoutError: a window that does not fit the shape, or two on one axis (or a
+            :class:`Weight` field is bad).
+
+    >>> SegmentWeight("w", (1, 4), window=((0, 3, 8),)).full_weight().shape
+    (8, 4)
     """
 
-    window: tuple[int, int, int] | None = None
+    window: Window | tuple[Window, ...] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window is not None:
-            axis, start, full = self.window
+        cuts = windows_of(self)
+        if len({a for a, _, _ in cuts}) != len(cuts):
+            raise LayoutError(f"weight {self.name!r}: windows {self.window} cut one axis twice")
+        for axis, start, full in cuts:
             if not (0 <= axis < len(self.shape) and 0 <= start and start + self.shape[axis] <= full):
                 raise LayoutError(
-                    f"weight {self.name!r}: window {self.window} does not fit shape {self.shape}"
+                    f"weight {self.name!r}: window {(axis, start, full)} does not fit shape {self.shape}"
                 )
+        if len(cuts) > 1:  # one canonical form: sorted by axis
+            object.__setattr__(self, "window", tuple(sorted(cuts)))
 
     def __hash__(self) -> int:
         return hash((super().__hash__(), self.window))
@@ -69,24 +103,57 @@ class SegmentWeight(Weight):
 
     @cached_property
     def _full(self) -> Weight:
-        if self.window is None:
-            return Weight(self.name, self.shape, self.dtype, self.placements, self.stage, self.shard_order)
-        axis, _, full = self.window
-        shape = (*self.shape[:axis], full, *self.shape[axis + 1 :])
-        return Weight(self.name, shape, self.dtype, self.placements, self.stage, self.shard_order)
+        shape = list(self.shape)
+        for axis, _, full in windows_of(self):
+            shape[axis] = full
+        return Weight(self.name, tuple(shape), self.dtype, self.placements, self.stage, self.shard_order)
 
     def full_weight(self) -> Weight:
         """The uncut weight (same placements; built once)."""
         return self._full
 
+    def starts(self) -> tuple[int, ...]:
+        """Per axis, where the window starts in the full weight (0 on an uncut axis)."""
+        out = [0] * len(self.shape)
+        for axis, start, _ in windows_of(self):
+            out[axis] = start
+        return tuple(out)
+
     def box_at(self, layout: Layout, coords: Mapping[str, int]) -> Box | None:
         box = self.full_weight().box_at(layout, coords)
         if box is None or self.window is None:
             return box
-        axis, start, _ = self.window
-        lo, hi = box[axis]
-        lo, hi = max(lo - start, 0), min(hi - start, self.shape[axis])
-        return None if hi <= lo else (*box[:axis], (lo, hi), *box[axis + 1 :])
+        out = list(box)
+        for axis, start, _ in windows_of(self):
+            lo, hi = box[axis]
+            lo, hi = max(lo - start, 0), min(hi - start, self.shape[axis])
+            if hi <= lo:
+                return None
+            out[axis] = (lo, hi)
+        return tuple(out)
+
+
+def view_source(t: Any, axes: tuple[int | None, ...] | None) -> Any:
+    """A trainer tensor (torch or numpy, already cut to a box) seen in a link's axes: link axis
+    ``i`` is source axis ``axes[i]``, ``None`` a new axis of size 1 (a view, no copy).
+
+    Args:
+        t: the tensor.
+        axes: the link's ``src_axes`` (``None``: as it is).
+
+    Returns:
+        The view.
+
+    >>> import numpy as np
+    >>> view_source(np.zeros((2, 3)), (None, 1, 0)).shape
+    (1, 3, 2)
+    """
+    if axes is None:
+        return t
+    order = [a for a in axes if a is not None]
+    if order != sorted(order):
+        t = t.permute(*order) if hasattr(t, "permute") else t.transpose(order)
+    return t[tuple(None if a is None else slice(None) for a in axes)]
 
 
 @dataclass(frozen=True)
@@ -103,6 +170,11 @@ class Link:
             else one), and ``part`` the index of this link's part.
         offset: where the segment starts inside its part along ``axis``.
         src_layout, dst_layout: the trainer's and the rollout's layouts (for the local slices).
+        src_axes: link axis ``i`` is axis ``src_axes[i]`` of the trainer weight (``None`` in it:
+            a new axis of size 1, a stack's); ``None``: the same axes (see :func:`view_source`).
+        scale: a block-fp8 link (:mod:`~meshgroups.transfer.quant`): ``(block, values)``, the
+            block shape and, for a scale link, the name of the value link whose blocks it
+            scales (``None`` for the value link itself); ``None``: no quantization.
     """
 
     name: str
@@ -117,6 +189,8 @@ class Link:
     offset: int
     src_layout: Layout = field(repr=False)
     dst_layout: Layout = field(repr=False)
+    src_axes: tuple[int | None, ...] | None = None
+    scale: tuple[tuple[int, int], str | None] | None = None
 
     @property
     def wire_dtype(self) -> str:
@@ -137,10 +211,19 @@ class Link:
         if full is None:  # a window of a shard implies the shard
             raise LayoutError(f"link {self.name!r}: rank {rank} holds a window of no shard")
         box = own if box is None else box
-        shift = [0] * len(box)
-        if self.axis is not None:
-            shift[self.axis] = self.src_start
-        return tuple((a + s - f0, b + s - f0) for (a, b), s, (f0, _) in zip(box, shift, full))
+        shift = self.src.starts()
+        local = tuple((a + s - f0, b + s - f0) for (a, b), s, (f0, _) in zip(box, shift, full))
+        if self.src_axes is None:
+            return local
+        out: list[tuple[int, int]] = [(0, 0)] * sum(a is not None for a in self.src_axes)
+        for i, a in enumerate(self.src_axes):
+            if a is not None:
+                out[a] = local[i]
+        return tuple(out)
+
+    def view_source(self, t: Any) -> Any:
+        """``t`` (a trainer tensor cut to :meth:`src_local`) in this link's axes (a view)."""
+        return view_source(t, self.src_axes)
 
     def dst_local(self, rank: int, box: Box | None = None) -> Box | None:
         """``box`` (window coordinates; default: all ``rank`` gets of the link) as a box of
@@ -155,13 +238,11 @@ class Link:
             raise LayoutError(f"link {self.name!r}: rank {rank} holds a window of no part")
         box = own if box is None else box
         out = []
-        for a, (lo, hi) in enumerate(box):
-            f0 = mine[a][0]
+        for a, ((lo, hi), start) in enumerate(zip(box, self.dst.starts())):
+            shift = start - mine[a][0]
             if a == self.axis:  # the earlier parts' local extents come first
-                before = sum(b[a][1] - b[a][0] for b in boxes[: self.part] if b is not None)
-                out.append((before + self.offset + lo - f0, before + self.offset + hi - f0))
-            else:
-                out.append((lo - f0, hi - f0))
+                shift += sum(b[a][1] - b[a][0] for b in boxes[: self.part] if b is not None)
+            out.append((lo + shift, hi + shift))
         return tuple(out)
 
 
@@ -174,7 +255,8 @@ class Move:
     (read ``src_local`` of the forwarder's buffer, already in ``dtype``); ``dst_local`` is the
     slice of the receiver's buffer of rollout weight ``dst_name`` to write. ``nbytes``: in
     ``dtype``. ``box``: the message's box in the link's window coordinates. ``link``: the
-    plan's weight name; ``src``, ``dst``: the sending and the receiving rank."""
+    plan's weight name; ``src``, ``dst``: the sending and the receiving rank. ``src_axes``: at
+    step 0, how the cut source is seen in the link's axes (:func:`view_source`)."""
 
     link: str
     src: int
@@ -188,6 +270,7 @@ class Move:
     cast: bool
     nbytes: int
     box: Box
+    src_axes: tuple[int | None, ...] | None = None
 
 
 class Mapped:
@@ -247,7 +330,8 @@ class Mapped:
         return Move(
             link.name, m.src, m.dst, m.step, src_name, src_local, link.rollout, dst_local,  # type: ignore[attr-defined]
             link.wire_dtype, link.cast and m.step == 0, m.nbytes, m.box,  # type: ignore[attr-defined]
+            link.src_axes if m.step == 0 else None,  # type: ignore[attr-defined]
         )  # fmt: skip
 
 
-__all__ = ["Link", "Mapped", "Move", "SegmentWeight"]
+__all__ = ["Link", "Mapped", "Move", "SegmentWeight", "Window", "view_source", "windows_of"]

@@ -34,10 +34,13 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshgroups.errors import LayoutError
 from meshgroups.layout.checks import is_int
+
+if TYPE_CHECKING:
+    from meshgroups.transfer.stacking import Stack
 
 #: How a rule's parts are sharded where the rollout shards the fused axis.
 SHARDINGS = ("per_part", "whole")
@@ -46,15 +49,30 @@ SHARDINGS = ("per_part", "whole")
 @dataclass(frozen=True)
 class Segment:
     """Indices ``[start, stop)`` of trainer weight ``source`` along the rule's axis
-    (``stop=None``: to its end).
+    (``stop=None``: to its end), read through an optional *view* of the source.
+
+    Args:
+        source: the trainer weight's name.
+        start, stop: the range along the rule's axis, counted in the view.
+        index: inside a :class:`~meshgroups.transfer.stacking.Stack` only: the entry is
+            ``source[index]`` (one expert of a packed ``[E, ...]`` tensor, e.g. Transformers 5's
+            ``mlp.experts.gate_up_proj``); the view drops axis 0.
+        transpose: read the source (after ``index``) with its last two axes swapped, where the
+            two sides store a matrix the other way round (``[H, I]`` against ``[I, H]``).
 
     Raises:
-        TypeError / LayoutError: a non-str source, a negative start, ``stop <= start``.
+        TypeError / LayoutError: a non-str source, a negative start, ``stop <= start``, a
+            negative index.
+
+    >>> Segment("mlp.experts.gate_up_proj", 0, 64, index=3).to_json()
+    {'source': 'mlp.experts.gate_up_proj', 'start': 0, 'stop': 64, 'index': 3}
     """
 
     source: str
     start: int = 0
     stop: int | None = None
+    index: int | None = None
+    transpose: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source:
@@ -67,18 +85,37 @@ class Segment:
             raise LayoutError(
                 f"segment of {self.source!r}: [{self.start}, {self.stop}) must have 0 <= start < stop"
             )
+        if self.index is not None and (not is_int(self.index) or self.index < 0):
+            raise LayoutError(f"segment of {self.source!r}: index={self.index!r} must be an int >= 0")
+        if not isinstance(self.transpose, bool):
+            raise TypeError(f"segment of {self.source!r}: transpose must be a bool, got {self.transpose!r}")
+
+    @property
+    def viewed(self) -> bool:
+        """The source is read through a view (``index`` or ``transpose``)."""
+        return self.index is not None or self.transpose
 
     @property
     def full(self) -> bool:
-        """The whole source along the axis."""
-        return self.start == 0 and self.stop is None
+        """The whole source along the axis, as it is (no view)."""
+        return self.start == 0 and self.stop is None and not self.viewed
 
-    def to_json(self) -> str | list[object]:
-        return self.source if self.full else [self.source, self.start, self.stop]
+    def to_json(self) -> str | list[object] | dict[str, object]:
+        if self.full:
+            return self.source
+        if not self.viewed:
+            return [self.source, self.start, self.stop]
+        out: dict[str, object] = {"source": self.source, "start": self.start, "stop": self.stop}
+        if self.index is not None:
+            out["index"] = self.index
+        if self.transpose:
+            out["transpose"] = True
+        return out
 
     @classmethod
     def of(cls, spec: object) -> Segment:
-        """From ``"name"``, ``[name, start, stop]`` or ``{"source", "start", "stop"}``."""
+        """From ``"name"``, ``[name, start, stop]`` or ``{"source", "start", "stop", "index",
+        "transpose"}``."""
         if isinstance(spec, Segment):
             return spec
         if isinstance(spec, str):
@@ -86,10 +123,16 @@ class Segment:
         if isinstance(spec, (list, tuple)) and len(spec) == 3 and isinstance(spec[0], str):
             return cls(spec[0], spec[1], spec[2])
         if isinstance(spec, Mapping) and "source" in spec:
-            unknown = set(spec) - {"source", "start", "stop"}
+            unknown = set(spec) - {"source", "start", "stop", "index", "transpose"}
             if unknown:
                 raise LayoutError(f"segment {dict(spec)!r}: unknown keys {sorted(unknown)}")
-            return cls(spec["source"], spec.get("start", 0), spec.get("stop"))
+            return cls(
+                spec["source"],
+                spec.get("start", 0),
+                spec.get("stop"),
+                spec.get("index"),
+                spec.get("transpose", False),
+            )
         raise TypeError(
             f"a segment is 'name', [name, start, stop] or {{'source', 'start', 'stop'}}, got {spec!r}"
         )
@@ -189,13 +232,36 @@ class Rule:
         raise TypeError(f"a rule is a name, a list of parts or a dict, got {spec!r}")
 
 
+def read_rule(spec: object) -> Rule | Stack:
+    """A rule from any JSON form: ``{"stack": [...]}`` is a
+    :class:`~meshgroups.transfer.stacking.Stack`, anything else a :class:`Rule`.
+
+    Args:
+        spec: a Rule, a Stack or a JSON form of either.
+
+    Returns:
+        The Rule or Stack.
+
+    Raises:
+        TypeError / LayoutError: a form that cannot be read.
+
+    >>> type(read_rule({"stack": ["e0", "e1"]})).__name__
+    'Stack'
+    """
+    from meshgroups.transfer.stacking import Stack  # made of Rules: imported where one is read
+
+    if isinstance(spec, Stack) or (isinstance(spec, Mapping) and "stack" in spec):
+        return Stack.of(spec)
+    return Rule.of(spec)
+
+
 def _part(spec: object) -> tuple[Segment, ...]:
     if isinstance(spec, list) and not (len(spec) == 3 and isinstance(spec[0], str) and is_int(spec[1])):
         return tuple(Segment.of(s) for s in spec)
     return (Segment.of(spec),)
 
 
-class NameMap(Mapping[str, Rule]):
+class NameMap(Mapping[str, "Rule | Stack"]):
     """Rollout weight name -> :class:`Rule` (see the module docstring); names it lacks map to
     the trainer weight of the same name.
 
@@ -209,16 +275,16 @@ class NameMap(Mapping[str, Rule]):
     def __init__(self, rules: Mapping[str, object] | None = None) -> None:
         if rules is not None and not isinstance(rules, Mapping):
             raise TypeError(f"a NameMap is built from a mapping rollout name -> rule, got {rules!r}")
-        self._rules: dict[str, Rule] = {}
+        self._rules: dict[str, Rule | Stack] = {}
         for name, spec in (rules or {}).items():
             if not isinstance(name, str) or not name:
                 raise TypeError(f"rollout weight names must be non-empty str, got {name!r}")
             try:
-                self._rules[name] = Rule.of(spec)
+                self._rules[name] = read_rule(spec)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"name map, rollout weight {name!r}: {exc}") from None
 
-    def __getitem__(self, name: str) -> Rule:
+    def __getitem__(self, name: str) -> Rule | Stack:
         return self._rules[name]
 
     def __iter__(self) -> Iterator[str]:
@@ -239,7 +305,7 @@ class NameMap(Mapping[str, Rule]):
     def __repr__(self) -> str:
         return f"NameMap({len(self)} rules)"
 
-    def rule(self, name: str) -> Rule:
+    def rule(self, name: str) -> Rule | Stack:
         """The rule for rollout weight ``name``: its own, or the same-named trainer weight."""
         return self._rules.get(name) or Rule.rename(name)
 
@@ -278,4 +344,4 @@ class NameMap(Mapping[str, Rule]):
         return cls.loads(Path(path).read_text())
 
 
-__all__ = ["SHARDINGS", "NameMap", "Rule", "Segment"]
+__all__ = ["SHARDINGS", "NameMap", "Rule", "Segment", "read_rule"]

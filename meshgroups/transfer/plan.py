@@ -38,6 +38,7 @@ from meshgroups.layout.topology import Topology
 from meshgroups.transfer.expand import Cast, check_weights, map_weights
 from meshgroups.transfer.mapped import Mapped, Move
 from meshgroups.transfer.names import NameMap
+from meshgroups.transfer.quant import BlockFP8
 from meshgroups.transfer.routes import Chunk, Planner
 from meshgroups.transfer.spec import Box, Weight
 from meshgroups.transfer.stats import HolderSets, RankStats, Tally
@@ -325,6 +326,7 @@ def plan_transfer(
     name_map: NameMap | Mapping[str, object] | None = None,
     cast: Cast = None,
     allow_unused: bool | Sequence[str] = False,
+    quantize: BlockFP8 | None = None,
 ) -> TransferPlan:
     """Plan moving ``dst_weights`` (matched by name to ``src_weights``) from ``src`` to ``dst``.
 
@@ -340,6 +342,9 @@ def plan_transfer(
         name_map, cast, allow_unused: given any (``name_map={}`` for same names), the plan
             maps rollout weights to trainer weights (fusions, splits, ties, casts; coverage
             checked both ways): see :func:`~meshgroups.transfer.expand.map_weights`.
+        quantize: ``BlockFP8()``: every ``float8_e4m3fn`` rollout weight is block-quantized
+            at the sender, its ``<name>_scale_inv`` planned beside it
+            (:mod:`~meshgroups.transfer.quant`); implies a mapped plan.
 
     Raises:
         TypeError: an argument of the wrong kind.
@@ -350,10 +355,10 @@ def plan_transfer(
         The ``Plan``: every message (or only ``rank``'s), with its statistics and bounds.
     """
     mapping = None
-    if name_map is None and cast is None and allow_unused is False:
+    if name_map is None and cast is None and allow_unused is False and quantize is None:
         pairs = _match(src, src_weights, dst, dst_weights)
     else:
-        mapping = map_weights(src, src_weights, dst, dst_weights, name_map, cast, allow_unused)
+        mapping = map_weights(src, src_weights, dst, dst_weights, name_map, cast, allow_unused, quantize)
         pairs = mapping.pairs
     # A rank's part checks its own coverage (routes.rank_chunks); the whole plan every holder's.
     if isinstance(min_part_bytes, bool) or not isinstance(min_part_bytes, int) or min_part_bytes < 1:

@@ -57,11 +57,9 @@ class Side:
         if self.stage_key is not None:
             keyed.add(self.stage_key[0])
         self.keyed_dims = frozenset(keyed)
-        window = getattr(weight, "window", None)  # a SegmentWeight (mapped.py): one axis cut
+        cuts = {a: (start, full) for a, start, full in _windows(weight)}  # a SegmentWeight's
         self.axis_tilings: tuple[Tiling, ...] = tuple(
-            (window[2], s, window[1], window[1] + n)
-            if window is not None and a == window[0]
-            else (n, s, 0, n)
+            (cuts[a][1], s, cuts[a][0], cuts[a][0] + n) if a in cuts else (n, s, 0, n)
             for a, (n, s) in enumerate(zip(weight.shape, self.axis_sizes))
         )
 
@@ -107,6 +105,13 @@ class Side:
     def holders(self, key: BlockKey) -> np.ndarray:
         """Ranks holding the block of ``key``, in layout order over the replicating dims."""
         return holders(self.layout, key, self.free_dims)
+
+
+def _windows(weight: Weight) -> tuple[tuple[int, int, int], ...]:
+    """A SegmentWeight's cut axes (mapped.py), ``()`` for a whole weight."""
+    from meshgroups.transfer.mapped import windows_of  # mapped imports the layout side; only its helper here
+
+    return windows_of(weight)
 
 
 @lru_cache(maxsize=65536)

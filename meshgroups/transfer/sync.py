@@ -52,9 +52,13 @@ from meshgroups.mesh.torch_seam import default_timeout
 from meshgroups.transfer.execute import DEFAULT_BUCKET_BYTES, Progress, Report, execute
 from meshgroups.transfer.expand import Cast
 from meshgroups.transfer.fanout_groups import TransferGroups
+from meshgroups.transfer.fp8 import quantize_blocks
 from meshgroups.transfer.jobs import Job, digest_text
+from meshgroups.transfer.mapped import view_source
 from meshgroups.transfer.names import NameMap
+from meshgroups.transfer.packing import PackBuffers
 from meshgroups.transfer.plan import Plan, plan_transfer
+from meshgroups.transfer.quant import BlockFP8
 from meshgroups.transfer.spec import Weight
 from meshgroups.transfer.status import Status, TransferError
 from meshgroups.transfer.sync_state import Tensors, merge, read, slices
@@ -79,6 +83,9 @@ class WeightSync:
             casts, before bytes cross a link.
         allow_unused: ``True`` or names/patterns of trainer weights nothing reads (else an
             error naming them); listed on :attr:`unused`.
+        quantize: ``BlockFP8()``: every ``float8_e4m3fn`` rollout tensor is block-quantized at
+            the sender and its ``<name>_scale_inv`` written beside it
+            (``meshgroups.transfer.quant``; the quantizer: ``meshgroups.transfer.fp8``).
         rollout_weights: the rollout's global weights (``Weight`` with placements), when its
             tensors are plain local shards (vLLM) rather than DTensors; ``rollout`` then holds
             the local tensors by these names. The same list on every rank.
@@ -111,6 +118,7 @@ class WeightSync:
         name_map: NameMap | Mapping[str, object] | None = None,
         cast: Cast = None,
         allow_unused: bool | Sequence[str] = False,
+        quantize: BlockFP8 | None = None,
         rollout_weights: Sequence[Weight] | None = None,
         topology: Topology | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -129,7 +137,7 @@ class WeightSync:
         self.trainer, self.trainer_layout = trainer, trainer_layout
         self.rollout, self.rollout_layout = rollout, rollout_layout
         self.name_map = NameMap.of(name_map)
-        self.cast, self.allow_unused = cast, allow_unused
+        self.cast, self.allow_unused, self.quantize = cast, allow_unused, quantize
         self.rollout_weights = None if rollout_weights is None else list(rollout_weights)
         self.topology, self.bucket_bytes = topology, bucket_bytes
         self.timeout, self.progress = timeout, progress
@@ -140,7 +148,9 @@ class WeightSync:
         self.plans = self.group_builds = self.syncs = 0
         self.last_report: Report | None = None
         self._planned: tuple[object, ...] | None = None
-        self._slices: list[tuple[str, str, tuple[slice, ...] | None, str, tuple[slice, ...] | None]] = []
+        self._slices: list[tuple[str, str, tuple[slice, ...] | None, str, tuple[slice, ...] | None, Any]] = []
+        self._quant: dict[str, tuple[tuple[int, int], str]] = {}  # value link -> (block, scale link)
+        self._packs = PackBuffers()  # packed messages' buffers, kept across sync() calls
         self._closed = False
         self._build()
 
@@ -175,7 +185,13 @@ class WeightSync:
             call.compare(
                 layouts=state[0],
                 name_map=digest_text(self.name_map.dumps()),
-                settings=(repr(self.cast), repr(self.allow_unused), self.bucket_bytes, repr(self.topology)),
+                settings=(
+                    repr(self.cast),
+                    repr(self.allow_unused),
+                    self.bucket_bytes,
+                    repr(self.topology),
+                    repr(self.quantize),
+                ),
             )
             tw, _ = local_weights(self.trainer, self.trainer_layout, dims=self.dims, stage_dim=self.stage_dim)
             if self.rollout_weights is None:
@@ -201,6 +217,7 @@ class WeightSync:
                 name_map=self.name_map,
                 cast=self.cast,
                 allow_unused=self.allow_unused,
+                quantize=self.quantize,
             )
             self._check_buffers(plan, me, rollout_local)
             self._keep_slices(plan, me)
@@ -212,7 +229,8 @@ class WeightSync:
     def _check_buffers(self, plan: Plan, me: int, have: Mapping[str, torch.Tensor]) -> None:
         """Each rollout tensor this rank holds has the local shape the plan writes (for a fused
         weight: its parts' local extents one after another), and every one is there."""
-        assert plan.mapping is not None
+        if plan.mapping is None:  # an invariant of this module, not a check of user input
+            raise RuntimeError("meshgroups internal error: plan.mapping is None")
         for name in dict.fromkeys(link.rollout for link in plan.mapping.links.values()):
             want = plan.mapping.buffer_shape(name, me)
             if want is None:
@@ -230,7 +248,8 @@ class WeightSync:
     def _keep_slices(self, plan: Plan, me: int) -> None:
         """The slices of this rank's local tensors each link reads and writes, kept for every
         ``sync()`` (they depend on the plan only)."""
-        assert plan.mapping is not None
+        if plan.mapping is None:  # an invariant of this module, not a check of user input
+            raise RuntimeError("meshgroups internal error: plan.mapping is None")
         self._slices = [
             (
                 link.name,
@@ -238,12 +257,19 @@ class WeightSync:
                 None if (a := link.src_local(me)) is None else slices(a),
                 link.rollout,
                 None if (b := link.dst_local(me)) is None else slices(b),
+                link.src_axes,
             )
             for link in plan.mapping.links.values()
         ]
+        self._quant = {
+            link.scale[1]: (link.scale[0], link.name)
+            for link in plan.mapping.links.values()
+            if link.scale is not None and link.scale[1] is not None
+        }
 
     def _build_groups(self) -> None:
-        assert self.plan is not None
+        if self.plan is None:  # an invariant of this module, not a check of user input
+            raise RuntimeError("meshgroups internal error: self.plan is None")
         if self.job is not None:  # the job's options; closed with the job too
             self.groups = self.job.transfer_groups(self.plan)
         else:
@@ -286,11 +312,14 @@ class WeightSync:
         src: dict[str, torch.Tensor] = {}
         dst: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for name, source, src_at, target, dst_at in self._slices:
+            for name, source, src_at, target, dst_at, axes in self._slices:
                 if src_at is not None and source in trainer:
-                    src[name] = trainer[source][src_at]
+                    src[name] = view_source(trainer[source][src_at], axes)
                 if dst_at is not None and target in rollout:
                     dst[name] = rollout[target][dst_at]
+            for name, (block, scale) in self._quant.items():
+                if name in src:  # the sender quantizes its whole blocks, values and scales
+                    src[name], src[scale] = quantize_blocks(src[name], block)
         return src, dst
 
     def sync(
@@ -341,6 +370,7 @@ class WeightSync:
                     progress=progress if progress is not None else self.progress,
                     timeout=timeout if timeout is not None else self.timeout,
                     groups=self.groups,
+                    buffers=self._packs,
                 )
             except TransferError as exc:
                 if self.groups is not None and self.groups.broken:  # alike on every rank
