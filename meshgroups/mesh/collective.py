@@ -64,6 +64,20 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {"group": None, "n": 0, "active": None, "thread": None, "cohort": ""}
 
 
+def call_numbering(fresh: bool = False) -> dict[str, Any]:
+    """This process's collective-call numbering (the group it numbers on, the last number, the
+    cohort's namespace), to set aside while another world is the default one
+    (``meshgroups.engines.worlds``); ``fresh``: the numbering of a world that made no call yet."""
+    if fresh:
+        return {"group": None, "n": 0, "cohort": ""}
+    return {key: _state[key] for key in ("group", "n", "cohort")}
+
+
+def set_call_numbering(numbering: dict[str, Any]) -> None:
+    """Continue the numbering ``call_numbering`` returned (no call may be in progress)."""
+    _state.update({key: numbering[key] for key in ("group", "n", "cohort")})
+
+
 def _call_site() -> tuple[str, str]:
     """Where the caller is: the first frame outside meshgroups, its compat, torch, contextlib.
     Returns (``function:line``, compared: file names may differ between ranks, e.g. per-rank
@@ -422,7 +436,9 @@ def collective_entry(operation: str, method: bool = False) -> Callable[[F], F]:
 __all__ = [
     "Call",
     "active_call",
+    "call_numbering",
     "collective_call",
     "collective_entry",
     "publish_refusal",
+    "set_call_numbering",
 ]

@@ -1,0 +1,35 @@
+"""vLLM's plugin entry point (``vllm.general_plugins``): registers the ``meshgroups`` backend.
+
+vLLM loads every ``vllm.general_plugins`` entry point in each of its processes (the front end,
+the engine core and every worker), so the backend's name is known where vLLM looks it up
+(``WeightTransferEngineFactory`` in the workers). The class itself is imported lazily, by vLLM,
+when an engine selects ``weight_transfer_config={"backend": "meshgroups"}``.
+
+    >>> register()        # what vLLM calls; idempotent                 # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+#: The backend's name in ``weight_transfer_config={"backend": ...}``.
+BACKEND = "meshgroups"
+
+
+def register() -> None:
+    """Register the ``meshgroups`` weight-transfer engine with vLLM (idempotent; a no-op when
+    vLLM is not importable, so the entry point never breaks a process without it).
+
+    Returns:
+        None.
+    """
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return
+    if BACKEND in getattr(WeightTransferEngineFactory, "_registry", {}):
+        return
+    WeightTransferEngineFactory.register_engine(
+        BACKEND, "meshgroups.engines.vllm.worker", "MeshgroupsWeightTransferEngine"
+    )
+
+
+__all__ = ["BACKEND", "register"]
