@@ -164,7 +164,8 @@ class Model:
         ['attn_norm', 'qkv', 'o', 'mlp_norm', 'fc1', 'fc2', 'embedding', 'final_norm', 'head']
         """
         h, hd = self.hidden, self.head_dim
-        assert hd is not None and self.kv_heads is not None and self.expert_ffn is not None
+        if hd is None or self.kv_heads is None or self.expert_ffn is None:  # filled in __post_init__
+            raise RuntimeError("meshgroups internal error: a Model without head_dim, kv_heads or expert_ffn")
         gate = 2 if self.gated_mlp else 1
         layer = [
             ParamTensor("attn_norm", (h,), None),
