@@ -113,11 +113,12 @@ def merge_options(options: object, keywords: MeshOptions) -> tuple[MeshOptions, 
         return keywords, None
     if not isinstance(options, MeshOptions):
         return keywords, f"options must be a meshgroups.MeshOptions, got {type(options).__name__}"
-    if keywords != MeshOptions():
+    default = MeshOptions()
+    if keywords != default:
         changed = [
             f.name
             for f in dataclasses.fields(keywords)
-            if getattr(keywords, f.name) != getattr(MeshOptions(), f.name)
+            if getattr(keywords, f.name) != getattr(default, f.name)
         ]
         return options, (
             f"give the options either as options=MeshOptions(...) or as keywords, not both "
