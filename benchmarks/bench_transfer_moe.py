@@ -16,8 +16,9 @@ Printed per preset: cross-node bytes and the lower bound, the busiest trainer se
 bytes; rollout ranks forward inside their node besides) and its bound, messages per sync
 unpacked (one per slice) and packed (one per peer, direction, step and bucket of 1 GiB), and the
 link model's time (``bench_transfer.py``'s: NVLink 300 GB/s, NIC 50 GB/s per rank, 10 µs a
-message). Then real gloo time per ``execute`` on a small MoE model (4 processes on this machine),
-unpacked against packed. The notes' published figures are printed beside, labelled as such:
+message). Then real gloo time per ``execute`` on two small MoE models (4 processes on this machine):
+unpacked one bucket at a time (before), packed, and packed with the next bucket posted while the
+last is unpacked (``overlap``), interleaved call by call. The notes' published figures are printed beside, labelled as such:
 other systems, other hardware, not measured here.
 """
 
@@ -228,7 +229,17 @@ def preset_rows(p: Preset, layers: int) -> dict[str, object]:
 
 
 # ------------------------------------------------------------------------------ gloo, real
-SMALL = dict(H=256, I=256, E=8, LAYERS=2)
+#: Two small MoE models for the real gloo runs: few large slices, and many small ones (where a
+#: message's and an agreement's fixed cost show).
+GLOO_MODELS = {
+    "2 layers, H=I=256": dict(H=256, I=256, E=8, LAYERS=2, BUCKET=1 << 22),
+    "16 layers, H=I=64": dict(H=64, I=64, E=8, LAYERS=16, BUCKET=1 << 18),
+}
+#: (label, packed, overlap): before this work, packing alone, packing with the next bucket
+#: posted while the last is unpacked.
+GLOO_MODES = (("unpacked, one bucket at a time", False, False),
+              ("packed, one bucket at a time", True, False),
+              ("packed, overlapped", True, True))  # fmt: skip
 
 
 def _gloo_job(rank: int, world: int, port: int, steps: int, q: object) -> None:
@@ -241,55 +252,64 @@ def _gloo_job(rank: int, world: int, port: int, steps: int, q: object) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    h, i, e = SMALL["H"], SMALL["I"], SMALL["E"]
     trainer, rollout = Layout(ep=2), Layout(ep=2, rank_offset=2)
     ep = {"ep": Shard(0)}
-    tw, rw, nm = [], [], {}
-    for layer in range(SMALL["LAYERS"]):
-        x = f"model.layers.{layer}.mlp.experts"
-        tw += [
-            Weight(f"{x}.gate_up_proj", (e, 2 * i, h), "float32", ep),
-            Weight(f"{x}.down_proj", (e, h, i), "float32", ep),
-        ]
-        for n, s in ((f"{x}.w13_weight", (e, 2 * i, h)), (f"{x}.w2_weight", (e, h, i))):
-            rw += [Weight(n, s, "bfloat16", ep)]
-    cfg = {
-        "model_type": "qwen3_moe",
-        "num_hidden_layers": SMALL["LAYERS"],
-        "num_experts": e,
-        "moe_intermediate_size": i,
-    }
-    nm = hf_to_vllm(cfg, ep=2, placement="round_robin")
-    plan = plan_transfer(trainer, tw, rollout, rw, Topology(node=2), rank=rank, name_map=nm, cast="bfloat16")
-    m = plan.mapping
-    full = {w.name: torch.randn(w.shape) for w in tw}
-    local = {
-        w.name: full[w.name][tuple(slice(a, b) for a, b in bx)] for w in tw if (bx := w.box(trainer, rank))
-    }
-    bufs = {
-        w.name: torch.empty(s, dtype=torch.bfloat16)
-        for w in rw
-        if (s := m.buffer_shape(w.name, rank)) is not None
-    }
-    srcs, dsts = {}, {}
-    for ln in m.links.values():
-        if (b := ln.src_local(rank)) is not None:
-            srcs[ln.name] = view_source(local[ln.source][tuple(slice(x, y) for x, y in b)], ln.src_axes)
-        if (b := ln.dst_local(rank)) is not None:
-            dsts[ln.name] = bufs[ln.rollout][tuple(slice(x, y) for x, y in b)]
-    out = {}
-    packs = PackBuffers()
-    for packed in (False, True):
-        times, msgs = [], 0
-        for s in range(steps + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            rep = execute(plan, srcs, dsts, bucket_bytes=1 << 22, packed=packed, buffers=packs, timeout=120)
-            dist.barrier()
-            if s:  # the first call warms up
-                times.append(time.perf_counter() - t0)
-            msgs = rep.p2p_messages
-        out[packed] = (statistics.median(times), msgs)
+    out: dict = {}
+    for model, size in GLOO_MODELS.items():
+        h, i, e, layers = size["H"], size["I"], size["E"], size["LAYERS"]
+        tw, rw = [], []
+        for layer in range(layers):
+            x = f"model.layers.{layer}.mlp.experts"
+            tw += [
+                Weight(f"{x}.gate_up_proj", (e, 2 * i, h), "float32", ep),
+                Weight(f"{x}.down_proj", (e, h, i), "float32", ep),
+            ]
+            for n, s in ((f"{x}.w13_weight", (e, 2 * i, h)), (f"{x}.w2_weight", (e, h, i))):
+                rw += [Weight(n, s, "bfloat16", ep)]
+        cfg = {
+            "model_type": "qwen3_moe",
+            "num_hidden_layers": layers,
+            "num_experts": e,
+            "moe_intermediate_size": i,
+        }
+        nm = hf_to_vllm(cfg, ep=2, placement="round_robin")
+        plan = plan_transfer(
+            trainer, tw, rollout, rw, Topology(node=2), rank=rank, name_map=nm, cast="bfloat16"
+        )
+        m = plan.mapping
+        full = {w.name: torch.randn(w.shape) for w in tw}
+        local = {
+            w.name: full[w.name][tuple(slice(a, b) for a, b in bx)]
+            for w in tw
+            if (bx := w.box(trainer, rank))
+        }
+        bufs = {
+            w.name: torch.empty(s, dtype=torch.bfloat16)
+            for w in rw
+            if (s := m.buffer_shape(w.name, rank)) is not None
+        }
+        srcs, dsts = {}, {}
+        for ln in m.links.values():
+            if (b := ln.src_local(rank)) is not None:
+                srcs[ln.name] = view_source(local[ln.source][tuple(slice(x, y) for x, y in b)], ln.src_axes)
+            if (b := ln.dst_local(rank)) is not None:
+                dsts[ln.name] = bufs[ln.rollout][tuple(slice(x, y) for x, y in b)]
+        packs = PackBuffers()
+        times: dict[str, list[float]] = {label: [] for label, _, _ in GLOO_MODES}
+        msgs: dict[str, int] = {}
+        buckets = 0
+        for s in range(steps + 1):  # the modes interleaved, so a load change hits them alike
+            for label, packed, overlap in GLOO_MODES:
+                dist.barrier()
+                t0 = time.perf_counter()
+                rep = execute(plan, srcs, dsts, bucket_bytes=size["BUCKET"], packed=packed, overlap=overlap,
+                              buffers=packs, timeout=120)  # fmt: skip
+                dist.barrier()
+                if s:  # the first round warms up
+                    times[label].append(time.perf_counter() - t0)
+                msgs[label], buckets = rep.p2p_messages, rep.buckets
+        out[model] = {label: (statistics.median(times[label]), msgs[label]) for label in times}
+        out[model]["buckets"] = buckets
     gathered: list = [None] * world
     dist.all_gather_object(gathered, out)
     if rank == 0:
@@ -334,16 +354,19 @@ def main() -> None:
     )
     print()
     g = gloo_times(args.gloo_steps)
-    h, i, e = SMALL["H"], SMALL["I"], SMALL["E"]
-    mb = SMALL["LAYERS"] * e * 3 * i * h * 2 / 1e6
-    print(f"gloo, 4 processes on this machine (ep=2 → ep=2, {SMALL['LAYERS']} MoE layers of {e} experts, "
-          f"I={i}, H={h}: {mb:.1f} MB bf16), median of {args.gloo_steps} calls after one warm-up:\n")  # fmt: skip
-    print("| | seconds per sync | p2p messages per sync (all ranks) |")
-    print("|---|---|---|")
-    for packed in (False, True):
-        t = max(x[packed][0] for x in g)
-        n = sum(x[packed][1] for x in g)
-        print(f"| {'packed' if packed else 'unpacked'} | {t:.3f} | {n} |")
+    print(f"gloo, 4 processes on this machine (ep=2 → ep=2, {next(iter(GLOO_MODELS.values()))['E']} experts a layer, "
+          f"float32 → bfloat16), median of {args.gloo_steps} calls after one warm-up, the slowest rank:\n")  # fmt: skip
+    print("| model | buckets | mode | seconds per sync | vs. before | p2p messages per sync (all ranks) |")
+    print("|---|---|---|---|---|---|")
+    for model, size in GLOO_MODELS.items():
+        mb = size["LAYERS"] * size["E"] * 3 * size["I"] * size["H"] * 2 / 1e6
+        base = max(x[model][GLOO_MODES[0][0]][0] for x in g)
+        for label, _, _ in GLOO_MODES:
+            t = max(x[model][label][0] for x in g)
+            n = sum(x[model][label][1] for x in g)
+            print(
+                f"| {model} ({mb:.1f} MB bf16) | {g[0][model]['buckets']} | {label} | {t:.3f} | {t / base:.2f}× | {n} |"
+            )
     print("\nPublished (the notes, others' systems, not measured here): slime, Qwen3-30B-A3B colocated: "
           "120 s → 7 s with one packed buffer per peer per bucket; Kimi-K2 1T fp8 on 256 H20: 16 s (checkpoint-engine).")  # fmt: skip
 

@@ -138,27 +138,35 @@ def _colocated_and_failures(rank, out):
         _check(rollout, dst_w, dsts, full, rank, "retry")
 
         # mid-transfer: rank 2 posts the sends of its first point-to-point batch with receives
-        # but never those receives, and fails; its peers' sends to it stay pending and time out (on gloo that
-        # closes every connection of the transfer's p2p group; the default group reports it)
-        real, dropped = dist.batch_isend_irecv, []
-        sends_only = _sends_only(real, dropped)
-
-        if rank == 2:
-            dist.batch_isend_irecv = sends_only
-        dsts = _buffers(rollout, dst_w, rank)
-        with pytest.raises(TransferError, match="rank 2: RuntimeError: injected") as err:
-            execute(plan, srcs, dsts, bucket_bytes=56, groups=transfer, timeout=scaled(2))
-        dist.batch_isend_irecv = real
-        assert err.value.stage == "transfer" and 2 in err.value.ranks, err.value
-        assert rank != 2 or dropped, "rank 2 had receives to drop"
-        out["timed_out"] = rank in err.value.ranks  # a peer whose sends to rank 2 timed out
-        # its broadcast groups may be out of step: refused, on every rank
-        with pytest.raises(TransferError, match="TransferGroups cannot be used"):
-            execute(plan, srcs, dsts, bucket_bytes=56, groups=transfer)
+        # but never those receives, and fails. One bucket at a time (overlap=False), its peers'
+        # sends to it stay pending and time out (on gloo that closes every connection of the
+        # transfer's p2p group; the default group reports it). Overlapped, that batch is the
+        # next bucket's, posted ahead: the agreement of the bucket in hand reports rank 2's
+        # failure before any peer waits on it — rank 2 alone fails, nobody times out.
+        real = dist.batch_isend_irecv
+        for overlap in (False, True):
+            dropped: list = []
+            if rank == 2:
+                dist.batch_isend_irecv = _sends_only(real, dropped)
+            dsts = _buffers(rollout, dst_w, rank)
+            with pytest.raises(TransferError, match="rank 2: RuntimeError: injected") as err:
+                execute(
+                    plan, srcs, dsts, bucket_bytes=56, groups=transfer, timeout=scaled(2), overlap=overlap
+                )
+            dist.batch_isend_irecv = real
+            assert err.value.stage == "transfer" and 2 in err.value.ranks, err.value
+            assert rank != 2 or dropped, "rank 2 had receives to drop"
+            if overlap:
+                assert err.value.ranks == (2,), err.value
+            else:
+                out["timed_out"] = rank in err.value.ranks  # a peer whose sends to rank 2 timed out
+            # its broadcast groups may be out of step: refused, on every rank
+            with pytest.raises(TransferError, match="TransferGroups cannot be used"):
+                execute(plan, srcs, dsts, bucket_bytes=56, groups=transfer)
+            transfer.close()
+            transfer = job.transfer_groups(plan)
         # the retry at once, with new groups and new source values (the next training step):
         # no receive may get a stale send of the failed call; every element checked
-        transfer.close()
-        transfer = job.transfer_groups(plan)
         full = _full(src_w, seed=7)
         srcs = _shards(trainer, src_w, full, rank)
         # the rollout's own parameters as buffers (leaves that require grad: written in place)

@@ -2,7 +2,8 @@
 job of 4 ranks: a tp=2 trainer of many small weights (fused into gate_up / qkv, a transposed
 expert stack, a cast) into a tp=2 rollout, executed unpacked and packed: identical buffers bit
 for bit, identical bytes, fewer messages (one per peer and step), and the packed buffers kept
-across calls (the second call allocates none)."""
+across calls (the second call allocates none); overlapped buckets (the next bucket posted before
+the last is unpacked) against one bucket at a time: the same bytes, and the order of posts."""
 
 from __future__ import annotations
 
@@ -53,6 +54,41 @@ def _job(rank: int, world: int) -> dict:
         if packed and before:
             assert [t.data_ptr() for t in packs._bufs.values()] == before  # kept, not reallocated
         results.setdefault(packed, []).append((bufs, report))
+    # overlapped (the default) against one bucket at a time, spying on execute's own post and
+    # finish (the real ones run): bucket b + 1's step 0 is posted before bucket b's step 0 is
+    # waited for and unpacked; one bucket at a time, never. Same bytes in the buffers.
+    import sys
+
+    ex = sys.modules["meshgroups.transfer.execute"]  # the module (the package attribute is the function)
+
+    real_post, real_finish = ex.post, ex.finish
+    for overlap in (False, True):
+        events: list = []
+
+        def spy_post(step, groups, tag, buffers=None, key=None, _ev=events):
+            _ev.append(("post", key))
+            return real_post(step, groups, tag, buffers, key)
+
+        def spy_finish(posted, timeout, _ev=events):
+            _ev.append(("finish", posted.key))
+            return real_finish(posted, timeout)
+
+        ex.post, ex.finish = spy_post, spy_finish
+        bufs = {w.name: torch.full(s, float("nan"), dtype=torch.bfloat16) for w in r_w
+                if (s := plan.mapping.buffer_shape(w.name, rank)) is not None}  # fmt: skip
+        dsts = {ln.name: bufs[ln.rollout][tuple(slice(x, y) for x, y in b)]
+                for ln in plan.mapping.links.values() if (b := ln.dst_local(rank)) is not None}  # fmt: skip
+        try:
+            report = execute(plan, srcs, dsts, timeout=60, bucket_bytes=256, overlap=overlap, buffers=packs)
+        finally:
+            ex.post, ex.finish = real_post, real_finish
+        assert report.buckets > 2, report
+        for n, t in results[True][0][0].items():
+            assert torch.equal(t.view(torch.int16), bufs[n].view(torch.int16)), (overlap, n)
+        for b in range(report.buckets - 1):
+            ahead = events.index(("post", (b + 1, 0))) < events.index(("finish", (b, 0)))
+            assert ahead == overlap, (overlap, b, events)
+        out[f"overlap_{overlap}"] = len(events)
     (b0, r0), (b1, r1) = results[False][0], results[True][0]
     for n in b0:
         assert torch.equal(b0[n].view(torch.int16), b1[n].view(torch.int16)), n

@@ -7,18 +7,23 @@ passes empty mappings)::
     >>> execute(plan, {"wq": trainer_shard}, {"wq": rollout_buffer}, bucket_bytes=64 << 20)  # doctest: +SKIP
 
 Buckets are the same on every rank (``buckets.Buckets``: weights in plan order, big ones cut
-into row blocks, packed by full size), so a rank stages about one bucket at a time. Before the
+into row blocks, packed by full size), so a rank stages about two buckets at a time. Before the
 first bucket every rank checks its inputs against its boxes, and the ranks check that their
-sends and receives pair up (``pairing.check_pairing``). Per bucket: prepare (views and
-staging buffers of both steps), agree that every rank is ready (one small all-reduce), step 0
-(sources send; colocated ranks copy locally), write into the buffers, step 1 (forwards inside a
-node, sent from the buffers just written), agree that every rank finished, call ``progress``
-and agree that it returned everywhere. With ``groups`` (``TransferGroups``), one-to-one slices
-go point-to-point over ``groups.p2p`` and a fan-out as one broadcast over its group; without,
-every slice goes point-to-point on the default group. The agreements always run on the default
-group (or ``group=``). Any failure on any rank — a bad input, a failed or timed-out send, an
-exception from ``progress`` — becomes a ``TransferError`` on every rank, naming the rank and its
-reason; weights are reported done only once every rank has them complete.
+sends and receives pair up (``pairing.check_pairing``). A bucket moves in two steps: step 0
+(sources send; colocated ranks copy locally), written into the buffers, then step 1 (forwards
+inside a node, sent from the buffers just written). Bucket 0 is prepared (views and staging
+buffers) and agreed ready (one small all-reduce). Then, per bucket ``b``: the next bucket is
+prepared and its step 0 posted — its bytes travel while this rank waits for and unpacks ``b`` —
+then ``b``'s step 0 is finished, its step 1 run, and one agreement says every rank finished
+``b`` (and prepared ``b + 1``); then ``progress`` is called and agreed. ``overlap=False`` runs
+one bucket at a time (prepare, agree, step 0, step 1, agree). With ``groups``
+(``TransferGroups``), one-to-one slices go point-to-point over ``groups.p2p`` and a fan-out as
+one broadcast over its group; without, every slice goes point-to-point on the default group.
+The agreements always run on the default group (or ``group=``). Any failure on any rank — a bad
+input, a failed or timed-out send, an exception from ``progress`` — becomes a
+``TransferError`` on every rank, naming the rank and its reason; weights are reported done only
+once every rank has them complete. The steps themselves (prepare, post, finish) are
+``meshgroups.transfer.steps``.
 
 **Casting.** When a plan pairs a source weight with a destination of another dtype (a mapped
 plan with ``cast=``, see ``plan_transfer``), the sender casts each slice to the destination's
@@ -48,13 +53,11 @@ backend-neutral calls, so NCCL with CUDA tensors takes the same path; CI here ru
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 
 from meshgroups.errors import MeshConfigError
@@ -63,10 +66,11 @@ from meshgroups.mesh.cohort import current_cohort
 from meshgroups.mesh.plan import as_timedelta
 from meshgroups.mesh.torch_seam import default_timeout
 from meshgroups.transfer.buckets import Buckets, Part, parts_by_bucket
-from meshgroups.transfer.packing import PackBuffers, land, pack
+from meshgroups.transfer.packing import PackBuffers
 from meshgroups.transfer.pairing import check_pairing
-from meshgroups.transfer.spec import Box, Weight
+from meshgroups.transfer.spec import Weight
 from meshgroups.transfer.status import Status, TransferError, agree, claim_tags, next_tag, step_tag
+from meshgroups.transfer.steps import LocalTensors, Posted, Step, finish, parts_of_step, post, prepare
 
 if TYPE_CHECKING:
     from meshgroups.transfer.jobs import TransferGroups
@@ -123,192 +127,9 @@ class Report:
     )
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).rsplit(".", 1)[-1]
-
-
-class _Local:
-    """This rank's tensors, checked against its boxes; views by global box."""
-
-    def __init__(self, me: int, pairs: Sequence[tuple[Weight, Weight]], src: Layout, dst: Layout) -> None:
-        self.me, self.pairs, self.src, self.dst = me, pairs, src, dst
-        self.tensors: dict[tuple[str, int], tuple[torch.Tensor, Box]] = {}
-
-    def take(self, side: str, w: int, tensors: Mapping[str, Any]) -> None:
-        weight = self.pairs[w][0 if side == "src" else 1]
-        what = "src_tensors" if side == "src" else "dst_buffers"
-        box = weight.box(self.src if side == "src" else self.dst, self.me)
-        if box is None:  # the plan never asks this; a mismatched plan would
-            raise MeshConfigError(
-                f"rank {self.me} holds no {side} shard of {weight.name!r} but the plan uses one"
-            )
-        if weight.name not in tensors:
-            raise MeshConfigError(f"{what} has no {weight.name!r}; rank {self.me} holds its box {box}")
-        t = tensors[weight.name]
-        if hasattr(t, "to_local"):  # a DTensor: its local shard
-            t = t.to_local()
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{what}[{weight.name!r}] must be a torch.Tensor, got {type(t).__name__}")
-        need = tuple(b - a for a, b in box)
-        if tuple(t.shape) != need:
-            raise MeshConfigError(
-                f"{what}[{weight.name!r}] on rank {self.me} has shape {tuple(t.shape)}, but its box {box} "
-                f"needs {need}"
-            )
-        wire = self.pairs[w][1].dtype
-        # A source may come already in the wire dtype (block fp8: quantized by the caller).
-        if _dtype_name(t) != weight.dtype and not (side == "src" and _dtype_name(t) == wire):
-            raise MeshConfigError(
-                f"{what}[{weight.name!r}] on rank {self.me} is {_dtype_name(t)}, the plan says {weight.dtype}"
-            )
-        self.tensors[(side, w)] = (t, box)
-
-    def view(self, side: str, w: int, box: Box) -> torch.Tensor:
-        t, own = self.tensors[(side, w)]
-        return t[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(box, own))]
-
-    def wire(self, w: int) -> torch.dtype | None:
-        """The dtype weight ``w`` crosses links in when it differs from the source's (the
-        destination's: a mapped plan with a cast), else ``None``."""
-        src, dst = self.pairs[w]
-        given = self.tensors.get(("src", w))
-        if src.dtype == dst.dtype or (given is not None and _dtype_name(given[0]) == dst.dtype):
-            return None
-        return getattr(torch, dst.dtype)
-
-
 def _digest(pairs: Sequence[tuple[Weight, Weight]], src: Layout, dst: Layout, extra: object) -> int:
     text = repr(([(s, d) for s, d in pairs], src.fingerprint(), dst.fingerprint(), extra))
     return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
-
-
-@dataclass
-class _Step:
-    """One step of one bucket on this rank, prepared: every view taken and staging buffer
-    allocated, so what can fail locally fails before any rank moves data."""
-
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dst, src) local
-    fills: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (staging, view) to send
-    p2p: list[tuple[bool, torch.Tensor, int]] = field(default_factory=list)  # (is send, tensor, peer)
-    casts: list[tuple[tuple[int, ...], int, Box, int, torch.Tensor]] = field(default_factory=list)
-    landing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (staging, dst view)
-    messages: int = 0  # point-to-point messages posted (after packing)
-
-
-def _staged(
-    view: torch.Tensor, fills: list[tuple[torch.Tensor, torch.Tensor]], wire: torch.dtype | None = None
-) -> torch.Tensor:
-    """``view`` itself when contiguous and already in the ``wire`` dtype, else a staging buffer
-    filled from it when the step runs (a forward's view is written at step 0, after this is
-    prepared). A cast happens here, once, at the sender: ``copy_`` into a ``wire`` buffer is
-    ``view.to(wire)`` bit for bit, and only the cast bytes cross the link."""
-    if view.is_contiguous() and (wire is None or wire == view.dtype):
-        return view
-    staging = torch.empty(view.shape, dtype=wire or view.dtype, device=view.device)
-    fills.append((staging, view))
-    return staging
-
-
-def _prepare(
-    parts: Sequence[Part], local: _Local, groups: TransferGroups | None, report: Report, packed: bool = False
-) -> _Step:
-    """Sends and receives are ordered by (weight, box, sender, receiver) on both sides, so the
-    point-to-point pairs match; a fan-out is one broadcast for its sender and each receiver.
-    ``packed``: a point-to-point receive lands straight in its view (unpacked from the
-    peer's one message, ``packing``), with no staging buffer of its own."""
-    me, step = local.me, _Step()
-    staged: dict[tuple[int, Box], torch.Tensor] = {}
-    cast_seen: set[tuple[tuple[int, ...], int, Box]] = set()
-    for p in sorted(parts, key=lambda p: (p.w, p.box, p.src, p.dst)):
-        ranks = groups.routes.get(p.key) if groups is not None else None
-        if ranks is not None and groups is not None and groups.group(ranks) is None:
-            raise MeshConfigError(
-                f"rank {me} has no transfer group over ranks {ranks}; rebuild TransferGroups"
-            )
-        if ranks is None and p.src != p.dst and groups is not None and groups.p2p is None:
-            raise MeshConfigError(f"rank {me} is outside the TransferGroups' point-to-point group")
-        if p.src == me and p.dst == me:
-            # copy_ casts as .to() does when the plan's dtypes differ (colocated: no link)
-            step.copies.append((local.view("dst", p.w, p.box), local.view("src", p.w, p.box)))
-            report.bytes_copied += p.nbytes
-        elif p.src == me:
-            if (p.w, p.box) not in staged:  # a forward (step 1) re-sends what step 0 wrote
-                if p.step == 0:  # from the source shard, cast to the wire dtype here
-                    view, wire = local.view("src", p.w, p.box), local.wire(p.w)
-                else:  # from the destination buffer, already in the wire dtype
-                    view, wire = local.view("dst", p.w, p.box), None
-                staged[(p.w, p.box)] = _staged(view, step.fills, wire)
-            report.bytes_sent += p.nbytes
-            if ranks is None:
-                step.p2p.append((True, staged[(p.w, p.box)], p.dst))
-            elif (ranks, p.w, p.box) not in cast_seen:
-                cast_seen.add((ranks, p.w, p.box))
-                step.casts.append((ranks, p.w, p.box, p.src, staged[(p.w, p.box)]))
-        elif packed and ranks is None:
-            step.p2p.append((False, local.view("dst", p.w, p.box), p.src))
-            report.bytes_received += p.nbytes
-        else:
-            view = local.view("dst", p.w, p.box)
-            buf = torch.empty(view.shape, dtype=view.dtype, device=view.device)
-            step.landing.append((buf, view))
-            report.bytes_received += p.nbytes
-            if ranks is None:
-                step.p2p.append((False, buf, p.src))
-            else:
-                step.casts.append((ranks, p.w, p.box, p.src, buf))
-    report.messages += len(parts)
-    return step
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A float8 tensor as its bytes (same storage): gloo's collectives know no float8 dtype."""
-    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
-
-
-def _run(
-    step: _Step,
-    groups: TransferGroups | None,
-    timeout: timedelta,
-    tag: int,
-    buffers: PackBuffers | None = None,
-    key: object = None,
-) -> int:
-    """Post every send, receive and broadcast of a prepared step, wait (``timeout`` for the
-    whole step), write the buffers. Point-to-point operations carry the step's ``tag``;
-    broadcasts go in one order on every rank (by group, weight, box). With ``buffers``, the
-    point-to-point slices go packed, one message per peer and direction (``packing``).
-    Returns broadcasts made."""
-    with torch.no_grad():  # buffers may be parameters (leaves that require grad)
-        for dst_view, src_view in step.copies:
-            dst_view.copy_(src_view)
-        for staging, view in step.fills:
-            staging.copy_(view)
-    p2p = groups.p2p if groups is not None else None  # None: the default group
-    messages: list[tuple[bool, torch.Tensor, int]] = step.p2p
-    unpack: list[tuple[torch.Tensor, torch.Tensor]] = []
-    if buffers is not None:
-        with torch.no_grad():
-            messages, unpack = pack(step.p2p, buffers, key)
-    step.messages = len(messages)
-    ops = [
-        dist.P2POp(dist.isend if send else dist.irecv, _bytes(t), peer, p2p, tag)
-        for send, t, peer in messages
-    ]
-    works = list(dist.batch_isend_irecv(ops)) if ops else []
-    for ranks, _, _, src, data in sorted(step.casts, key=lambda c: (c[0], c[1], c[2])):
-        group = groups.group(ranks) if groups is not None else None
-        works.append(dist.broadcast(_bytes(data), src=src, group=group, async_op=True))
-    deadline = time.monotonic() + timeout.total_seconds()
-    for work in works:
-        left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-        if work is not None and work.wait(left) is False:
-            raise TimeoutError(f"a send or receive of rank {dist.get_rank()} did not finish within {timeout}")
-    with torch.no_grad():
-        for buf, view in step.landing:
-            view.copy_(buf)
-        for piece, view in unpack:
-            land(piece, view)
-    return len(step.casts)
 
 
 def execute(
@@ -323,6 +144,7 @@ def execute(
     group: dist.ProcessGroup | None = None,
     packed: bool = True,
     buffers: PackBuffers | None = None,
+    overlap: bool = True,
 ) -> Report:
     """Copy every destination shard of ``plan`` from the source shards (collective).
 
@@ -333,7 +155,7 @@ def execute(
         dst_buffers: ``{weight name: this rank's destination buffer}``, written in place.
         bucket_bytes: full-weight bytes per bucket (see ``Buckets``); the same on every rank.
         progress: called after each bucket with a ``Progress``; an exception it raises fails
-            the transfer on every rank before the next bucket.
+            the transfer on every rank before the next bucket completes.
         timeout: bound on each wait (seconds or timedelta): each status exchange, each step's
             sends and receives (the exchange after a bucket's transfer waits three times as
             long: a peer may use the bound in each of its two steps); default: the default
@@ -346,7 +168,12 @@ def execute(
             and direction (``meshgroups.transfer.packing``; same bytes); ``False``: one per
             slice. The same on every rank.
         buffers: where packed buffers are kept across calls (a ``PackBuffers``; ``WeightSync``
-            keeps one); default: new ones for this call.
+            keeps one); default: new ones for this call. Emptied when the call fails (a failed
+            call's operations may still hold them).
+        overlap: the next bucket's first step is prepared and posted before this bucket's
+            receives are waited for and unpacked (two buckets staged at a time, one status
+            exchange per bucket); ``False``: one bucket at a time, with a status exchange
+            before and after each. The same on every rank.
 
     Raises:
         TransferError: on every rank, when any rank failed (a bad input, a failed or timed-out
@@ -374,7 +201,7 @@ def execute(
     report = Report()
     parts: dict[int, list[Part]] = {}
     buckets = Buckets(0, (), (), ())
-    local = _Local(me, pairs, src, dst)
+    local = LocalTensors(me, pairs, src, dst)
     try:
         if groups is not None and groups.broken:
             raise MeshConfigError(
@@ -392,7 +219,8 @@ def execute(
         report.weights = tuple(sorted({pairs[p.w][1].name for p in mine}))
     except Exception as exc:
         error = error or exc
-    digest = _digest(pairs, src, dst, (bucket_bytes, None if groups is None else groups.sets, bool(packed)))
+    extra = (bucket_bytes, None if groups is None else groups.sets, bool(packed), bool(overlap))
+    digest = _digest(pairs, src, dst, extra)
     total = sum(p.nbytes for ps in parts.values() for p in ps)
     done: list[str] = []
     # The check also agrees on this call's first p2p tag (the largest any rank proposes).
@@ -400,41 +228,123 @@ def execute(
     check_pairing(status, parts, me)
     claim_tags(first, buckets.count)  # before any bucket: a failed call's tags stay used
     pack_bufs = (buffers if buffers is not None else PackBuffers()) if packed else None
-    for b in range(buckets.count):
-        steps: list[_Step] = []
-        error = None
+    run = _Buckets(parts, local, groups, report, pack_bufs, first, wait)
+    try:
+        for b in range(buckets.count):
+            if overlap:
+                run.overlapped(b, buckets.count, status, digest, done)
+            else:
+                run.one_at_a_time(b, status, digest, done)
+            report.buckets += 1
+            finished = tuple(d.name for w, (_, d) in enumerate(pairs) if buckets.last_bucket(w) == b)
+            done += finished
+            if progress is not None:
+                moved = report.bytes_sent + report.bytes_received + report.bytes_copied
+                error = None
+                try:
+                    progress(Progress(b + 1, buckets.count, finished, moved, total))
+                except Exception as exc:
+                    error = exc
+                agree(status, error, digest, b, "progress", done)
+    except TransferError:
+        if pack_bufs is not None:  # a failed call's pending operations may still use them
+            pack_bufs.clear()
+        raise
+    return report
+
+
+class _Buckets:
+    """The buckets of one ``execute`` call on this rank: prepare, post, finish, agree."""
+
+    def __init__(
+        self,
+        parts: Mapping[int, Sequence[Part]],
+        local: LocalTensors,
+        groups: TransferGroups | None,
+        report: Report,
+        buffers: PackBuffers | None,
+        first: int,
+        wait: timedelta,
+    ) -> None:
+        self.parts, self.local, self.groups, self.report = parts, local, groups, report
+        self.buffers, self.first, self.wait = buffers, first, wait
+        self.ahead: tuple[int, Step, Posted | None] | None = None  # the next bucket's step 1, step 0 posted
+
+    def _prepare(self, b: int, s: int) -> Step:
+        packed = self.buffers is not None
+        return prepare(parts_of_step(self.parts, b, s), self.local, self.groups, self.report, packed)
+
+    def _post(self, b: int, s: int, step: Step) -> Posted:
+        posted = post(step, self.groups, step_tag(self.first, b, s), self.buffers, (b, s))
+        self.report.p2p_messages += step.messages
+        return posted
+
+    def _finish(self, posted: Posted) -> None:
+        self.report.broadcasts += finish(posted, self.wait)
+
+    def _agree_transfer(
+        self, status: Status, error: BaseException | None, digest: int, b: int, done: list[str]
+    ) -> None:
         try:
-            for s in (0, 1):
-                steps.append(
-                    _prepare([p for p in parts.get(b, ()) if p.step == s], local, groups, report, packed)
-                )
+            # A peer may spend up to `wait` in each of its two steps before it reports.
+            agree(status, error, digest, b, "transfer", done, timeout=3 * self.wait)
+        except TransferError:
+            if self.groups is not None:  # a timed-out p2p closes its group; broadcasts may be out of step
+                self.groups.broken = f"a transfer failed in bucket {b} while they carried it"
+            raise
+
+    def one_at_a_time(self, b: int, status: Status, digest: int, done: list[str]) -> None:
+        """Prepare both steps, agree, run step 0 then step 1, agree."""
+        error: BaseException | None = None
+        steps: list[Step] = []
+        try:
+            steps = [self._prepare(b, 0), self._prepare(b, 1)]
         except Exception as exc:
             error = exc
         agree(status, error, digest, b, "prepare", done)
         try:
             for s, step in enumerate(steps):
-                report.broadcasts += _run(step, groups, wait, step_tag(first, b, s), pack_bufs, (b, s))
-                report.p2p_messages += step.messages
+                self._finish(self._post(b, s, step))
         except Exception as exc:
             error = exc
-        try:
-            # A peer may spend up to `wait` in each of its two steps before it reports.
-            agree(status, error, digest, b, "transfer", done, timeout=3 * wait)
-        except TransferError:
-            if groups is not None:  # a timed-out p2p closes its group; broadcasts may be out of step
-                groups.broken = f"a transfer failed in bucket {b} while they carried it"
-            raise
-        report.buckets += 1
-        finished = tuple(d.name for w, (_, d) in enumerate(pairs) if buckets.last_bucket(w) == b)
-        done += finished
-        if progress is not None:
-            moved = report.bytes_sent + report.bytes_received + report.bytes_copied
+        self._agree_transfer(status, error, digest, b, done)
+
+    def overlapped(self, b: int, count: int, status: Status, digest: int, done: list[str]) -> None:
+        """Bucket ``b`` with bucket ``b + 1``'s step 0 in flight while ``b`` is unpacked.
+
+        Bucket 0 is prepared and agreed as in :meth:`one_at_a_time`. Then, in every bucket:
+        prepare and post ``b + 1``'s step 0 (its receives land in buffers of their own), finish
+        ``b``'s step 0 (wait, unpack), run ``b``'s step 1 (forwards of what step 0 wrote), and
+        one status exchange — which also carries a failure to prepare or post ``b + 1``, so no
+        rank waits on a peer that never posted its part."""
+        error: BaseException | None = None
+        if b == 0:
             try:
-                progress(Progress(b + 1, buckets.count, finished, moved, total))
+                step0, step1 = self._prepare(0, 0), self._prepare(0, 1)
             except Exception as exc:
                 error = exc
-            agree(status, error, digest, b, "progress", done)
-    return report
+            agree(status, error, digest, 0, "prepare", done)
+            try:
+                self.ahead = (0, step1, self._post(0, 0, step0))
+            except Exception as exc:
+                error, self.ahead = exc, (0, step1, None)
+        if self.ahead is None or self.ahead[0] != b:  # b's step 0 failed to post on this rank
+            raise RuntimeError(f"execute: bucket {b} was not prepared (a broken sequence of buckets)")
+        _, step1, posted0 = self.ahead
+        self.ahead = None
+        if b + 1 < count and error is None:
+            try:
+                nxt0, nxt1 = self._prepare(b + 1, 0), self._prepare(b + 1, 1)
+                self.ahead = (b + 1, nxt1, self._post(b + 1, 0, nxt0))
+            except Exception as exc:
+                error = exc  # reported with bucket b's agreement, before any rank waits on b + 1
+        try:
+            if posted0 is not None:  # None: its post failed here (error says so); peers learn it below
+                self._finish(posted0)
+                self._finish(self._post(b, 1, step1))
+        except Exception as exc:
+            error = error or exc
+        self._agree_transfer(status, error, digest, b, done)
 
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Progress", "Report", "TransferError", "execute"]

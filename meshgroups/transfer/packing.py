@@ -51,6 +51,15 @@ class PackBuffers:
     def __len__(self) -> int:
         return len(self._bufs)
 
+    def clear(self) -> None:
+        """Forget every buffer (the next call allocates anew): after a failed call, whose
+        pending operations may still read or write the old ones.
+
+        >>> bufs = PackBuffers(); _ = bufs.get("k", 4, torch.device("cpu")); bufs.clear(); len(bufs)
+        0
+        """
+        self._bufs.clear()
+
     def nbytes(self) -> int:
         """Bytes held in all."""
         return sum(b.numel() for b in self._bufs.values())
