@@ -246,6 +246,8 @@ def test_buckets_cut_rows_and_pack_whole_weights():
         "meshgroups.transfer.fanout_groups",
         "meshgroups.transfer.status",
         "meshgroups.transfer.presets",
+        "meshgroups.transfer.steps",
+        "meshgroups.transfer.packing",
     ],
 )
 def test_docstring_examples(module):

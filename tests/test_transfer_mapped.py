@@ -213,7 +213,10 @@ def test_cast_per_weight_pattern() -> None:
     ]
 
 
-@pytest.mark.parametrize("module", ["names", "mapped", "expand", "conventions", "presets"])
+@pytest.mark.parametrize(
+    "module",
+    ["names", "mapped", "expand", "conventions", "presets", "families", "families_megatron", "stacking"],
+)
 def test_docstring_examples(module: str) -> None:
     import doctest
     import importlib

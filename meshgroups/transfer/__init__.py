@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from meshgroups.transfer.assign import PlanError
 from meshgroups.transfer.expand import map_weights
 from meshgroups.transfer.families import hf_to_vllm
+from meshgroups.transfer.families_megatron import hf_to_megatron_family, megatron_to_hf_family
 
 # Planner internals that 0.3/0.4 exported here: still importable, no longer the public surface.
 from meshgroups.transfer.mapped import Link as Link
@@ -76,10 +77,12 @@ __all__ = [
     "WeightSync",
     "execute",
     "expert_order",
+    "hf_to_megatron_family",
     "hf_to_vllm",
     "init_job",
     "local_weights",
     "map_weights",
+    "megatron_to_hf_family",
     "model_weights",
     "module_weights",
     "plan_transfer",

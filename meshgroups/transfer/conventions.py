@@ -182,6 +182,55 @@ _ENDS = [
 ]
 
 
+def qkv_interleaved(q: str, k: str, v: str, groups: int, q_rows: int, kv_rows: int) -> Rule:
+    """Megatron's ``linear_qkv`` (weight or bias) from Hugging Face's ``q``, ``k``, ``v``: per
+    query group, its ``q_rows`` rows of ``q``, then its ``kv_rows`` of ``k``, then of ``v`` (a tp
+    rank holds whole groups: ``sharding="whole"``).
+
+    >>> [(s.source, s.start, s.stop) for s in qkv_interleaved("q", "k", "v", 2, 4, 2).segments][:4]
+    [('q', 0, 4), ('k', 0, 2), ('v', 0, 2), ('q', 4, 8)]
+    """
+    segs: list[Segment] = []
+    for g in range(groups):
+        segs += [
+            Segment(q, g * q_rows, (g + 1) * q_rows),
+            Segment(k, g * kv_rows, (g + 1) * kv_rows),
+            Segment(v, g * kv_rows, (g + 1) * kv_rows),
+        ]
+    return Rule((tuple(segs),), 0, "whole")
+
+
+def qkv_cut(qkv: str, groups: int, q_rows: int, kv_rows: int) -> tuple[Rule, Rule, Rule]:
+    """Hugging Face's q, k, v cut out of Megatron's ``linear_qkv`` ``qkv``, group by group (the
+    inverse of :func:`qkv_interleaved`).
+
+    >>> [(s.start, s.stop) for s in qkv_cut("qkv", 2, 4, 2)[1].segments]
+    [(4, 6), (12, 14)]
+    """
+    group = q_rows + 2 * kv_rows
+    return tuple(  # type: ignore[return-value]
+        Rule((tuple(Segment(qkv, g * group + lo, g * group + lo + n) for g in range(groups)),))
+        for lo, n in ((0, q_rows), (q_rows, kv_rows), (q_rows + kv_rows, kv_rows))
+    )
+
+
+def glu_cut(
+    fc1: str, ffn: int, tp: int, index: int | None = None
+) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
+    """The segments of gate and of up in Megatron's GLU ``linear_fc1`` ``fc1`` as a trainer with
+    ``tp`` ranks holds it (rank ``r``: ``[gate_r; up_r]``, each ``ffn/tp`` rows); ``index``: of
+    one entry of a packed ``[n, 2·ffn, ...]`` weight (inside a stack).
+
+    >>> [(s.start, s.stop) for s in glu_cut("fc1", 8, 2)[1]]
+    [(4, 8), (12, 16)]
+    """
+    per = ffn // tp
+    return tuple(  # type: ignore[return-value]
+        tuple(Segment(fc1, r * 2 * per + lo, r * 2 * per + lo + per, index) for r in range(tp))
+        for lo in (0, per)
+    )
+
+
 def hf_to_megatron(cfg: ModelConfig) -> NameMap:
     """Trainer in Hugging Face names -> rollout in Megatron-Core names (``linear_qkv``
     interleaved per query group, ``linear_fc1`` = gate ‖ up sharded per part)."""
@@ -191,14 +240,8 @@ def hf_to_megatron(cfg: ModelConfig) -> NameMap:
         mp, hp = f"decoder.layers.{layer}.", f"model.layers.{layer}."
         for m, h in _LAYER_RENAMES:
             rules[mp + m] = Rule.rename(hp + h)
-        segs = []
-        for g in range(cfg.kv_heads):
-            segs += [
-                Segment(hp + "self_attn.q_proj.weight", g * qpg * hd, (g + 1) * qpg * hd),
-                Segment(hp + "self_attn.k_proj.weight", g * hd, (g + 1) * hd),
-                Segment(hp + "self_attn.v_proj.weight", g * hd, (g + 1) * hd),
-            ]
-        rules[mp + "self_attention.linear_qkv.weight"] = Rule((tuple(segs),), 0, "whole")
+        q, k, v = (hp + f"self_attn.{x}_proj.weight" for x in "qkv")
+        rules[mp + "self_attention.linear_qkv.weight"] = qkv_interleaved(q, k, v, cfg.kv_heads, qpg * hd, hd)
         rules[mp + "mlp.linear_fc1.weight"] = Rule.fuse(
             [hp + "mlp.gate_proj.weight", hp + "mlp.up_proj.weight"]
         )
@@ -216,25 +259,17 @@ def megatron_to_hf(cfg: ModelConfig, trainer_tp: int = 1) -> NameMap:
             f"megatron_to_hf: trainer_tp={trainer_tp!r} must be a positive int dividing ffn={cfg.ffn} and "
             f"kv_heads={cfg.kv_heads}"
         )
-    hd, qpg, f = cfg.head_dim, cfg.heads // cfg.kv_heads, cfg.ffn
-    group = (qpg + 2) * hd
+    hd, qpg = cfg.head_dim, cfg.heads // cfg.kv_heads
     rules: dict[str, Rule] = {h: Rule.rename(m) for m, h in _ENDS}
     for layer in range(cfg.layers):
         mp, hp = f"decoder.layers.{layer}.", f"model.layers.{layer}."
         for m, h in _LAYER_RENAMES:
             rules[hp + h] = Rule.rename(mp + m)
-        qkv = mp + "self_attention.linear_qkv.weight"
-        for name, lo, n in (
-            ("q_proj", 0, qpg * hd),
-            ("k_proj", qpg * hd, hd),
-            ("v_proj", (qpg + 1) * hd, hd),
-        ):
-            segs = tuple(Segment(qkv, g * group + lo, g * group + lo + n) for g in range(cfg.kv_heads))
-            rules[hp + f"self_attn.{name}.weight"] = Rule((segs,))
-        fc1, per = mp + "mlp.linear_fc1.weight", f // trainer_tp
-        for name, lo in (("gate_proj", 0), ("up_proj", per)):
-            segs = tuple(Segment(fc1, r * 2 * per + lo, r * 2 * per + lo + per) for r in range(trainer_tp))
-            rules[hp + f"mlp.{name}.weight"] = Rule((segs,))
+        cut = qkv_cut(mp + "self_attention.linear_qkv.weight", cfg.kv_heads, qpg * hd, hd)
+        for name, rule in zip(("q_proj", "k_proj", "v_proj"), cut):
+            rules[hp + f"self_attn.{name}.weight"] = rule
+        gate, up = glu_cut(mp + "mlp.linear_fc1.weight", cfg.ffn, trainer_tp)
+        rules[hp + "mlp.gate_proj.weight"], rules[hp + "mlp.up_proj.weight"] = Rule((gate,)), Rule((up,))
     return NameMap(rules)
 
 
