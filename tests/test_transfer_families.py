@@ -14,58 +14,17 @@ from meshgroups import Layout, Topology
 from meshgroups.transfer import NameMap, Shard, Weight, plan_transfer
 from meshgroups.transfer.families import hf_to_vllm, moe_layers
 
+from .support.family_configs import config, hf_shapes
 from .support.moe_oracle import check_moe
 
 transformers = pytest.importorskip("transformers")
 
-SMALL = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4)
-
 
 def _configs() -> dict[str, object]:
-    t = transformers
-    return {
-        "llama": t.LlamaConfig(**SMALL, num_key_value_heads=2),
-        "qwen2": t.Qwen2Config(**SMALL, num_key_value_heads=2),
-        "qwen3": t.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=4),
-        "gemma": t.GemmaConfig(**SMALL, num_key_value_heads=1, head_dim=4),
-        "qwen3_moe": t.Qwen3MoeConfig(
-            **SMALL,
-            num_key_value_heads=2,
-            head_dim=4,
-            moe_intermediate_size=8,
-            num_experts=4,
-            num_experts_per_tok=2,
-            decoder_sparse_step=1,
-            mlp_only_layers=[0],
-        ),
-        "deepseek_v3": t.DeepseekV3Config(
-            **SMALL,
-            num_key_value_heads=4,
-            moe_intermediate_size=8,
-            first_k_dense_replace=1,
-            n_routed_experts=4,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-            q_lora_rank=8,
-            kv_lora_rank=4,
-            qk_rope_head_dim=2,
-            qk_nope_head_dim=4,
-            v_head_dim=4,
-            n_group=2,
-            topk_group=1,
-        ),
-    }
+    return {k: config(k) for k in ("llama", "qwen2", "qwen3", "gemma", "qwen3_moe", "deepseek_v3")}
 
 
-def _hf_shapes(cfg: object) -> dict[str, tuple[int, ...]]:
-    """The class's own parameters and persistent buffers (the router's correction bias), as a
-    trainer's state dict names them (a tied head once, as the embedding)."""
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    out = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    for n, b in model.named_buffers():
-        if n.endswith("e_score_correction_bias"):
-            out[n] = tuple(b.shape)
-    return out
+_hf_shapes = hf_shapes
 
 
 def _vllm_shapes(hf: dict[str, tuple[int, ...]], kind: str) -> dict[str, tuple[int, ...]]:

@@ -38,63 +38,22 @@ from meshgroups.transfer import NameMap, Shard, Weight, plan_transfer
 from meshgroups.transfer.families_megatron import hf_to_megatron_family, megatron_to_hf_family
 
 from .support import megatron_family_names as mfn
+from .support.family_configs import config, hf_shapes
 from .support.moe_oracle import check_moe, expected, full_ids, rule_parts
 
 transformers = pytest.importorskip("transformers")
 
-SMALL = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4)
 HAVE_MCORE = (
     importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 )
 
 
 def _config(kind: str) -> object:
-    t = transformers
-    return {
-        "llama": lambda: t.LlamaConfig(**SMALL, num_key_value_heads=2),
-        "qwen2": lambda: t.Qwen2Config(**SMALL, num_key_value_heads=2),
-        "qwen3": lambda: t.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=4),
-        "gemma": lambda: t.GemmaConfig(**SMALL, num_key_value_heads=1, head_dim=4),
-        "qwen3_moe": lambda: t.Qwen3MoeConfig(
-            **SMALL,
-            num_key_value_heads=2,
-            head_dim=4,
-            moe_intermediate_size=8,
-            num_experts=4,
-            num_experts_per_tok=2,
-            decoder_sparse_step=1,
-            mlp_only_layers=[0],
-        ),
-        "deepseek_v3": lambda: _deepseek(8),
-        "deepseek_v3_q_proj": lambda: _deepseek(None),
-    }[kind]()
-
-
-def _deepseek(q_lora_rank: int | None) -> object:
-    return transformers.DeepseekV3Config(
-        **SMALL,
-        num_key_value_heads=4,
-        moe_intermediate_size=8,
-        first_k_dense_replace=1,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        q_lora_rank=q_lora_rank,
-        kv_lora_rank=4,
-        qk_rope_head_dim=2,
-        qk_nope_head_dim=4,
-        v_head_dim=4,
-        n_group=2,
-        topk_group=1,
-    )
+    return config(kind)
 
 
 def _hf_shapes(kind: str) -> dict[str, tuple[int, ...]]:
-    """The class's parameters and the router's correction-bias buffer (a tied head once)."""
-    model = transformers.AutoModelForCausalLM.from_config(_config(kind))
-    out = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    out.update({n: tuple(b.shape) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
-    return out
+    return hf_shapes(config(kind))
 
 
 def _table() -> dict[str, dict[str, list[int]]]:
