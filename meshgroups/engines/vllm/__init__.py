@@ -3,7 +3,10 @@
 - :mod:`~meshgroups.engines.vllm.plugin` — ``register()``, vLLM's ``vllm.general_plugins``
   entry point (imports vLLM only when called).
 - :mod:`~meshgroups.engines.vllm.destination` — a worker's parameters as global weights and a
-  name map (vLLM-free).
+  name map, checked against a family map (vLLM-free).
+- :mod:`~meshgroups.engines.vllm.read` — a worker's model read as data (layers, routed
+  experts and their expert map) and its post-load processing run again after a commit (imports
+  vLLM when called).
 - :mod:`~meshgroups.engines.vllm.worker` — the worker side, a ``WeightTransferEngine``
   (imports vLLM; vLLM imports it in its workers).
 - :mod:`~meshgroups.engines.vllm.trainer` — the trainer side, ``VLLMWeightSync`` and

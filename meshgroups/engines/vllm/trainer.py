@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from meshgroups.engines.vllm.destination import engine_destinations
 from meshgroups.engines.worlds import TransferWorld
 from meshgroups.errors import LayoutError, MeshConfigError, StoreConnectionError
 from meshgroups.layout import Layout
@@ -135,10 +136,18 @@ class VLLMWeightSync:
         timeout: seconds; bounds the rendezvous, every wait of a sync and the engine's answers.
         host: the address the engine's workers reach trainer rank 0 at.
         group: the trainer's group for the one address broadcast (default: its default group).
+        name_map: a family map, Hugging Face names → vLLM's
+            (``meshgroups.transfer.families.hf_to_vllm(model.config, ...)``; needed for MoE
+            experts, optional for dense models). The engine checks it against its own layers: a
+            fused rule must read the trainer weights vLLM's layer fuses, a stack of experts must
+            be in the order of vLLM's expert map (build it with the engine's ``ep`` and
+            placement), every name must be a vLLM parameter. Given on every rank (rank 0's is used).
 
     Attributes:
         version: the last version the engine committed (0 before the first ``sync()``).
         sync_state: the ``WeightSync`` (its counters: ``plans``, ``group_builds``, ``syncs``).
+        name_map: the name map the plan uses (vLLM's names; the family map's stacks and renames,
+            the fused rules read from vLLM's layers).
         world: the transfer world.
         last_report: this rank's ``Report`` of the last ``sync()``.
 
@@ -146,6 +155,12 @@ class VLLMWeightSync:
         MeshConfigError: no client on rank 0, a client elsewhere, no engine size.
         LayoutError, MismatchError: as ``WeightSync`` (a weight nothing writes, ...), on every rank.
         StoreConnectionError: the engine did not join within ``timeout``.
+
+    A MoE model (Qwen3-MoE; Transformers 5's packed experts)::
+
+        >>> from meshgroups.transfer.families import hf_to_vllm
+        >>> sync = VLLMWeightSync(model, Layout(dp=2, tp=2), client,       # doctest: +SKIP
+        ...                       name_map=hf_to_vllm(model.config, experts="packed"))
     """
 
     def __init__(
@@ -161,6 +176,7 @@ class VLLMWeightSync:
         timeout: float = 300.0,
         host: str = "127.0.0.1",
         group: dist.ProcessGroup | None = None,
+        name_map: Mapping[str, Any] | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("VLLMWeightSync needs the trainer's world (dist.init_process_group)")
@@ -214,25 +230,35 @@ class VLLMWeightSync:
         else:
             self.world = TransferWorld.join(address, rank, total, timeout=self.timeout)
         settings = {"cast": cast, "allow_unused": allow_unused, "bucket_bytes": bucket_bytes}
+        family = None if name_map is None else NameMap.of(name_map).dumps()
+        failed = True
         try:
             with self.world.active():
                 gathered: list[Any] = [None] * total
-                dist.all_gather_object(gathered, ("trainer", layout, settings) if rank == 0 else None)
-                _, weights, names = gathered[self._ranks]
+                dist.all_gather_object(gathered, ("trainer", layout, settings, family) if rank == 0 else None)
+                family = gathered[0][3]
+                weights, self.name_map = engine_destinations(
+                    [g[1] for g in gathered[self._ranks :]],
+                    self.engine_size,
+                    None if family is None else NameMap.loads(family),
+                )
                 self.sync_state = WeightSync(
                     model,
                     layout,
                     None,
                     Layout(tp=self.engine_size, rank_offset=self._ranks),
                     rollout_weights=weights,
-                    name_map=NameMap.loads(names),
+                    name_map=self.name_map,
                     timeout=self.timeout,
                     **settings,
                 )
+            failed = False
         finally:
+            if failed:
+                self.world.close()
             if call is not None:
                 error = call.join(self.timeout)
-                if error is not None:
+                if error is not None and not failed:  # a failure of ours is the same error, said here
                     raise error
         self._key = f"meshgroups/trainer/{address}"
 

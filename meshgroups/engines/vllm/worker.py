@@ -26,6 +26,7 @@ entry point) with the worker's own model. Its life, driven by the trainer
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -38,122 +39,16 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from meshgroups.engines.vllm.destination import Param, destinations, fused_parts
+from meshgroups.engines.vllm.destination import engine_destinations
+from meshgroups.engines.vllm.read import read_params, reprocess
 from meshgroups.engines.worlds import TransferWorld
 from meshgroups.errors import LayoutError
 from meshgroups.layout import Layout
+from meshgroups.transfer.names import NameMap
 from meshgroups.transfer.status import TransferError
 from meshgroups.transfer.sync import WeightSync
 
-#: Post-load processing this backend knows how to run again after a commit (unquantized only:
-#: a quantized layer's processing is not idempotent and needs its scales from the sender).
-_REPROCESSABLE = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).rsplit(".", 1)[-1]
-
-
-def _loaded_shape(module: torch.nn.Module, leaf: str, param: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
-    """The shape and dtype the checkpoint loads ``module.<leaf>`` in: vLLM records it before
-    post-load processing (``record_metadata_for_reloading``), which may leave an empty tensor
-    in its place (CPU linear layers keep only a packed copy)."""
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-    meta = get_layerwise_info(module).restore_metadata[0].get(leaf)
-    if meta is not None:
-        return meta.shape, meta.dtype
-    return param.shape, param.dtype
-
-
-def read_params(model: torch.nn.Module) -> tuple[list[Param], int, int]:
-    """Every parameter of this worker's model as a :class:`Param` (tied ones once, as
-    ``named_parameters`` lists them), from vLLM's own layers.
-
-    Args:
-        model: the worker's model (what vLLM hands the engine).
-
-    Returns:
-        ``(params, tp rank, tp size)``.
-
-    Raises:
-        LayoutError: a layer this backend cannot describe (a tensor-parallel layer of another
-            kind, a padded vocabulary, a quantized layer), naming the parameter and the rule.
-    """
-    from vllm.distributed.parallel_state import (
-        get_tensor_model_parallel_rank,
-        get_tensor_model_parallel_world_size,
-    )
-    from vllm.model_executor.layers.linear import (
-        ColumnParallelLinear,
-        MergedColumnParallelLinear,
-        QKVParallelLinear,
-        ReplicatedLinear,
-        RowParallelLinear,
-    )
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    tp_rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    modules = dict(model.named_modules())
-    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    params: list[Param] = []
-    for name, param in model.named_parameters():
-        owner, _, leaf = name.rpartition(".")
-        module = modules[owner]
-        shape, dtype = _loaded_shape(module, leaf, param)
-        method = getattr(module, "quant_method", None)
-        if method is not None and type(method).__name__ not in _REPROCESSABLE:
-            raise LayoutError(
-                f"vLLM parameter {name!r}: its layer is quantized ({type(method).__name__}); this backend "
-                "writes unquantized weights only (the rule: UnquantizedLinearMethod / UnquantizedEmbeddingMethod)"
-            )
-        axis: int | None = None
-        parts: tuple[tuple[str, int, int], ...] | None = None
-        layer_tp = getattr(module, "tp_size", 1)
-        if isinstance(module, QKVParallelLinear):
-            axis = 0
-            real = [
-                module.total_num_heads * module.head_size,
-                module.total_num_kv_heads * module.head_size,
-                module.total_num_kv_heads * module.v_head_size,
-            ]
-            fused = fused_parts(name, packed)
-            if fused is None:
-                raise LayoutError(
-                    f"vLLM parameter {name!r}: the model's packed_modules_mapping has no entry for it"
-                )
-            parts = tuple(zip(fused[1], module.output_sizes, real))
-        elif isinstance(module, MergedColumnParallelLinear):
-            axis = 0
-            fused = fused_parts(name, packed)
-            if fused is None:
-                raise LayoutError(
-                    f"vLLM parameter {name!r}: the model's packed_modules_mapping has no entry for it"
-                )
-            parts = tuple(zip(fused[1], module.output_sizes, module.output_sizes))
-        elif isinstance(module, ColumnParallelLinear):
-            axis = 0
-        elif isinstance(module, RowParallelLinear):
-            axis = 1 if leaf == "weight" and module.input_is_parallel else None
-        elif isinstance(module, VocabParallelEmbedding):
-            if module.num_embeddings_padded != module.org_vocab_size:
-                raise LayoutError(
-                    f"vLLM parameter {name!r}: the vocabulary ({module.org_vocab_size}) is padded to "
-                    f"{module.num_embeddings_padded} rows; this backend needs a vocabulary that is a multiple of "
-                    f"64 x tp={tp} (vLLM's padding unit times the tp size)"
-                )
-            axis = 0
-        elif isinstance(module, ReplicatedLinear) or layer_tp == 1:
-            axis = None
-        else:
-            raise LayoutError(
-                f"vLLM parameter {name!r}: layer {type(module).__name__} is tensor-parallel (tp_size={layer_tp}) "
-                "and not one this backend knows (QKV / MergedColumn / Column / Row parallel linear, vocab embedding)"
-            )
-        if layer_tp == 1:  # disable_tp layers: whole on every rank
-            axis, parts = None, None if parts is None else tuple((s, v, v) for s, _, v in parts)
-        params.append(Param(name, tuple(shape), _dtype_name(dtype), axis, parts))
-    return params, tp_rank, tp
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -188,6 +83,9 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
         version: the last committed version (0: the weights vLLM loaded).
         sync: the ``WeightSync`` (``None`` before init and after a failure).
         last_report: the last complete sync's ``Report`` (``bytes_received``: this worker's shard).
+        refused: why the last init was refused (a family map that disagrees with vLLM's layers:
+            every rank computes the same ``LayoutError``, the trainer's ranks raise it, the engine
+            stays up), else ``None``.
     """
 
     init_info_cls = MeshgroupsInitInfo
@@ -203,6 +101,7 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
         self.last_report: Any = None
         self._pending: tuple[int, Any] | None = None
         self._rank = self._tp_rank = 0
+        self.refused: str | None = None
 
     # ------------------------------------------------------------------ init
     def init_transfer_engine(self, init_info: MeshgroupsInitInfo) -> None:
@@ -210,17 +109,18 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
 
         Raises:
             LayoutError: the model has a layer this backend cannot describe (also raised on the
-                trainer's ranks, by the plan, for what does not match).
+                trainer's ranks, by the plan, for what does not match). A family map that
+                disagrees with vLLM's layers is not raised here (see ``refused``).
             StoreConnectionError: no rendezvous within the timeout.
         """
         self.shutdown()
+        self.refused = None
         params, tp_rank, tp = read_params(self.model)
         if self.parallel_config.pipeline_parallel_size != 1 or self.parallel_config.data_parallel_size != 1:
             raise LayoutError(
                 "the meshgroups backend runs engines with pipeline_parallel_size=1 and data_parallel_size=1 "
                 f"(got pp={self.parallel_config.pipeline_parallel_size}, dp={self.parallel_config.data_parallel_size})"
             )
-        weights, name_map = destinations(params, tp)
         device = next(iter(self.model.parameters())).device
         self.buffers = {
             p.name: torch.empty(p.local_shape, dtype=getattr(torch, p.dtype), device=device) for p in params
@@ -231,33 +131,48 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
         world = TransferWorld.join(init_info.address, self._rank, size, timeout=init_info.timeout)
         self.world = world
         world.store.set(f"meshgroups/engine/{tp_rank}/pid", str(os.getpid()))
-        with world.active():
-            # One exchange over the transfer world: the trainer has no vLLM, so the engine's
-            # workers tell it the destination (each checks it reads the same as the first),
-            # and the trainer's rank 0 tells the workers its layout and WeightSync settings.
-            gathered: list[Any] = [None] * size
-            dist.all_gather_object(gathered, ("engine", weights, name_map.dumps()))
-            trainer = gathered[0]
-            first = gathered[trainer_size]
-            if not (isinstance(trainer, tuple) and trainer[0] == "trainer"):
-                raise LayoutError(
-                    f"transfer rank 0 is not the trainer's rank 0 (it sent {type(trainer).__name__})"
+        try:
+            with world.active():
+                # One exchange over the transfer world: the trainer has no vLLM, so the workers
+                # tell it what they hold (their Params); the trainer's rank 0 tells the workers its
+                # layout, WeightSync settings and family map. Every rank then derives the same
+                # destination (engine_destinations) — or raises the same LayoutError.
+                gathered: list[Any] = [None] * size
+                dist.all_gather_object(gathered, ("engine", params))
+                trainer = gathered[0]
+                if not (isinstance(trainer, tuple) and trainer[0] == "trainer"):
+                    raise LayoutError(
+                        f"transfer rank 0 is not the trainer's rank 0 (it sent {type(trainer).__name__})"
+                    )
+                _, trainer_layout, settings, family = trainer
+                try:
+                    weights, name_map = engine_destinations(
+                        [g[1] for g in gathered[trainer_size:]],
+                        tp,
+                        None if family is None else NameMap.loads(family),
+                    )
+                except LayoutError as exc:
+                    # Every rank computed this refusal from the same data: the trainer's ranks
+                    # raise it. Raised here too it would shut the engine down (vLLM treats a
+                    # worker's failed RPC as fatal): the engine stays up, uninitialised, serving
+                    # its last version, and a later init with a right map works.
+                    logger.warning("meshgroups: init refused (the trainer raises it): %s", exc)
+                    self.refused = str(exc)
+                    self._broken()
+                    return
+                self.sync = WeightSync(
+                    None,
+                    trainer_layout,
+                    self.buffers,
+                    Layout(tp=tp, rank_offset=trainer_size),
+                    rollout_weights=weights,
+                    name_map=name_map,
+                    timeout=init_info.timeout,
+                    **settings,
                 )
-            if first[2] != gathered[self._rank][2] or [w.to_dict() for w in first[1]] != [
-                w.to_dict() for w in weights
-            ]:
-                raise LayoutError(f"engine worker {tp_rank} reads another destination than worker 0")
-            _, trainer_layout, settings = trainer
-            self.sync = WeightSync(
-                None,
-                trainer_layout,
-                self.buffers,
-                Layout(tp=tp, rank_offset=trainer_size),
-                rollout_weights=weights,
-                name_map=name_map,
-                timeout=init_info.timeout,
-                **settings,
-            )
+        except BaseException:
+            self._broken()
+            raise
 
     # ------------------------------------------------------------------ updates
     def start_weight_update(self) -> None:
@@ -328,7 +243,7 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
         the layer) gets a fresh copy of the buffer, and every layer touched — also a layer
         sharing a written parameter (a tied head) — runs its processing again."""
         modules = dict(self.model.named_modules())
-        written: dict[int, torch.Tensor] = {}
+        written: set[int] = set()
         for name, buf in self.buffers.items():
             owner, _, leaf = name.rpartition(".")
             module = modules[owner]
@@ -338,13 +253,8 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
             else:
                 module.register_parameter(leaf, torch.nn.Parameter(buf.clone(), requires_grad=False))
                 param = getattr(module, leaf)
-            written[id(param)] = param
-        for module in self.model.modules():
-            method = getattr(module, "quant_method", None)
-            if method is None or type(method).__name__ not in _REPROCESSABLE:
-                continue
-            if any(id(p) in written for p in module.parameters(recurse=False)):
-                method.process_weights_after_loading(module)
+            written.add(id(param))
+        reprocess(self.model, written, self.vllm_config.model_config.dtype)
 
     def _broken(self) -> None:
         if self.sync is not None:
