@@ -270,9 +270,14 @@ class _Buckets:
         self.buffers, self.first, self.wait = buffers, first, wait
         self.ahead: tuple[int, Step, Posted | None] | None = None  # the next bucket's step 1, step 0 posted
 
-    def _prepare(self, b: int, s: int) -> Step:
+    def _prepare(self, b: int) -> tuple[Step, Step]:
+        """Both steps of bucket ``b`` on this rank."""
         packed = self.buffers is not None
-        return prepare(parts_of_step(self.parts, b, s), self.local, self.groups, self.report, packed)
+        step0, step1 = (
+            prepare(parts_of_step(self.parts, b, s), self.local, self.groups, self.report, packed)
+            for s in (0, 1)
+        )
+        return step0, step1
 
     def _post(self, b: int, s: int, step: Step) -> Posted:
         posted = post(step, self.groups, step_tag(self.first, b, s), self.buffers, (b, s))
@@ -298,7 +303,7 @@ class _Buckets:
         error: BaseException | None = None
         steps: list[Step] = []
         try:
-            steps = [self._prepare(b, 0), self._prepare(b, 1)]
+            steps = list(self._prepare(b))
         except Exception as exc:
             error = exc
         agree(status, error, digest, b, "prepare", done)
@@ -320,7 +325,7 @@ class _Buckets:
         error: BaseException | None = None
         if b == 0:
             try:
-                step0, step1 = self._prepare(0, 0), self._prepare(0, 1)
+                step0, step1 = self._prepare(0)
             except Exception as exc:
                 error = exc
             agree(status, error, digest, 0, "prepare", done)
@@ -334,7 +339,7 @@ class _Buckets:
         self.ahead = None
         if b + 1 < count and error is None:
             try:
-                nxt0, nxt1 = self._prepare(b + 1, 0), self._prepare(b + 1, 1)
+                nxt0, nxt1 = self._prepare(b + 1)
                 self.ahead = (b + 1, nxt1, self._post(b + 1, 0, nxt0))
             except Exception as exc:
                 error = exc  # reported with bucket b's agreement, before any rank waits on b + 1

@@ -269,18 +269,6 @@ def finish(posted: Posted, timeout: timedelta) -> int:
     return posted.broadcasts
 
 
-def run(
-    step: Step,
-    groups: TransferGroups | None,
-    timeout: timedelta,
-    tag: int,
-    buffers: PackBuffers | None = None,
-    key: Hashable = None,
-) -> int:
-    """:func:`post` then :func:`finish`: one step, start to end. Returns broadcasts made."""
-    return finish(post(step, groups, tag, buffers, key), timeout)
-
-
 def parts_of_step(parts: Mapping[int, Sequence[Part]], bucket: int, step: int) -> list[Part]:
     """This rank's parts of one step of one bucket.
 
@@ -301,6 +289,5 @@ __all__ = [
     "parts_of_step",
     "post",
     "prepare",
-    "run",
     "staged",
 ]
