@@ -371,7 +371,7 @@ def test_issue18_case9_torchrun_demo_exits_0_every_time():
             timeout=scaled(180),
             env=env,
         )
-        assert "all 12 checks passed" in out.stdout, out.stdout + out.stderr
+        assert "all 16 checks passed" in out.stdout, out.stdout + out.stderr
         if out.returncode != 0:
             failures.append((done, out.returncode, out.stderr[-2000:]))
         done += 1

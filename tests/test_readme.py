@@ -165,7 +165,8 @@ def runnable(block: Block) -> str:
 SKIP_IN_SCRATCH = {
     ".git",
     ".venv",
-    ".venv214",  # CI's other venvs, by name too: .ci/run makes .venv-vllm while this suite runs
+    ".venv214",
+    ".venv215",  # CI's other venvs, by name too: .ci/run makes .venv-vllm while this suite runs
     ".venv-vllm",
     "__pycache__",
     "build",

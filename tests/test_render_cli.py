@@ -181,7 +181,7 @@ def test_cli_plot_writes_png(tmp_path):
 def test_cli_demo_on_real_processes():
     out = cli("demo", "--nproc", "4", "dp=-1", "tp=2", timeout=180)  # dp=-1: filled from --nproc
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "all 12 checks passed" in out.stdout  # 4 ranks × 3 groups each (dp, tp, dp×tp)
+    assert "all 16 checks passed" in out.stdout  # 4 ranks × (3 groups each (dp, tp, dp×tp) + a DTensor)
     assert "4 processes (spawned on 127.0.0.1, gloo)" in out.stdout
 
 

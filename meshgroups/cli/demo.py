@@ -10,7 +10,8 @@ Two ways to run it (``python -m meshgroups demo``):
 
 Every rank builds the mesh with ``init_mesh``, all-reduces ``rank + 1`` on each of its groups
 (every dim, its views, and the flattened pairs of dims), checks the sums and that group rank ==
-mesh position, and rank 0 prints the report. Exit status 0 if every check passed.
+mesh position, shards a DTensor over the root mesh and gathers it back, and rank 0 prints the
+report. Exit status 0 if every check passed.
 """
 
 from __future__ import annotations
@@ -77,8 +78,35 @@ def run_checks(layout: Layout, device: str, strategy: str, timeout: float) -> di
                 f"group {'×'.join(dims)} {ranks}: all_reduce gave {value.item():g}, expected {expected:g} "
                 f"(group rank {dist.get_rank(group)}, position {ranks.index(rank)})"
             )
+    if coordinate is not None:
+        checks += 1
+        failures += _dtensor_check(mg.mesh, device, rank)
     mg.close()  # destroy the groups now (see _shut_down)
     return {"rank": rank, "build_seconds": build_seconds, "checks": checks, "failures": failures}
+
+
+def _dtensor_check(mesh: Any, device: str, rank: int) -> list[str]:
+    """A DTensor on the root mesh: sharded over its first dim, gathered back, redistributed to
+    replicated, with the mesh used as a dict key — what DTensor, ``fully_shard`` and redistribute
+    do with a mesh (they hash it; torch 2.15's ``__hash__`` reads a field 2.13 did not have)."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    full = torch.arange(mesh.size(0) * 2 * 3, dtype=torch.float32, device=device).reshape(-1, 3)
+    placements = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
+    try:
+        seen = {mesh: "root"}
+        sharded = distribute_tensor(full, mesh, placements)
+        gathered = sharded.full_tensor()
+        replicated = sharded.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+        ok = (
+            seen[sharded.device_mesh] == "root"
+            and torch.equal(gathered, full)
+            and torch.equal(replicated, full)
+        )
+    except Exception as e:  # reported per rank like every other check, not a crash
+        return [f"rank {rank}: DTensor on the root mesh raised {type(e).__name__}: {e}"]
+    return [] if ok else [f"rank {rank}: DTensor on the root mesh did not gather back its tensor"]
 
 
 def _shut_down() -> None:
@@ -129,7 +157,7 @@ def report(
         lines += [f"FAILED: {len(failures)} of {checks} checks"] + [f"  {f}" for f in failures]
     else:
         lines.append(
-            f"all {checks} checks passed (all_reduce on every group of every rank, group rank == mesh position)"
+            f"all {checks} checks passed (all_reduce on every group of every rank, group rank == mesh position, a DTensor on the root mesh)"
         )
     return "\n".join(lines), not failures
 

@@ -292,7 +292,7 @@ def init_mesh(
     backend: str | None = None,
     timeout: timedelta | float | None = None,
     gloo_twins: bool = False,
-    strategy: Strategy = "global",
+    strategy: Strategy = "auto",
     cache: GroupCache | None = None,
     check: bool | None = None,
     backend_override: Mapping[int | str, object] | None = None,
@@ -318,13 +318,15 @@ def init_mesh(
             group's timeout (``init_process_group(timeout=...)``).
         gloo_twins: also build a gloo twin of every group (``group(..., gloo=True)``), what
             Megatron calls ``create_gloo_process_groups``.
-        strategy: ``"global"`` (default; every rank makes every creation call — safe
-            everywhere, O(world) calls per rank), ``"local"`` (each rank creates only its own
-            groups with ``use_local_synchronization=True`` — O(number of families); torch's
-            held-group counts are levelled across ranks first; not for MPI, refused with a
-            device-bound default group, pytorch#129965), or ``"split"`` (``dist.split_group``
-            per family; needs a device-bound default group; groups must have increasing ranks;
-            untested in CI).
+        strategy: ``"auto"`` (default: ``"split"`` where the default group is bound to a
+            device and torch >= 2.14, as torch 2.15's nccl2 backend splits subgroups from the
+            parent itself; else ``"global"``), ``"global"`` (every rank makes every creation
+            call — safe everywhere, O(world) calls per rank), ``"local"`` (each rank creates
+            only its own groups with ``use_local_synchronization=True`` — O(number of
+            families); torch's held-group counts are levelled across ranks first; not for MPI,
+            refused with a device-bound default group, pytorch#129965), or ``"split"``
+            (``dist.split_group`` per family; needs a device-bound default group; on torch 2.13
+            groups must have increasing ranks; NCCL is untested here: no multi-GPU machine).
         cache: share groups across ``init_mesh`` calls (one strategy per cache); a group stays
             alive while any ``MeshGroups`` built through the cache uses it.
         check: ``None``/``True``: the cross-rank rendezvous runs (always, on a real backend:

@@ -33,7 +33,8 @@ class MeshOptions:
         timeout: bound on every wait of a call (seconds or timedelta); default: the default
             group's timeout.
         gloo_twins: also build a gloo twin of every group.
-        strategy: ``"global"``, ``"local"`` or ``"split"`` (``init_mesh`` says which fits where).
+        strategy: ``"auto"`` (default), ``"global"``, ``"local"`` or ``"split"`` (``init_mesh``
+            says which fits where).
         check: ``None``/``True``: the cross-rank check runs; ``False`` only on the fake backend.
         backend_override: torch's per-dim backend choice (``init_mesh``'s argument); stored
             read-only.
@@ -48,7 +49,7 @@ class MeshOptions:
     backend: str | None = None
     timeout: timedelta | float | None = None
     gloo_twins: bool = False
-    strategy: str = "global"
+    strategy: str = "auto"
     check: bool | None = None
     backend_override: Mapping[Any, object] | None = None
 

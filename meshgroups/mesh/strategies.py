@@ -12,7 +12,12 @@
   ``init_mesh`` levels the counts on entry. Refused with a device-bound default group, where
   torch splits communicators collectively (pytorch#129965); not for MPI.
 - ``SplitStrategy`` (``"split"``) — one ``dist.split_group`` per family (ncclCommSplit on a
-  default group bound to a CUDA device). torch sorts split ranks, so every group must increase.
+  default group bound to a CUDA device). torch 2.13 sorts split ranks, so there every group must
+  increase; from 2.14 a rank's position in the list is its group rank, and any order is split.
+- ``"auto"`` (the default) picks one of these per call, the same on every rank: ``"split"`` where
+  the default group is bound to a device, torch keeps split order (>= 2.14) and the whole world
+  is live — what NCCL wants, and what torch 2.15's ``"nccl"`` (the nccl2 backend: eager
+  communicators, subgroups split from the parent) does itself —, else ``"global"``.
 
 Every group is created with ``sort_ranks=False`` from the layout's row, so a rank's position in
 the mesh always equals its rank in the group. A ``Builder`` runs one strategy over a plan's
@@ -34,10 +39,10 @@ from meshgroups.layout.core import Layout
 from meshgroups.mesh.cohort import current_cohort
 from meshgroups.mesh.groups import GroupCache, GroupHandle, GroupKey, backend_key
 from meshgroups.mesh.plan import GroupSpec, options_tag
-from meshgroups.mesh.torch_seam import bound_device_id
+from meshgroups.mesh.torch_seam import SPLIT_GROUP_SORTS, bound_device_id
 
 Groups = list["dist.ProcessGroup | None"]
-Strategy = Literal["global", "local", "split"]
+Strategy = Literal["auto", "global", "local", "split"]
 
 
 class Builder:
@@ -228,7 +233,7 @@ class LocalStrategy(CreationStrategy):
 
 class SplitStrategy(CreationStrategy):
     """``strategy="split"``: one ``dist.split_group`` per family, for a default group bound to a
-    device; refused where groups' ranks do not increase (split sorts them).
+    device; on torch 2.13 (whose split sorts ranks) refused where groups' ranks do not increase.
     """
 
     name = "split"
@@ -239,14 +244,7 @@ class SplitStrategy(CreationStrategy):
                 "strategy='split' needs a default process group bound to a device "
                 "(init_process_group(..., device_id=torch.device('cuda', local_rank)))"
             )
-        for spec in specs:
-            rows = spec.layout.groups(*spec.dims)
-            if rows.shape[1] > 1 and not (np.diff(rows, axis=1) > 0).all():
-                raise MeshConfigError(
-                    f"strategy='split' cannot build group {spec.key!r}: split_group sorts ranks, but "
-                    f"{rows[(np.diff(rows, axis=1) <= 0).any(axis=1)][0].tolist()} does not increase; "
-                    "use strategy='global' or 'local' for this layout"
-                )
+        refuse_unsorted(specs)
 
     def singleton(self, b: Builder, backend: str | None) -> dist.ProcessGroup | None:
         if backend != b.backend:
@@ -286,16 +284,39 @@ class SplitStrategy(CreationStrategy):
         return out
 
 
+def refuse_unsorted(specs: Sequence[GroupSpec], sorts: bool = SPLIT_GROUP_SORTS) -> None:
+    """Where ``split_group`` sorts ranks (``sorts``: torch 2.13), a group whose ranks do not
+    increase would get group ranks in another order than the mesh's: refused by name."""
+    if not sorts:
+        return
+    for spec in specs:
+        rows = spec.layout.groups(*spec.dims)
+        if rows.shape[1] > 1 and not (np.diff(rows, axis=1) > 0).all():
+            raise MeshConfigError(
+                f"strategy='split' cannot build group {spec.key!r}: this torch's split_group sorts ranks, "
+                f"but {rows[(np.diff(rows, axis=1) <= 0).any(axis=1)][0].tolist()} does not increase; "
+                "use strategy='global' or 'local' for this layout, or torch >= 2.14"
+            )
+
+
 STRATEGIES: dict[str, type[CreationStrategy]] = {
     s.name: s for s in (GlobalStrategy, LocalStrategy, SplitStrategy)
 }
 
 
+def resolve_auto() -> str:
+    """What ``strategy="auto"`` means here: ``"split"`` for a device-bound default group on a torch
+    whose ``split_group`` keeps rank order, over the whole live world; else ``"global"``."""
+    cohort = current_cohort()  # split_group is collective over the default group: no dead rank in it
+    whole = cohort is None or len(cohort) == dist.get_world_size()
+    return "split" if bound_device_id() is not None and not SPLIT_GROUP_SORTS and whole else "global"
+
+
 def make_strategy(name: object) -> CreationStrategy:
-    """The strategy object for a name.
+    """The strategy object for a name (``"auto"`` resolved by ``resolve_auto``).
 
     Args:
-        name: ``"global"``, ``"local"`` or ``"split"``.
+        name: ``"auto"``, ``"global"``, ``"local"`` or ``"split"``.
 
     Returns:
         A new ``CreationStrategy``.
@@ -303,8 +324,11 @@ def make_strategy(name: object) -> CreationStrategy:
     Raises:
         MeshConfigError: any other value.
     """
+    if name == "auto":
+        name = resolve_auto()
     if not isinstance(name, str) or name not in STRATEGIES:
-        raise MeshConfigError(f"strategy={name!r} is not one of {', '.join(map(repr, STRATEGIES))}")
+        names = ", ".join(map(repr, ("auto", *STRATEGIES)))
+        raise MeshConfigError(f"strategy={name!r} is not one of {names}")
     return STRATEGIES[name]()
 
 

@@ -281,7 +281,7 @@ class TransferGroups:
         device_type: str = "cpu",
         backend: str | None = None,
         timeout: timedelta | float | None = None,
-        strategy: Strategy = "global",
+        strategy: Strategy = "auto",
         check: bool | None = None,
     ) -> None:
         self.cache = cache if cache is not None else GroupCache()

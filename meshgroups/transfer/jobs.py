@@ -168,7 +168,7 @@ def init_job(
     flatten: Mapping[str, Iterable[Sequence[str]]] | None = None,
     backend: str | None = None,
     timeout: timedelta | float | None = None,
-    strategy: Strategy = "global",
+    strategy: Strategy = "auto",
     check: bool | None = None,
 ) -> Job:
     """Build every layout of a job (collective: every rank of the world calls it alike).

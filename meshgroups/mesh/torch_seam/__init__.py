@@ -1,4 +1,4 @@
-"""The one place that touches private ``torch.distributed`` internals (torch 2.13): this package,
+"""The one place that touches private ``torch.distributed`` internals (torch 2.13 to 2.15): this package,
 ``c10d`` (process-group internals), ``builders`` (which MeshGroups builds a mesh's groups),
 ``rooted_mesh`` (the DeviceMesh meshgroups hands out) and ``meshes`` (building them).
 
@@ -14,10 +14,11 @@ from __future__ import annotations
 
 # First, before any private name below is imported: a torch that lacks one is a clear error
 # naming its version and the missing piece (``internals``), not a half-built mesh later.
-from meshgroups.mesh.torch_seam.internals import TESTED_TORCH, TorchInternalsError, check
+from meshgroups.mesh.torch_seam.internals import TESTED_TORCH, TorchInternalsError, check, check_overrides
 
 check()
 
+from meshgroups.mesh.torch_seam.behaviour import self_test  # noqa: E402
 from meshgroups.mesh.torch_seam.builders import (  # noqa: E402
     BackendConfig,
     CallFactory,
@@ -27,6 +28,7 @@ from meshgroups.mesh.torch_seam.builders import (  # noqa: E402
     use_collective_calls,
 )
 from meshgroups.mesh.torch_seam.c10d import (  # noqa: E402
+    SPLIT_GROUP_SORTS,
     advance_group_count,
     bound_device_id,
     creation_store_prefix,
@@ -51,7 +53,11 @@ from meshgroups.mesh.torch_seam.meshes import (  # noqa: E402
 from meshgroups.mesh.torch_seam.placements import StridedShard  # noqa: E402
 from meshgroups.mesh.torch_seam.rooted_mesh import RootedMesh, flattened_layout, register_flattened  # noqa: E402
 
+# torch calls RootedMesh's overrides itself, some positionally: their parameters must be torch's.
+check_overrides(RootedMesh)
+
 __all__ = [
+    "SPLIT_GROUP_SORTS",
     "TESTED_TORCH",
     "BackendConfig",
     "CallFactory",
@@ -79,6 +85,7 @@ __all__ = [
     "make_root",
     "register_builder",
     "register_flattened",
+    "self_test",
     "set_group_timeout",
     "shrink_nccl_group",
     "unregister_builder",

@@ -105,8 +105,18 @@ def is_backend_options(value: object) -> bool:
 
 def set_group_timeout(group: dist.ProcessGroup | None, timeout: timedelta) -> None:
     """Change the timeout of ``group`` (None: the default group) after creation, what
-    megatron-core's ``update_pg_timeout`` does (torch has no public API for it)."""
-    _c10d._set_pg_timeout(timeout, group)
+    megatron-core's ``update_pg_timeout`` does: torch 2.15's public ``dist.set_timeout``, the
+    private ``_set_pg_timeout`` before it (2.15 deprecates that one with a ``FutureWarning``)."""
+    public = getattr(dist, "set_timeout", None)
+    if public is not None:
+        public(timeout, group)
+    else:
+        _c10d._set_pg_timeout(timeout, group)
+
+
+#: Whether ``dist.split_group`` sorts each group's ranks (torch 2.13); from 2.14 a rank's
+#: position in the list is its group rank, so any row order can be split.
+SPLIT_GROUP_SORTS = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14)
 
 
 def group_sequence(group: dist.ProcessGroup) -> int:

@@ -11,8 +11,15 @@ from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshgroups.errors import torch_says
+from meshgroups.mesh.torch_seam.behaviour import self_test
 from meshgroups.mesh.torch_seam.builders import GroupBuilder
-from meshgroups.mesh.torch_seam.rooted_mesh import RootedMesh, flattened_layout, new_mesh, register_flattened
+from meshgroups.mesh.torch_seam.rooted_mesh import (
+    RootedMesh,
+    flattened_layout,
+    new_mesh,
+    order_matters,
+    register_flattened,
+)
 
 
 def make_root(
@@ -26,9 +33,13 @@ def make_root(
 ) -> RootedMesh:
     """The root mesh over ``ranks`` (C-contiguous) with ``groups`` (one per dim, in mesh order)
     at ``coordinate``; both ``None`` on a rank outside it. New groups come from ``builder``."""
+    self_test()
     layout = _MeshLayout.from_sizes_strides(tuple(ranks.shape))
     group_names = [g.group_name for g in groups] if groups is not None else []
-    mesh = new_mesh(device_type, layout, ranks.reshape(-1), names, None, group_names, coordinate)
+    preserve = order_matters(ranks.numpy())
+    mesh = new_mesh(
+        device_type, layout, ranks.reshape(-1), names, None, group_names, coordinate, preserve=preserve
+    )
     for group in groups or ():
         mesh._pg_registry[group.group_name] = group
     mesh._mg_builder, mesh._mg_token = builder, token
@@ -48,6 +59,7 @@ def make_group_mesh(
     where it has one, else a mesh with coordinate ``None`` — what ``DeviceMesh("cpu", [0, 2])``
     is on ranks 1 and 3 when there is one row. Its rank map holds every row, so ``_flatten`` and
     ``_unflatten`` ask for the same groups on every rank."""
+    self_test()
     layout = _MeshLayout.from_sizes_strides((rows.shape[1],), (1,))
     mesh = new_mesh(
         device_type,
@@ -57,6 +69,7 @@ def make_group_mesh(
         None,
         [group.group_name] if group is not None else [],
         None if coordinate is None else (coordinate,),
+        preserve=order_matters(rows.numpy(), axes=(1,)),  # one group per row
     )
     if group is not None:
         mesh._pg_registry[group.group_name] = group

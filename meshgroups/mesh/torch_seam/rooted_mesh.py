@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, _normalize_backend_overrid
 
 from meshgroups.errors import UnknownDimError, torch_says
 from meshgroups.mesh.torch_seam.builders import CALL_FACTORIES, BackendConfig, GroupBuilder, lookup_builder
+from meshgroups.mesh.torch_seam.internals import present_fields
 
 # ---------------------------------------------------------------------------------------------
 # One root mesh, on every rank. meshgroups hands out a single root DeviceMesh per layout; its
@@ -237,8 +238,10 @@ class RootedMesh(DeviceMesh):
         rank_map: torch.Tensor,
         mesh_dim_names: tuple[str, ...] | None,
         backend_override: tuple[BackendConfig, ...],
+        preserve_rank_order: bool = False,
     ) -> list[str]:
-        # The groups of new dims, built in mesh order through meshgroups (never torch's sorted ones).
+        # The groups of new dims, built in mesh order through meshgroups (never torch's sorted ones):
+        # meshgroups always preserves rank order, so torch 2.15's preserve_rank_order changes nothing.
         names = tuple(mesh_dim_names or (f"dim_{i}" for i in range(len(layout))))
         rows = [_MeshLayout([layout[i]]).remap_to_tensor(rank_map) for i in range(len(layout))]
         groups = self._builder()(rows, names, backend_override)
@@ -263,7 +266,26 @@ def _derived(
 ) -> RootedMesh:
     """A mesh over ``parent``'s root rank map, made in O(ndim)."""
     root = parent._get_root_mesh()
-    return new_mesh(root._device_type, layout, root._rank_map, names, root, group_names, coordinate)
+    preserve = bool(root.__dict__.get("_preserve_rank_order", False))
+    return new_mesh(
+        root._device_type,
+        layout,
+        root._rank_map,
+        names,
+        root,
+        group_names,
+        coordinate,
+        preserve=preserve,
+        rank=root._rank,
+    )
+
+
+def order_matters(grid: np.ndarray, axes: Sequence[int] | None = None) -> bool:
+    """Whether along some axis of the rank grid ``grid`` (all, or ``axes``: the mesh dims) ranks
+    do not increase: where torch's default (sorted) groups would differ from the mesh-order
+    groups meshgroups builds."""
+    axes = range(grid.ndim) if axes is None else axes
+    return any(bool((np.diff(grid, axis=d) <= 0).any()) for d in axes if grid.shape[d] > 1)
 
 
 def new_mesh(
@@ -274,13 +296,24 @@ def new_mesh(
     root: DeviceMesh | None,
     group_names: Sequence[str],
     coordinate: tuple[int, ...] | None,
+    *,
+    preserve: bool = False,
+    rank: int | None = None,
 ) -> RootedMesh:
-    """The state torch 2.13's constructor gives a mesh (``_init_backend=False``), without its
+    """The state torch's constructor gives a mesh (``_init_backend=False``), without its
     O(world) searches: the coordinate is given (layout arithmetic), the rank-map tuple is made
-    on first use (``RootedMesh._flatten_rank_map``)."""
+    on first use (``RootedMesh._flatten_rank_map``). Every field of
+    ``internals.CONSTRUCTOR_FIELDS`` that this torch's constructor sets is written here.
+
+    ``preserve`` is torch >= 2.15's ``preserve_rank_order`` (ignored before): ``True`` exactly
+    where a dim's ranks do not increase (``order_matters``), so a meshgroups mesh equals, and
+    hashes as, the torch mesh whose groups are the same — ``DeviceMesh(...)`` over a row-major
+    layout, ``DeviceMesh(..., preserve_rank_order=True)`` over a permuted one. Slices and
+    flattened dims inherit the root's value, as in torch. ``rank`` defaults to ``dist.get_rank()``.
+    """
     mesh = RootedMesh.__new__(RootedMesh)
     threaded = dist.is_initialized() and dist.get_backend() == "threaded"
-    mesh.__dict__.update(
+    fields: dict[str, object] = dict(
         _device_type=device_type,
         _layout=layout,
         _rank_map=rank_map,
@@ -290,10 +323,13 @@ def new_mesh(
         _flatten_mapping={},
         _pg_registry={},
         _dim_group_names=list(group_names),
-        _rank=dist.get_rank(),
+        _rank=dist.get_rank() if rank is None else rank,
         _coordinate_on_dim=coordinate,
         _hash=None,
     )
+    if "_preserve_rank_order" in present_fields():
+        fields["_preserve_rank_order"] = preserve
+    mesh.__dict__.update(fields)
     return mesh
 
 
