@@ -17,7 +17,7 @@ so the dp replica 1 is dropped (its other ranks become spares) and the survivors
 ``layout.select("dp", [0, 2, 3, ...])``. Families: every dim plus the flattened dp_cp and
 dp_cp_tp (FSDP/HSDP's data dims). Methods (rows):
 
-- ``elastic (local)``: ``plan_shrink`` and its new layout, then ``meshgroups.elastic.recover.rebuild``
+- ``elastic (local)``: ``plan_shrink`` and its new layout, then ``meshgroups.elastic._recover.rebuild``
   (the new ``MeshGroups`` through the old mesh's GroupCache, local strategy), then the root mesh.
 - ``elastic (global)``: the same plan, then ``init_mesh(strategy="global")`` on the old mesh's
   cache and closing the old mesh (a mesh built with init_mesh's default strategy).
@@ -84,9 +84,9 @@ def one_fake(method: str, strategy: str, world: int) -> dict[str, float]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from meshgroups import GroupCache, Layout, Topology, init_mesh
-    from meshgroups.elastic.plans import plan_shrink
-    from meshgroups.elastic.recover import rebuild
-    from meshgroups.mesh.torch_seam import group_count, held_group_count
+    from meshgroups.elastic._plans import plan_shrink
+    from meshgroups.elastic._recover import rebuild
+    from meshgroups.mesh._torch_seam import group_count, held_group_count
 
     sizes = shape_for(world)
     layout = Layout(sizes)
@@ -164,7 +164,7 @@ def torch_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
 def one_plan(world: int) -> dict[str, float]:
     """The plan alone (numpy, no torch) in this (fresh) process: seconds of each step."""
     from meshgroups import Layout, Topology
-    from meshgroups.elastic.plans import plan_shrink
+    from meshgroups.elastic._plans import plan_shrink
 
     sizes = shape_for(world)
     layout = Layout(sizes)

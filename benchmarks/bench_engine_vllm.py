@@ -97,7 +97,7 @@ def worker(rank: int, ports: list[int], args: argparse.Namespace, layers: int, q
     from meshgroups import Layout
     from meshgroups.engines.vllm.destination import destinations
     from meshgroups.engines.worlds import TransferWorld
-    from meshgroups.transfer.sync import WeightSync
+    from meshgroups.transfer._run.sync import WeightSync
 
     torch.set_num_threads(1)
     trainer_side = rank < 4

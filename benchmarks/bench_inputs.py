@@ -16,8 +16,8 @@ import numpy as np
 from meshgroups.compat.group_initializer import TrainDPGroupInitializer
 
 from meshgroups import Layout, Topology
-from meshgroups.layout import placement
-from meshgroups.render.formats import span_table
+from meshgroups.layout import _placement as placement
+from meshgroups.render._formats import span_table
 
 
 def median_ms(fn: Callable[[], object], repeat: int = 3) -> float:
@@ -184,7 +184,7 @@ def main() -> None:
         )
     )
     try:
-        from meshgroups.render.formats import plot
+        from meshgroups.render._formats import plot
 
         print(
             row(

@@ -91,7 +91,7 @@ def one_fake(method: str, world: int) -> dict[str, float]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import meshgroups.mesh.mesh_groups  # noqa: F401
+    import meshgroups.mesh._mesh_groups  # noqa: F401
 
     dist.init_process_group("fake", store=FakeStore(), rank=world // 3 + 7, world_size=world)
     in_torch = [0.0]
@@ -145,7 +145,7 @@ def _gloo_worker(rank: int, world: int, port: int, method: str, queue) -> None:
     import torch.distributed as dist
     import torch.distributed.device_mesh  # noqa: F401
 
-    import meshgroups.mesh.mesh_groups  # noqa: F401
+    import meshgroups.mesh._mesh_groups  # noqa: F401
 
     dist.init_process_group(
         "gloo",

@@ -18,7 +18,7 @@ import argparse
 
 from meshgroups import Layout, Topology
 from meshgroups.transfer import plan_transfer
-from meshgroups.transfer.presets import model_weights
+from meshgroups.transfer._names.presets import model_weights
 
 
 def cases(world: int) -> list[tuple[str, Layout, Layout]]:

@@ -39,8 +39,8 @@ from bench_transfer import NODE, PP, TP_ROLL, TP_TRAIN, Row, baselines, plan_row
 
 from meshgroups import Layout, Topology
 from meshgroups.transfer import Weight, plan_transfer
-from meshgroups.transfer.conventions import vllm_map
-from meshgroups.transfer.presets import model_config, model_weights
+from meshgroups.transfer._names.conventions import vllm_map
+from meshgroups.transfer._names.presets import model_config, model_weights
 
 MODEL = "llama-70b"
 

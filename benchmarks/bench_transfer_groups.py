@@ -4,7 +4,7 @@ Run: ``python benchmarks/bench_transfer_groups.py [--worlds 1024,4096] [--model 
 Prints Markdown. No processes: the per-rank bookkeeping measured on this machine.
 
 The job: half the ranks train (``pp=4 × dp_shard × tp=8``, FSDP2 after tp), half generate
-(``dp × tp=8``), nodes of 8 ranks, a preset model from ``meshgroups.transfer.presets``.
+(``dp × tp=8``), nodes of 8 ranks, a preset model from ``meshgroups.transfer._names.presets``.
 
 - ``gathered (old)``: every fan-out key of the world — what one ``all_gather_object`` of every
   rank's fan-outs delivered to each rank before; ``gathered (now)``: the distinct rank sets.
@@ -22,8 +22,8 @@ import time
 
 from meshgroups import Layout, Topology
 from meshgroups.transfer import plan_transfer
-from meshgroups.transfer.fanout_groups import fanouts
-from meshgroups.transfer.presets import model_weights
+from meshgroups.transfer._names.presets import model_weights
+from meshgroups.transfer._run.fanout_groups import fanouts
 
 
 def _receiver_lists(mine: list, me: int, sets_index: dict, parts: dict[int, list]) -> int:

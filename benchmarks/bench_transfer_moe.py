@@ -35,9 +35,9 @@ import numpy as np
 
 from meshgroups import Layout, Topology
 from meshgroups.transfer import Shard, Weight, plan_transfer
-from meshgroups.transfer.buckets import Buckets, parts_by_bucket
-from meshgroups.transfer.families import hf_to_vllm
-from meshgroups.transfer.quant import BlockFP8
+from meshgroups.transfer._names.families import hf_to_vllm
+from meshgroups.transfer._names.quant import BlockFP8
+from meshgroups.transfer._run.buckets import Buckets, parts_by_bucket
 
 NODE = 8
 INTRA_BW, INTER_BW, INTER_LAT = 300e9, 50e9, 10e-6
@@ -246,9 +246,9 @@ def _gloo_job(rank: int, world: int, port: int, steps: int, q: object) -> None:
     import torch
     import torch.distributed as dist
 
-    from meshgroups.transfer.execute import execute
-    from meshgroups.transfer.mapped import view_source
-    from meshgroups.transfer.packing import PackBuffers
+    from meshgroups.transfer._names.mapped import view_source
+    from meshgroups.transfer._run.execute import execute
+    from meshgroups.transfer._run.packing import PackBuffers
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -55,10 +55,10 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], hidden: int, rep
     from meshgroups import Layout
     from meshgroups.transfer import Shard as S
     from meshgroups.transfer import Weight
-    from meshgroups.transfer.conventions import vllm_map
-    from meshgroups.transfer.execute import execute
-    from meshgroups.transfer.jobs import init_job
-    from meshgroups.transfer.sync import WeightSync
+    from meshgroups.transfer._names.conventions import vllm_map
+    from meshgroups.transfer._run.execute import execute
+    from meshgroups.transfer._run.jobs import init_job
+    from meshgroups.transfer._run.sync import WeightSync
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     trainer, rollout = Layout(tp=2), Layout(tp=2, rank_offset=2)

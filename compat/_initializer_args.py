@@ -13,7 +13,7 @@ from abc import ABCMeta
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from meshgroups.layout.checks import check_int, short_repr
+from meshgroups.layout import check_int, short_repr
 from meshgroups.mesh import publish_refusal
 
 
@@ -58,7 +58,7 @@ def _short(ranks: list[int], limit: int = 16) -> str:
 class RefusalsReachEveryRank(ABCMeta):
     """Constructing an initializer is local, but it leads into the collective ``init_dist_group``:
     a constructor that refuses its arguments on one rank publishes the refusal as that call's
-    outcome (``meshgroups.mesh.collective.publish_refusal``), so the other ranks' ``init_dist_group``
+    outcome (``meshgroups.mesh._collective.publish_refusal``), so the other ranks' ``init_dist_group``
     raises the same class at once, naming this rank, instead of waiting out the timeout."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:

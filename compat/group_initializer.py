@@ -37,7 +37,7 @@ from meshgroups.compat._initializer_args import RefusalsReachEveryRank, check_di
 from torch.distributed import ProcessGroup
 
 from meshgroups import GroupCache, Layout, Strategy, init_mesh
-from meshgroups.layout.checks import MAX_WORLD_SIZE, check_int, short_repr
+from meshgroups.layout import MAX_WORLD_SIZE, check_int, short_repr
 from meshgroups.mesh import collective_entry
 
 __all__ = [

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from meshgroups.compat._errors import MegatronAssertionError, MegatronRuntimeError
 
 from meshgroups import Layout, LayoutError
-from meshgroups.layout.checks import check_int, formula, product
+from meshgroups.layout import check_int, formula, product
 
 RanksCallback = Callable[[list[int]], list[int]]
 

@@ -14,29 +14,25 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+from meshgroups import _deprecated
+from meshgroups._version import __version__
 from meshgroups.errors import (
     ConcurrentInitError,
-    Excluded,
     ExcludedError,
     LayoutError,
     MeshBuildError,
     MeshConfigError,
     MismatchError,
-    RanksLost,
     RanksLostError,
-    RendezvousTimeout,
-    StepFailed,
+    RendezvousTimeoutError,
     StepFailedError,
     StoreConnectionError,
 )
-from meshgroups.layout import Layout, Locality, Topology
+from meshgroups.layout import Layout, Locality, Topology, register_html_renderer
 
 if TYPE_CHECKING:
-    from meshgroups.elastic.elastic_mesh import Elastic
-    from meshgroups.mesh.groups import GroupCache
-    from meshgroups.mesh.mesh_groups import MeshGroups, init_mesh, layout_of
-    from meshgroups.mesh.options import MeshOptions
-    from meshgroups.mesh.strategies import Strategy
+    from meshgroups.elastic import Elastic
+    from meshgroups.mesh import GroupCache, MeshGroups, MeshOptions, Strategy, init_mesh, layout_of
 
 __all__ = [
     "ConcurrentInitError",
@@ -52,7 +48,7 @@ __all__ = [
     "MeshOptions",
     "MismatchError",
     "RanksLostError",
-    "RendezvousTimeout",
+    "RendezvousTimeoutError",
     "StepFailedError",
     "StoreConnectionError",
     "Strategy",
@@ -60,25 +56,33 @@ __all__ = [
     "init_mesh",
     "layout_of",
 ]
-__version__ = "0.1.0"
-
-# torch-side names, loaded on first use; GroupSpec stays importable from here (0.1 showed it)
-# but is a detail of the bridge's plan, so it left __all__.
+# torch-side names, loaded on first use from the package that holds them
 _TORCH_NAMES = {
-    "Elastic": "meshgroups.elastic.elastic_mesh",
-    "init_mesh": "meshgroups.mesh.mesh_groups",
-    "layout_of": "meshgroups.mesh.mesh_groups",
-    "MeshGroups": "meshgroups.mesh.mesh_groups",
-    "MeshOptions": "meshgroups.mesh.options",
-    "GroupCache": "meshgroups.mesh.groups",
-    "GroupSpec": "meshgroups.mesh.plan",
-    "Strategy": "meshgroups.mesh.strategies",
+    "Elastic": "meshgroups.elastic",
+    "init_mesh": "meshgroups.mesh",
+    "layout_of": "meshgroups.mesh",
+    "MeshGroups": "meshgroups.mesh",
+    "MeshOptions": "meshgroups.mesh",
+    "GroupCache": "meshgroups.mesh",
+    "Strategy": "meshgroups.mesh",
 }
-# Kept importable for code written against 0.4.0 and earlier; the ``Error`` names are canonical.
-_OLD_NAMES = (Excluded, RanksLost, StepFailed)
+# Every old import path (meshgroups.heal, meshgroups.mesh.mesh_groups, ...) answers through the
+# deprecation table, with a warning naming its new home.
+_deprecated.install()
+
+
+def _draw_html(layout: Layout) -> str:
+    """``Layout._repr_html_``: the layout core sits below every renderer and imports none; the
+    renderer loads when a notebook first shows a layout."""
+    from meshgroups.render import html
+
+    return html(layout)
+
+
+register_html_renderer(_draw_html)
 
 
 def __getattr__(name: str) -> Any:
     if name in _TORCH_NAMES:
         return getattr(import_module(_TORCH_NAMES[name]), name)
-    raise AttributeError(f"module 'meshgroups' has no attribute {name!r}")
+    return _deprecated.old_name(__name__, name)

@@ -1,6 +1,6 @@
 import sys
 
-from meshgroups.cli.app import main
+from meshgroups.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

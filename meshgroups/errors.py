@@ -22,7 +22,7 @@ class LayoutError(ValueError):
 
 
 class RecoveryError(LayoutError):
-    """A recovery plan (``meshgroups.elastic.plans``) cannot be made from these arguments: the lost
+    """A recovery plan (``meshgroups.elastic._plans``) cannot be made from these arguments: the lost
     ranks hit every replica, a rank is not in the layout, too few spares, an unknown dim, ..."""
 
 
@@ -49,7 +49,7 @@ class MismatchError(ValueError):
         self.ranks = ranks
 
 
-class RendezvousTimeout(TimeoutError):
+class RendezvousTimeoutError(TimeoutError):
     """Some rank never reached (or reached too late) the cross-rank check of ``init_mesh``."""
 
 
@@ -104,12 +104,6 @@ class ExcludedError(RuntimeError):
     """This rank was declared lost by the verdict (it reported after the decision, or never
     reported while it hung); it must not take part in the survivors' collectives. Exit, or
     wait to be re-admitted as a spare."""
-
-
-# The names before the ``Error`` suffix (0.3, 0.4): user code catches them.
-StepFailed = StepFailedError
-RanksLost = RanksLostError
-Excluded = ExcludedError
 
 
 # Errors that are also the class torch raises for the same misuse, so code written against
@@ -179,21 +173,25 @@ __all__ = [
     "ConcurrentInitError",
     "DeviceTypeError",
     "DuplicateNameError",
-    "Excluded",
     "ExcludedError",
     "LayoutError",
     "MeshBuildError",
     "MeshConfigError",
     "MismatchError",
     "NameCountError",
-    "RanksLost",
     "RanksLostError",
     "RecoveryError",
-    "RendezvousTimeout",
-    "StepFailed",
+    "RendezvousTimeoutError",
     "StepFailedError",
     "StoreConnectionError",
     "UnknownDimError",
     "WorldSizeError",
     "torch_says",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # the names before the ``Error`` suffix (0.3, 0.4), served with a warning by the table
+    from meshgroups import _deprecated
+
+    return _deprecated.old_name(__name__, name)

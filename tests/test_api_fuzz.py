@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshgroups import Layout, LayoutError, Topology
-from meshgroups.layout.checks import short_repr
-from meshgroups.layout.order import megatron_order
-from meshgroups.render import formats as render
+from meshgroups._checks import short_repr
+from meshgroups.layout._order import megatron_order
+from meshgroups.render import _formats as render
 
 
 def _deep(depth: int) -> list:
@@ -181,7 +181,7 @@ RENDER: dict[str, Callable[[object], object]] = {
 
 
 def test_widget_entry_points_raise_only_type_or_value_errors():
-    from meshgroups.render import widgets
+    from meshgroups.render import _widgets as widgets
 
     sizes = {"pp": 2, "cp": 1, "tp": 2}
     calls = {

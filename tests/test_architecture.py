@@ -1,6 +1,7 @@
-"""The package's shape, checked: one folder per subsystem, imports only down the layers, no
-module importing another's underscore names, compat on meshgroups' public API, and the file map
-of ``docs/design.md`` naming every module there is (AST only, no import)."""
+"""The package's shape, checked: one folder per subsystem, imports only down the layers and
+across packages only through a package's front, no import cycle, no module importing another's
+underscore names, compat on meshgroups' public API, no ``assert`` nor ``AssertionError``, and the
+file map of ``docs/design.md`` naming every module there is (AST only, no import)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# What each subsystem may import at module level (besides itself and the leaf
-# ``meshgroups.errors``). Imports inside functions or ``if TYPE_CHECKING:`` are not layering:
+# The leaves every package may import: the typed errors, the shared input checks, the deprecation
+# table and the version (each imports nothing of meshgroups but errors).
+LEAVES = {"meshgroups.errors", "meshgroups._checks", "meshgroups._deprecated", "meshgroups._version"}
+
+# What each subsystem may import at module level (besides itself and the ``LEAVES``). Imports inside functions or ``if TYPE_CHECKING:`` are not layering:
 # they are how the numpy side reaches an optional renderer or the torch side lazily.
 ALLOWED = {
     "meshgroups.layout": set(),
@@ -84,9 +88,11 @@ def test_imports_only_go_down_the_layers():
         mine = _subsystem(name)
         if mine is None:
             continue  # the top-level package, its aliases, compat: checked below
-        for line, module, _ in _top_level_imports(tree):
+        for line, module, names in _top_level_imports(tree):
+            if module == "meshgroups" and all(f"meshgroups.{n}" in LEAVES for n in names):
+                continue  # from meshgroups import _deprecated: a leaf
             theirs = _subsystem(module)
-            if module.startswith("meshgroups") and theirs is None and module != "meshgroups.errors":
+            if module.startswith("meshgroups") and theirs is None and module not in LEAVES:
                 offenders.append(f"{path.relative_to(ROOT)}:{line} imports {module} (not a subsystem)")
             elif theirs not in (None, mine) and theirs not in ALLOWED[mine]:
                 offenders.append(
@@ -99,7 +105,7 @@ def test_the_layout_core_and_the_renderer_import_no_torch_when_they_load():
     offenders = []
     for name, path, tree in SOURCES:
         if _subsystem(name) not in ("meshgroups.layout", "meshgroups.render", "meshgroups.cost"):
-            if name != "meshgroups.errors":
+            if name not in LEAVES:
                 continue
         offenders += [
             f"{path.relative_to(ROOT)}:{line} imports {module}"
@@ -121,13 +127,31 @@ def _all_imports(tree: ast.Module) -> list[tuple[int, str, list[str]]]:
 MEGATRON_NAMES = {"_set_global_memory_buffer", "_set_global_symmetric_memory_buffer"}
 
 
+MODULE_NAMES = {name for name, _, _ in SOURCES}
+
+
+def _own_private_module(importer: str, target: str) -> bool:
+    """``target`` is a private module of the importer's own package, or a root leaf."""
+    if target in LEAVES:
+        return True
+    package = target.rsplit(".", 1)[0]
+    return target in MODULE_NAMES and (importer == package or importer.startswith(package + "."))
+
+
 def test_no_module_imports_another_modules_underscore_names():
     offenders = []
-    for _, path, tree in SOURCES:
+    for importer, path, tree in SOURCES:
         for line, module, names in _all_imports(tree):
             if not module.startswith("meshgroups"):
                 continue
-            private = [n for n in names if n.startswith("_") and n != "__all__" and n not in MEGATRON_NAMES]
+            private = [
+                n
+                for n in names
+                if n.startswith("_")
+                and not (n.startswith("__") and n.endswith("__"))
+                and n not in MEGATRON_NAMES
+                and not _own_private_module(importer, f"{module}.{n}")
+            ]
             if private:
                 offenders.append(f"{path.relative_to(ROOT)}:{line} from {module} import {', '.join(private)}")
     assert not offenders, "\n".join(offenders)
@@ -147,9 +171,92 @@ def test_no_module_imports_a_module_whose_path_has_an_underscore_part_from_outsi
     assert not offenders, "\n".join(offenders)
 
 
+def _front(module: str) -> str | None:
+    """The package front a module belongs to (``meshgroups.engines.vllm`` counts as its own)."""
+    sub = _subsystem(module)
+    if sub == "meshgroups.engines" and (
+        module == "meshgroups.engines.vllm" or module.startswith("meshgroups.engines.vllm.")
+    ):
+        return "meshgroups.engines.vllm"
+    return sub
+
+
+def test_imports_across_packages_go_through_the_packages_front():
+    """``from meshgroups.mesh import init_mesh``, never ``from meshgroups.mesh._mesh_groups
+    import init_mesh`` from another package: a package's modules are its own business."""
+    offenders = []
+    for name, path, tree in SOURCES:
+        mine = _front(name) or name
+        for line, module, _ in _all_imports(tree):
+            if not module.startswith("meshgroups.") or module in LEAVES:
+                continue
+            theirs = _front(module)
+            if theirs is not None and theirs != mine and module != theirs:
+                offenders.append(f"{path.relative_to(ROOT)}:{line} imports {module} (import from {theirs})")
+    assert not offenders, "\n".join(offenders)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the meshgroups modules it imports when it loads (packages resolved to the
+    module a name comes from where the name is a submodule)."""
+    modules = {name for name, _, _ in SOURCES}
+    graph: dict[str, set[str]] = {}
+    for name, _, tree in SOURCES:
+        edges = set()
+        for _, module, names in _top_level_imports(tree):
+            if module not in modules:
+                continue
+            subs = [f"{module}.{n}" for n in names if f"{module}.{n}" in modules]
+            edges.update(subs or [module])
+        graph[name] = edges - {name}
+    return graph
+
+
+def test_no_import_cycles_between_modules():
+    """Modules import each other as a tree, never in a circle (a package front importing its own
+    modules, and a module importing its package's front for a sibling's name, excepted: the
+    front is the package itself)."""
+    graph = _import_graph()
+    fronts = {name for name, path, _ in SOURCES if path.name == "__init__.py"}
+    cycles = []
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in fronts:
+                continue
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state and node not in fronts:
+            visit(node, [])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_no_module_raises_assertion_error():
+    """An internal invariant is a ``RuntimeError`` naming it; ``AssertionError`` is what a test
+    raises (compat's Megatron drop-in raises its ``AssertionError`` subclasses, as Megatron does)."""
+    offenders = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for name, path, tree in SOURCES
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Raise)
+        and node.exc is not None
+        and ast.unparse(node.exc).split("(")[0] in ("AssertionError", "builtins.AssertionError")
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
 def test_no_object_reaches_into_another_classs_private_state():
     # The reach-ins issue 36 removed: a holder's group keys, a cache's counters, a mesh's families.
-    pattern = re.compile(r"\b(?!self\b)\w+\._(families|roots|groups|refs)\b")
+    pattern = re.compile(r"(?<![.\w])(?!self\b)\w+\._(families|roots|groups|refs)\b")
     offenders = [
         f"{path.relative_to(ROOT)}:{i}: {line.strip()}"
         for _, path, _ in SOURCES

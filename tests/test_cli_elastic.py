@@ -7,9 +7,9 @@ import json
 import pytest
 
 from meshgroups import Layout, Topology
-from meshgroups.cli.app import main
-from meshgroups.cli.elastic import index_runs, ranges, rank_list
-from meshgroups.elastic.plans import plan_shrink
+from meshgroups.cli._app import main
+from meshgroups.cli._elastic import index_runs, ranges, rank_list
+from meshgroups.elastic._plans import plan_shrink
 
 from .test_render_cli import cli
 
@@ -131,7 +131,7 @@ def test_runs_as_a_module():
 def test_plot_marks_ranks():
     """render.plot(marked=...) puts one symbol per marked rank on its cell, with a legend."""
     pytest.importorskip("matplotlib")
-    from meshgroups.render.formats import plot
+    from meshgroups.render._formats import plot
 
     lay = Layout(pp=2, dp=4, tp=8)
     plan = plan_shrink(lay, [13, 14], topology=Topology(node=8))

@@ -1,4 +1,4 @@
-"""Hostile input to the command line, driven in-process (``meshgroups.cli.app.main``): a refusal must be
+"""Hostile input to the command line, driven in-process (``meshgroups.cli._app.main``): a refusal must be
 exit status 2 with one ``error:`` line and no traceback — hostile arguments, hostile JSON files,
 random words; the demo starts only what the layout needs. The API's hostile input is in
 ``test_api_fuzz.py``.
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshgroups.cli.app import main
+from meshgroups.cli._app import main
 
 
 def run_cli(argv: list[str]) -> tuple[int, str, str]:
@@ -157,7 +157,7 @@ def test_cli_demo_random_words_start_only_what_the_layout_needs(words):
     one process per rank of the layout, at most MAX_PROCESSES, with a timeout in range."""
     import os
 
-    from meshgroups.cli import demo
+    from meshgroups.cli import _demo as demo
 
     started = []
     saved = demo.main, os.environ.pop("RANK", None), os.environ.pop("WORLD_SIZE", None)

@@ -1,4 +1,4 @@
-"""``python -m meshgroups cost`` (``meshgroups.cli.cost``), through a small argparse of its own and
+"""``python -m meshgroups cost`` (``meshgroups.cli._cost``), through a small argparse of its own and
 through the project's ``main``: one layout's report, an enumeration, JSON, and strict refusals
 (status 2, one ``error:`` line)."""
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from meshgroups.cli import cost as command
+from meshgroups.cli import _cost as command
 
 
 def _run(argv: list[str]) -> int:

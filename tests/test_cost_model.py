@@ -157,7 +157,7 @@ def test_budget_splits_the_candidates():
     assert all(c.fits == (c.memory.total <= budget) for c in found)
 
 
-COST_MODULES = ["meshgroups.cost", "meshgroups.cli.cost"] + [f"meshgroups.cost.{m}" for m in
+COST_MODULES = ["meshgroups.cost", "meshgroups.cli._cost"] + [f"meshgroups.cost.{m}" for m in
                 ("model", "roles", "rules", "memory", "calls", "traffic", "enumerate", "report")]  # fmt: skip
 
 
@@ -171,7 +171,7 @@ def test_docstring_examples_run(module):
 
 
 def test_cost_imports_no_torch():
-    code = "import sys, meshgroups.cost, meshgroups.cli.cost; print('torch' in sys.modules)"
+    code = "import sys, meshgroups.cost, meshgroups.cli._cost; print('torch' in sys.modules)"
     assert (
         subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=True

@@ -1,4 +1,4 @@
-"""Recovery plans (``meshgroups.elastic.plans``) against a brute force on random layouts.
+"""Recovery plans (``meshgroups.elastic._plans``) against a brute force on random layouts.
 
 The oracle works on plain grids with Python loops: it drops / renames / appends ranks in the
 grid, enumerates every group of every family before and after (main dims, view dims, flattened
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshgroups import Layout, Topology
-from meshgroups.elastic.plans import plan_grow, plan_shrink, plan_substitute
+from meshgroups.elastic._plans import plan_grow, plan_shrink, plan_substitute
 from meshgroups.errors import RecoveryError
 
 from .test_layout_properties import layouts
@@ -446,8 +446,8 @@ def test_a_view_follows_a_shrink_through_its_own_dim():
 def test_docstring_examples_run():
     import doctest
 
-    from meshgroups.elastic import plans as elastic
-    from meshgroups.elastic import recovery_plan as _elastic_plan
+    from meshgroups.elastic import _plans as elastic
+    from meshgroups.elastic import _recovery_plan as _elastic_plan
 
     for module in (elastic, _elastic_plan):
         result = doctest.testmod(module, extraglobs={"Layout": Layout, "Topology": Topology})

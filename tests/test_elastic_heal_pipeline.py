@@ -64,13 +64,13 @@ def _step(model, opt, mg, layout, rank, step, el=None, die_rank=None):
 
 
 def _snapshot(model, opt):
-    from meshgroups.elastic.heal import training_state
+    from meshgroups.elastic._heal import training_state
 
     return {k: local(v).detach().clone() for k, v in training_state(model, opt).items()}
 
 
 def _heal(el, mg, rank, out, snap):
-    from meshgroups.elastic.heal import fill_replicas, init_optimizer_state, training_state
+    from meshgroups.elastic._heal import fill_replicas, init_optimizer_state, training_state
 
     layout = el.layout
     model, opt = _build(mg, rank, layout)
@@ -106,7 +106,7 @@ def _heal(el, mg, rank, out, snap):
 
 def worker(rank, world, port):
     from meshgroups import Layout, RanksLostError
-    from meshgroups.elastic.elastic_mesh import Elastic
+    from meshgroups.elastic._elastic_mesh import Elastic
 
     connect(rank, world, port, scaled(60))
     el = Elastic(
@@ -139,7 +139,7 @@ def worker(rank, world, port):
     model, opt = _build(mg, rank, el.layout)
     import torch
 
-    from meshgroups.elastic.heal import init_optimizer_state, training_state
+    from meshgroups.elastic._heal import init_optimizer_state, training_state
 
     init_optimizer_state(model, opt)
     with torch.no_grad():

@@ -80,7 +80,7 @@ def _worker(rank, world, cases):
     from torch.distributed.tensor import DTensor, Shard
 
     from meshgroups import Layout, init_mesh
-    from meshgroups.elastic.heal import fill_replicas
+    from meshgroups.elastic._heal import fill_replicas
 
     out = {"cases": 0}
     # The reproduction of the issue, as a user wrote it.

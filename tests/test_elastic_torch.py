@@ -31,7 +31,7 @@ T = 6.0  # nominal seconds: the mesh's collective timeout
 
 
 def _elastic(layout, spares):
-    from meshgroups.elastic.elastic_mesh import Elastic
+    from meshgroups.elastic._elastic_mesh import Elastic
 
     # stale_after: generous, so a live rank whose heartbeat thread a loaded machine starves is
     # not taken for dead; verdict_timeout: generous too, so a live rank that a loaded machine
@@ -132,7 +132,7 @@ def _spare_heals(el, out):
 
 
 def _after_heal(el, mg, rank, out, snap):
-    from meshgroups.elastic.heal import fill_replicas, init_optimizer_state, training_state
+    from meshgroups.elastic._heal import fill_replicas, init_optimizer_state, training_state
 
     assert el.layout.size("dp_replicate") == 2 and el.grown == (1,)
     model, opt = build(mg)
@@ -204,7 +204,7 @@ def worker_scenarios(rank, world, port):
     2. rank 3 dies in the next step (two failures in a row): shrink; 3. rank 5 dies during that
     recovery: one verdict, and the retried shrink works; training goes on every time."""
     from meshgroups import RanksLostError
-    from meshgroups.elastic.heal import fill_replicas, training_state
+    from meshgroups.elastic._heal import fill_replicas, training_state
 
     connect(rank, world, port, scaled(60))
     out = {"lost": [], "why": []}
@@ -233,7 +233,7 @@ def worker_scenarios(rank, world, port):
         if snap is not None and rank in snap_owner:
             load(model, opt, snap)
         else:
-            from meshgroups.elastic.heal import init_optimizer_state
+            from meshgroups.elastic._heal import init_optimizer_state
 
             init_optimizer_state(model, opt)
         if fill:
@@ -268,9 +268,9 @@ def worker_scenarios(rank, world, port):
     if rank == 5:
         import os
 
-        import meshgroups.elastic.recover
+        import meshgroups.elastic._recover
 
-        meshgroups.elastic.recover._retire_out_of_step = lambda *a, **k: os._exit(0)
+        meshgroups.elastic._recover._retire_out_of_step = lambda *a, **k: os._exit(0)
     try:
         mg = el.shrink()
     except RanksLostError as exc:  # the recovery itself failed: one verdict, then the retry
@@ -352,7 +352,7 @@ def worker_step_failed(rank, world, port):
     assert t.item() == {0: 1.0, 1: 1.0, 2: 5.0, 3: 5.0}[rank]
     # A rank still finishing step 1 when a peer fails in step 2 (rank 3 holds on until rank 2's
     # failure is published): its step 1 succeeded, and it fails in step 2, as the rest.
-    from meshgroups.elastic.verdict import failure_published
+    from meshgroups.elastic._verdict import failure_published
 
     epoch = el.epoch
     with el.step():

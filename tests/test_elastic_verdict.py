@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from meshgroups.elastic.verdict import (
+from meshgroups.elastic._verdict import (
     Heartbeat,
     StepAbortedError,
     agree_lost,
@@ -22,7 +22,7 @@ from meshgroups.elastic.verdict import (
     publish_failure,
 )
 from meshgroups.errors import ExcludedError
-from meshgroups.mesh.cohort import Cohort, current_cohort, use_cohort
+from meshgroups.mesh._cohort import Cohort, current_cohort, use_cohort
 
 from .support.timing import scaled
 
@@ -157,7 +157,7 @@ def test_cohorts():
 def _meet(master, members, ranks, watch, timeout, base):
     """``Meeting.agree`` of one meeting on each of ``ranks`` at once (threads); {rank: result or
     exception}. ``members`` may hold ranks that never come."""
-    from meshgroups.mesh.rendezvous import Meeting
+    from meshgroups.mesh._rendezvous import Meeting
 
     def one(r):
         meeting = Meeting(
@@ -170,11 +170,11 @@ def _meet(master, members, ranks, watch, timeout, base):
 
 def test_a_meeting_stops_waiting_for_a_rank_whose_heartbeat_stopped(store):
     """A cohort's meeting with a liveness probe: rank 3 never arrives and never beats (dead), so
-    ranks 0-2 raise the same RendezvousTimeout naming it as dead, without waiting out the
+    ranks 0-2 raise the same RendezvousTimeoutError naming it as dead, without waiting out the
     meeting's timeout (10 minutes here: a test that ends at all ended early). With every member
     present the probe never fires and the meeting passes."""
-    from meshgroups.elastic.verdict import Staleness
-    from meshgroups.errors import RendezvousTimeout
+    from meshgroups.elastic._verdict import Staleness
+    from meshgroups.errors import RendezvousTimeoutError
 
     beats = [Heartbeat(_client(store), r, scaled(0.05)) for r in (0, 1, 2)]
     try:
@@ -188,7 +188,7 @@ def test_a_meeting_stops_waiting_for_a_rank_whose_heartbeat_stopped(store):
             "t/rdzv/1/1",
         )
         for r in (0, 1, 2):
-            assert isinstance(out[r], RendezvousTimeout), out
+            assert isinstance(out[r], RendezvousTimeoutError), out
             assert "rank 3 died before the cross-rank check of test call #1" in str(out[r]), out[r]
             assert "heartbeat stopped" in str(out[r])
         # every rank present: the probe never fires, the meeting passes

@@ -81,7 +81,7 @@ def worker_replicated_kv(rank: int, world: int):
     import torch
 
     from meshgroups import Layout
-    from meshgroups.transfer.sync import WeightSync
+    from meshgroups.transfer._run.sync import WeightSync
 
     hd = 4
     torch.manual_seed(0)
@@ -129,7 +129,7 @@ def moe_params(tp: int, ep: bool, experts: tuple[int, ...]) -> list[Param]:
 
 
 def family(ep: int = 1, placement: str = "linear", experts: str = "packed"):
-    from meshgroups.transfer.families import hf_to_vllm
+    from meshgroups.transfer._names.families import hf_to_vllm
 
     cfg = {
         "model_type": "qwen3_moe",
@@ -198,8 +198,8 @@ def worker_stacked_experts(rank: int, world: int, ep: bool, placement: str):
     import torch
 
     from meshgroups import Layout
-    from meshgroups.transfer.stacking import expert_order
-    from meshgroups.transfer.sync import WeightSync
+    from meshgroups.transfer._names.stacking import expert_order
+    from meshgroups.transfer._run.sync import WeightSync
 
     torch.manual_seed(0)
     full = {

@@ -202,7 +202,7 @@ def main() -> None:
 
     from meshgroups import Layout
     from meshgroups.engines.vllm.trainer import LLMClient, VLLMWeightSync
-    from meshgroups.transfer.status import TransferError
+    from meshgroups.transfer._run.status import TransferError
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=900))
@@ -222,7 +222,7 @@ def main() -> None:
     cast = "bfloat16" if args.dtype == "bfloat16" else None
     family = None
     if args.family:
-        from meshgroups.transfer.families import hf_to_vllm
+        from meshgroups.transfer._names.families import hf_to_vllm
 
         family = hf_to_vllm(model.config)  # Transformers 5: packed experts
     if args.bad_family and family is not None:

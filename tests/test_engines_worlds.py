@@ -58,7 +58,7 @@ def worker_sync(rank: int, world: int, port_a: int, port_b: int, port_t: int, st
     from meshgroups import Layout
     from meshgroups.engines.worlds import TransferWorld
     from meshgroups.transfer import Shard, Weight
-    from meshgroups.transfer.sync import WeightSync
+    from meshgroups.transfer._run.sync import WeightSync
 
     own, _ = _own_world(rank, port_a, port_b)
     own_pg, own_count = c10d._world.default_pg, c10d._world.group_count
@@ -139,8 +139,8 @@ def worker_member_stops(rank: int, world: int, port_a: int, port_b: int, port_t:
     from meshgroups import Layout
     from meshgroups.engines.worlds import TransferWorld
     from meshgroups.transfer import Shard, Weight
-    from meshgroups.transfer.status import TransferError
-    from meshgroups.transfer.sync import WeightSync
+    from meshgroups.transfer._run.status import TransferError
+    from meshgroups.transfer._run.sync import WeightSync
 
     _own_world(rank, port_a, port_b)
     model = _models(rank)

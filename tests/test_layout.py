@@ -254,7 +254,7 @@ def test_layout_core_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, meshgroups, meshgroups.layout.core; meshgroups.Layout(a=2).groups('a'); assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, meshgroups, meshgroups.layout._core; meshgroups.Layout(a=2).groups('a'); assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -278,15 +278,15 @@ def test_docstring_examples_run():
     import doctest
 
     import meshgroups.errors
-    import meshgroups.layout.core
-    import meshgroups.layout.layout_topology
-    import meshgroups.layout.topology
+    import meshgroups.layout._core
+    import meshgroups.layout._layout_topology
+    import meshgroups.layout._topology
     from meshgroups import Layout, Topology
 
     for module in (
-        meshgroups.layout.core,
-        meshgroups.layout.layout_topology,
-        meshgroups.layout.topology,
+        meshgroups.layout._core,
+        meshgroups.layout._layout_topology,
+        meshgroups.layout._topology,
         meshgroups.errors,
     ):
         result = doctest.testmod(module, extraglobs={"Layout": Layout, "Topology": Topology})

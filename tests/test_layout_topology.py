@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from meshgroups import Layout, LayoutError, Topology, init_mesh, layout_of
-from meshgroups.render.formats import span_table
+from meshgroups.render._formats import span_table
 
 from .support.timing import scaled
 
@@ -270,7 +270,7 @@ def test_cli_place_show_topology_and_from_json(tmp_path):
 
 
 def test_place_says_whether_its_result_is_a_megatron_order_string():
-    from meshgroups.layout.order import megatron_order
+    from meshgroups.layout._order import megatron_order
 
     machine = Topology(node=4, domain=8)
     placed = Layout.place({"tp": 4, "dp": 2, "pp": 2}, machine, fast_first=["tp", "dp"])

@@ -62,7 +62,7 @@ def worker_retries(rank, world):
             raise RuntimeError("injected failure in group creation")
         return real_new_group(*args, **kwargs)
 
-    from meshgroups.mesh.torch_seam import held_group_count
+    from meshgroups.mesh._torch_seam import held_group_count
 
     for strategy in ("global", "local"):
         calls["n"] = 0
@@ -140,13 +140,13 @@ def test_failures_then_retries_never_cross_wire():
 def worker_late_and_missing(rank, world):
     import threading
 
-    from meshgroups import ConcurrentInitError, RendezvousTimeout, init_mesh
+    from meshgroups import ConcurrentInitError, RendezvousTimeoutError, init_mesh
 
     out = {}
     # 1. Rank 3 never arrives; no timeout given: the default group's (scaled(4) s) bounds the wait.
     if rank != 3:
         exc, elapsed = _timed(lambda: init_mesh(LAYOUT))
-        assert isinstance(exc, RendezvousTimeout), repr(exc)
+        assert isinstance(exc, RendezvousTimeoutError), repr(exc)
         assert "rank 3 never arrived" in str(exc), str(exc)
         assert 0.95 * scaled(4) <= elapsed < scaled(4 + 3), elapsed
         out["missing"] = elapsed
@@ -154,7 +154,7 @@ def worker_late_and_missing(rank, world):
         time.sleep(scaled(5))
         # Now it comes, late, for the same call: it must not pass alone.
         exc, elapsed = _timed(lambda: init_mesh(LAYOUT))
-        assert isinstance(exc, RendezvousTimeout), repr(exc)
+        assert isinstance(exc, RendezvousTimeoutError), repr(exc)
         assert "gave up waiting" in str(exc) and elapsed < scaled(1), (str(exc), elapsed)
     # 2. Everyone in step again: the next call works.
     with init_mesh(LAYOUT, flatten=FLATTEN, timeout=scaled(20)) as mg:
@@ -190,19 +190,19 @@ def test_late_missing_and_concurrent_calls():
 def worker_rank_dies(rank, world, victim):
     import os
 
-    from meshgroups import RendezvousTimeout, StoreConnectionError, init_mesh
+    from meshgroups import RendezvousTimeoutError, StoreConnectionError, init_mesh
 
     with init_mesh(LAYOUT, timeout=scaled(10)) as mg:
         verify_groups(mg, LAYOUT, rank)
     if rank == victim:
         os._exit(1)
     exc, elapsed = _timed(lambda: init_mesh(LAYOUT, timeout=scaled(3)))
-    expected = StoreConnectionError if victim == 0 else RendezvousTimeout
+    expected = StoreConnectionError if victim == 0 else RendezvousTimeoutError
     assert isinstance(exc, expected), repr(exc)
     if victim != 0:
         assert f"rank {victim} never arrived" in str(exc), str(exc)
         # rank 0 hosts the store: it waits for the other survivors before its process exits
-        from meshgroups.mesh.torch_seam import default_store
+        from meshgroups.mesh._torch_seam import default_store
 
         store = default_store()
         store.add("survivors_done", 1)
@@ -218,7 +218,7 @@ def worker_rank_dies(rank, world, victim):
 
 
 def test_a_rank_that_dies_is_reported_not_waited_for():
-    assert run(worker_rank_dies, 4, 3, timeout=90, may_exit={3})[:3] == ["RendezvousTimeout"] * 3
+    assert run(worker_rank_dies, 4, 3, timeout=90, may_exit={3})[:3] == ["RendezvousTimeoutError"] * 3
 
 
 def test_losing_the_store_host_is_not_a_timeout():
@@ -228,7 +228,7 @@ def test_losing_the_store_host_is_not_a_timeout():
 def _resources():
     import os
 
-    from meshgroups.mesh.torch_seam import default_store, held_group_count
+    from meshgroups.mesh._torch_seam import default_store, held_group_count
 
     return {
         "groups": held_group_count(),
@@ -298,7 +298,7 @@ def worker_dies_creating_groups(rank, world, victim):
     import torch.distributed as dist
 
     from meshgroups import init_mesh
-    from meshgroups.mesh.torch_seam import default_store
+    from meshgroups.mesh._torch_seam import default_store
 
     with init_mesh(LAYOUT, timeout=scaled(10)) as mg:
         verify_groups(mg, LAYOUT, rank)

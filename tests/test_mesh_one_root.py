@@ -29,7 +29,7 @@ def _no_group_outside_meshgroups(mg):
     """Every group this process holds is WORLD, one of meshgroups' or a pad; no two share ranks."""
     import torch.distributed as dist
 
-    from meshgroups.mesh.torch_seam import held_group_count
+    from meshgroups.mesh._torch_seam import held_group_count
 
     groups = mg.cache.groups()
     ranks = [tuple(dist.get_process_group_ranks(g)) for g in groups]

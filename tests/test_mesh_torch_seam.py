@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshgroups.mesh.torch_seam import internals
+from meshgroups.mesh._torch_seam import internals
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,7 +69,7 @@ def test_a_field_torchs_constructor_adds_is_refused_at_import_by_name():
 def test_an_overridden_method_whose_torch_signature_changed_is_refused_by_name():
     from torch.distributed.device_mesh import DeviceMesh
 
-    from meshgroups.mesh.torch_seam import RootedMesh
+    from meshgroups.mesh._torch_seam import RootedMesh
 
     assert internals.signature_mismatches(RootedMesh) == []
     internals.check_overrides(RootedMesh)
@@ -110,7 +110,7 @@ def fake_world():
 
 
 def test_the_self_test_passes_here_and_reads_a_wrong_rank_map_and_a_missing_field(fake_world):
-    from meshgroups.mesh.torch_seam import behaviour, rooted_mesh
+    from meshgroups.mesh._torch_seam import behaviour, rooted_mesh
 
     assert behaviour.differences() == []
 
@@ -144,7 +144,7 @@ def test_the_self_test_passes_here_and_reads_a_wrong_rank_map_and_a_missing_fiel
 
 
 def test_the_self_test_refuses_by_name_when_it_fails(fake_world, monkeypatch):
-    from meshgroups.mesh.torch_seam import behaviour
+    from meshgroups.mesh._torch_seam import behaviour
 
     monkeypatch.setattr(behaviour, "differences", lambda: ["the root: an example difference"])
     behaviour.self_test.cache_clear()
@@ -188,9 +188,9 @@ def test_split_keeps_any_row_order_where_torch_does():
     """torch 2.13's split_group sorts each group's ranks; 2.14 and later keep the list's order."""
     from meshgroups import Layout
     from meshgroups.errors import MeshConfigError
-    from meshgroups.mesh.plan import make_plan
-    from meshgroups.mesh.strategies import refuse_unsorted
-    from meshgroups.mesh.torch_seam import SPLIT_GROUP_SORTS
+    from meshgroups.mesh._plan import make_plan
+    from meshgroups.mesh._strategies import refuse_unsorted
+    from meshgroups.mesh._torch_seam import SPLIT_GROUP_SORTS
 
     version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     assert SPLIT_GROUP_SORTS is (version < (2, 14))
@@ -232,7 +232,7 @@ def test_every_private_torch_import_is_in_the_seam():
     offenders = []
     for folder in ("meshgroups", "compat"):
         for path in sorted((ROOT / folder).rglob("*.py")):
-            if "torch_seam" in path.parts:
+            if "_torch_seam" in path.parts:
                 continue
             offenders += _private_torch_imports(path)
     assert offenders == [], offenders

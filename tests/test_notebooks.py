@@ -262,7 +262,7 @@ def test_plot_keeps_title_and_labels_inside_the_figure(make):
     inline backend crops to everything drawn). Nothing drawn may stick out of the figure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from meshgroups.render.formats import plot
+    from meshgroups.render._formats import plot
 
     lay = make()
     for color_by in (lay.names[-1], lay.names[:2]):
@@ -279,7 +279,7 @@ def test_every_notebook_is_tested():
 
 
 def test_layout_explorer_widget_reacts_to_its_controls():
-    from meshgroups.render.widgets import layout_explorer
+    from meshgroups.render._widgets import layout_explorer
 
     box = layout_explorer(world=16, pp=2, cp=1, tp=4, ranks_per_node=8)
     assert "Layout(pp=2, dp=2, cp=1, tp=4)" in box.output.value

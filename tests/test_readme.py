@@ -411,7 +411,7 @@ def test_shell_command_gives_the_output_shown(cmd, tmp_path):
 def test_plot_without_matplotlib_says_what_the_docs_say(tmp_path):
     """Without the plot extra, `plot` prints an install hint; the CLI page quotes that hint."""
     hide = (
-        "import sys; sys.modules['matplotlib'] = None; from meshgroups.cli.app import main; sys.exit(main())"
+        "import sys; sys.modules['matplotlib'] = None; from meshgroups.cli._app import main; sys.exit(main())"
     )
     out = subprocess.run(
         [sys.executable, "-c", hide, "plot", "tp=2", "-o", "x.png"],

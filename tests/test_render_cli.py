@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from meshgroups import Layout
-from meshgroups.cli.app import main
-from meshgroups.render.formats import group_ids, html, plot, text
+from meshgroups.cli._app import main
+from meshgroups.render._formats import group_ids, html, plot, text
 
 from .support.timing import scaled
 
@@ -73,7 +73,7 @@ def test_drawings_show_a_window_of_columns_too():
 
 
 def test_demo_checks_its_python_arguments():
-    from meshgroups.cli.demo import check_args
+    from meshgroups.cli._demo import check_args
 
     with pytest.raises(ValueError, match="the layout has 4 ranks"):
         check_args(Layout(dp=2, tp=2), 8, "global", 60.0)
@@ -200,7 +200,7 @@ def test_cli_demo_joins_torchrun():
 
 
 def test_demo_report_names_the_failing_group():
-    from meshgroups.cli.demo import report
+    from meshgroups.cli._demo import report
 
     results = [
         {"rank": 0, "build_seconds": 0.01, "checks": 2, "failures": []},
@@ -265,16 +265,16 @@ def test_cli_output_cut_by_a_closed_pipe_prints_no_traceback():
 def test_render_docstring_examples_run():
     import doctest
 
-    import meshgroups.render.figure
-    import meshgroups.render.formats
-    import meshgroups.render.spans
-    import meshgroups.render.window
+    import meshgroups.render._figure
+    import meshgroups.render._formats
+    import meshgroups.render._spans
+    import meshgroups.render._window
 
     modules = (
-        meshgroups.render.window,
-        meshgroups.render.formats,
-        meshgroups.render.figure,
-        meshgroups.render.spans,
+        meshgroups.render._window,
+        meshgroups.render._formats,
+        meshgroups.render._figure,
+        meshgroups.render._spans,
     )
     results = [doctest.testmod(m) for m in modules]
     assert all(r.failed == 0 for r in results) and sum(r.attempted for r in results) >= 1

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from meshgroups import Layout, Topology
-from meshgroups.cli.app import main
+from meshgroups.cli._app import main
 from meshgroups.transfer import NameMap, Shard, Weight, plan_transfer
-from meshgroups.transfer.conventions import vllm_map
-from meshgroups.transfer.presets import model_config, model_weights
+from meshgroups.transfer._names.conventions import vllm_map
+from meshgroups.transfer._names.presets import model_config, model_weights
 
 
 def _json(capsys, *argv):
@@ -132,11 +132,11 @@ def test_presets_are_public_and_torch_free():
     import subprocess
     import sys
 
-    from meshgroups.cli import transfer as _cli_transfer
-    from meshgroups.transfer import presets
+    from meshgroups.cli import _transfer as _cli_transfer
+    from meshgroups.transfer._names import presets
 
     assert _cli_transfer.model_weights is presets.model_weights
-    code = "import sys, meshgroups.transfer.presets; assert 'torch' not in sys.modules"
+    code = "import sys, meshgroups.transfer._names.presets; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
     with pytest.raises(ValueError, match="unknown model 'gpt-5'; models are tiny"):
         presets.model_weights("gpt-5", Layout(tp=2))
@@ -149,7 +149,7 @@ def test_the_notebook_uses_public_names_only():
 
     book = json.loads((pathlib.Path(__file__).parents[1] / "notebooks" / "weight_transfer.ipynb").read_text())
     code = "\n".join("".join(c["source"]) for c in book["cells"] if c["cell_type"] == "code")
-    assert "from meshgroups.transfer.presets import model_weights" in code
+    assert "from meshgroups.transfer import model_weights" in code
     assert "meshgroups._" not in code  # no private module
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from meshgroups import Layout, LayoutError, Topology
 from meshgroups.transfer import NameMap, plan_transfer
-from meshgroups.transfer.conventions import (
+from meshgroups.transfer._names.conventions import (
     ModelConfig,
     hf_to_megatron,
     layer_names,
@@ -17,7 +17,7 @@ from meshgroups.transfer.conventions import (
     preset_map,
     vllm_map,
 )
-from meshgroups.transfer.presets import model_config, model_weights
+from meshgroups.transfer._names.presets import model_config, model_weights
 
 from .support.mapped_oracle import check_mapped, check_mapped_local
 

@@ -28,8 +28,8 @@ def _fsdp_tp(rank):
 
     from meshgroups import Topology
     from meshgroups.transfer import Replicate, Shard, Weight, plan_transfer
-    from meshgroups.transfer.jobs import init_job
-    from meshgroups.transfer.torch_io import module_weights
+    from meshgroups.transfer._run.jobs import init_job
+    from meshgroups.transfer._run.torch_io import module_weights
 
     trainer, rollout = Layout(dp_shard=2, tp=2), Layout(tp=4, rank_offset=4)
     torch.manual_seed(7)
@@ -46,7 +46,7 @@ def _fsdp_tp(rank):
             fully_shard(model, mesh=mesh["dp_shard"])
         src = module_weights(model if rank < 4 else None, trainer)
         if rank < 4:  # local checks of the mesh against the layout (no collective)
-            from meshgroups.transfer.torch_io import local_weights
+            from meshgroups.transfer._run.torch_io import local_weights
 
             with pytest.raises(LayoutError, match="mesh dim 'dp_shard' is not a dim of the layout"):
                 local_weights(model, Layout(dp=2, tp=2))
@@ -87,8 +87,8 @@ def _pipeline_permuted(rank):
     from torch.distributed.tensor import distribute_tensor
 
     from meshgroups.transfer import Replicate, Shard, Weight, plan_transfer
-    from meshgroups.transfer.jobs import init_job
-    from meshgroups.transfer.torch_io import module_weights
+    from meshgroups.transfer._run.jobs import init_job
+    from meshgroups.transfer._run.torch_io import module_weights
 
     trainer = Layout.from_grid([[3, 0], [1, 2]], ("pp", "tp"))  # permuted: stage 0 is ranks 3, 0
     rollout = Layout.from_grid([[6, 4], [7, 5]], ("dp", "tp"))  # non-contiguous, ranks decrease
@@ -124,7 +124,7 @@ def _experts(rank):
     """Experts ep=4 (uneven: 6 experts, the last rank holds none) -> ep=2 × etp=2, rank plans."""
     from meshgroups import Topology
     from meshgroups.transfer import Shard, Weight, plan_transfer
-    from meshgroups.transfer.jobs import init_job
+    from meshgroups.transfer._run.jobs import init_job
 
     trainer, rollout = Layout(ep=4), Layout(ep=2, etp=2, rank_offset=4)
     src_w = [
@@ -157,7 +157,7 @@ def _cut_pieces(rank):
     rollout reassembles them from its rank's own part of the plan."""
     from meshgroups import Topology
     from meshgroups.transfer import Replicate, Shard, Weight, plan_transfer
-    from meshgroups.transfer.jobs import init_job
+    from meshgroups.transfer._run.jobs import init_job
 
     trainer, rollout = Layout(dp=4), Layout(tp=2, dp=2, rank_offset=4)
     src_w = [Weight("a", (13, 7)), Weight("b", (9, 11)), Weight("c", (5,))]
@@ -190,7 +190,7 @@ def _cut_pieces(rank):
 def worker_disjoint(rank, world):
     import torch.distributed as dist
 
-    from meshgroups.mesh.torch_seam import held_group_count
+    from meshgroups.mesh._torch_seam import held_group_count
 
     held = held_group_count()
     out = {"fsdp_tp": _fsdp_tp(rank), "pipeline": _pipeline_permuted(rank), "experts": _experts(rank)}
@@ -213,7 +213,7 @@ def test_disjoint_layouts_world8():
 
 # ------------------------------------------------------------------------------- no processes
 def test_sharing_rules_name_a_rank():
-    from meshgroups.transfer.jobs import check_sharing
+    from meshgroups.transfer._run.jobs import check_sharing
 
     check_sharing({"t": Layout(tp=4), "r": Layout.from_grid([[5, 7], [4, 6]], ("dp", "tp"))}, "disjoint")
     with pytest.raises(LayoutError, match="share rank 6"):
@@ -227,7 +227,7 @@ def test_sharing_rules_name_a_rank():
 
 def test_buckets_cut_rows_and_pack_whole_weights():
     from meshgroups.transfer import Weight
-    from meshgroups.transfer.buckets import Buckets
+    from meshgroups.transfer._run.buckets import Buckets
 
     ws = [Weight("a", (4, 2)), Weight("b", (10, 2)), Weight("c", ()), Weight("d", (1, 100))]
     b = Buckets.of(ws, bucket_bytes=40)
@@ -241,13 +241,13 @@ def test_buckets_cut_rows_and_pack_whole_weights():
 @pytest.mark.parametrize(
     "module",
     [
-        "meshgroups.transfer.buckets",
-        "meshgroups.transfer.jobs",
-        "meshgroups.transfer.fanout_groups",
-        "meshgroups.transfer.status",
-        "meshgroups.transfer.presets",
-        "meshgroups.transfer.steps",
-        "meshgroups.transfer.packing",
+        "meshgroups.transfer._run.buckets",
+        "meshgroups.transfer._run.jobs",
+        "meshgroups.transfer._run.fanout_groups",
+        "meshgroups.transfer._run.status",
+        "meshgroups.transfer._names.presets",
+        "meshgroups.transfer._run.steps",
+        "meshgroups.transfer._run.packing",
     ],
 )
 def test_docstring_examples(module):

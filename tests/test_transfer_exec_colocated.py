@@ -23,10 +23,10 @@ def _checked_calls(rank, out):
     import torch
 
     from meshgroups import MeshConfigError, MismatchError, Topology
-    from meshgroups.mesh.torch_seam import held_group_count
+    from meshgroups.mesh._torch_seam import held_group_count
     from meshgroups.transfer import Shard, Weight, plan_transfer
-    from meshgroups.transfer.execute import TransferError, execute
-    from meshgroups.transfer.jobs import init_job
+    from meshgroups.transfer._run.execute import TransferError, execute
+    from meshgroups.transfer._run.jobs import init_job
 
     held = held_group_count()
     # init_job is one collective call, checked across ranks: rank 1 alone passes sharing="any"
@@ -82,8 +82,8 @@ def _colocated_and_failures(rank, out):
     import torch.distributed as dist
 
     from meshgroups.transfer import Replicate, Shard, Weight, plan_transfer
-    from meshgroups.transfer.execute import TransferError, execute
-    from meshgroups.transfer.jobs import init_job
+    from meshgroups.transfer._run.execute import TransferError, execute
+    from meshgroups.transfer._run.jobs import init_job
 
     trainer, rollout = Layout(dp=4, tp=2), Layout(dp=2, tp=4)
     src_w = [
@@ -182,8 +182,8 @@ def _legacy(rank, world, out):
     from meshgroups.compat.group_initializer import WeightTransferGroupInitializer, reset_group_cache
 
     from meshgroups.transfer import Weight, plan_transfer
-    from meshgroups.transfer.execute import execute
-    from meshgroups.transfer.jobs import init_job
+    from meshgroups.transfer._run.execute import execute
+    from meshgroups.transfer._run.jobs import init_job
 
     # legacy WeightTransferGroupInitializer: one group of the sender and every receiver is the
     # plan's single fan-out when trainer rank 0 alone holds the weights (rank 7: in neither
@@ -221,8 +221,8 @@ def _tags_on_a_live_group(rank, out):
     import torch.distributed as dist
 
     from meshgroups.transfer import Weight, plan_transfer
-    from meshgroups.transfer.execute import TransferError, execute
-    from meshgroups.transfer.status import next_tag
+    from meshgroups.transfer._run.execute import TransferError, execute
+    from meshgroups.transfer._run.status import next_tag
 
     # tags on a live group (the default one: no groups): rank 5 fails before it posts its
     # receive of bucket 0, rank 2 posts its send and fails before waiting on it. Nobody waits,
@@ -262,7 +262,7 @@ def _tags_on_a_live_group(rank, out):
 def worker_colocated(rank, world):
     import time
 
-    from meshgroups.transfer.execute import TransferError, execute
+    from meshgroups.transfer._run.execute import TransferError, execute
 
     out = {}
     _checked_calls(rank, out)

@@ -1,4 +1,4 @@
-"""Ready-made maps of real model families (``meshgroups.transfer.families``) against the real
+"""Ready-made maps of real model families (``meshgroups.transfer._names.families``) against the real
 ``transformers`` model classes, built from tiny configs (``from_config``, random init, no
 download): the trainer's names and shapes are the class's own; the rollout's are vLLM's names
 with the shapes derived here from the class's (fused q/k/v, gate/up, MLA's ``fused_qkv_a_proj``,
@@ -12,7 +12,7 @@ import pytest
 
 from meshgroups import Layout, Topology
 from meshgroups.transfer import NameMap, Shard, Weight, plan_transfer
-from meshgroups.transfer.families import hf_to_vllm, moe_layers
+from meshgroups.transfer._names.families import hf_to_vllm, moe_layers
 
 from .support.family_configs import config, hf_shapes
 from .support.moe_oracle import check_moe

@@ -1,4 +1,4 @@
-"""Megatron-Core ↔ Hugging Face maps of real families (``meshgroups.transfer.families_megatron``).
+"""Megatron-Core ↔ Hugging Face maps of real families (``meshgroups.transfer._names.families_megatron``).
 
 Hugging Face names and shapes are the real ``transformers`` classes' (tiny configs,
 ``from_config``, no download). Megatron's are megatron-core 0.16.1's own, from a ``GPTModel``
@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 from meshgroups import Layout, Topology
 from meshgroups.transfer import NameMap, Shard, Weight, plan_transfer
-from meshgroups.transfer.families_megatron import hf_to_megatron_family, megatron_to_hf_family
+from meshgroups.transfer._names.families_megatron import hf_to_megatron_family, megatron_to_hf_family
 
 from .support import megatron_family_names as mfn
 from .support.family_configs import config, hf_shapes

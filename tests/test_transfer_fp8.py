@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from meshgroups import Layout, Topology
 from meshgroups.errors import LayoutError
 from meshgroups.transfer import NameMap, Shard, Weight, plan_transfer
-from meshgroups.transfer.fp8 import block_scales, quantize_blocks
-from meshgroups.transfer.quant import BlockFP8
-from meshgroups.transfer.stacking import expert_order, stack_experts
+from meshgroups.transfer._names.quant import BlockFP8
+from meshgroups.transfer._names.stacking import expert_order, stack_experts
+from meshgroups.transfer._run.fp8 import block_scales, quantize_blocks
 
 from .support.fp8_oracle import check_fp8, reference_quantize
 

@@ -221,7 +221,7 @@ def test_docstring_examples(module: str) -> None:
     import doctest
     import importlib
 
-    result = doctest.testmod(importlib.import_module(f"meshgroups.transfer.{module}"))
+    result = doctest.testmod(importlib.import_module(f"meshgroups.transfer._names.{module}"))
     assert result.attempted > 0 and result.failed == 0
 
 

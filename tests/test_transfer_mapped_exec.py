@@ -16,7 +16,7 @@ def _job(rank: int, world: int) -> int:
 
     from meshgroups import Layout, Topology
     from meshgroups.transfer import Shard, Weight, plan_transfer
-    from meshgroups.transfer.execute import execute
+    from meshgroups.transfer._run.execute import execute
 
     h = 4
     trainer, rollout = Layout(tp=2), Layout(tp=2, rank_offset=2)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from meshgroups import Layout, Topology
 from meshgroups.errors import LayoutError
 from meshgroups.transfer import NameMap, Shard, Weight, plan_transfer
-from meshgroups.transfer.stacking import Stack, expert_order, stack_experts
+from meshgroups.transfer._names.stacking import Stack, expert_order, stack_experts
 
 from .support.moe_oracle import check_moe, moe_worlds
 

@@ -38,7 +38,7 @@ def _trainer_shapes() -> dict:
 
 def _rollout_weights(fp8: bool) -> list:
     from meshgroups.transfer import Shard, Weight
-    from meshgroups.transfer.quant import BlockFP8
+    from meshgroups.transfer._names.quant import BlockFP8
 
     q = BlockFP8()
     dense = "bfloat16"
@@ -106,11 +106,11 @@ def _job(rank: int, world: int) -> dict:
 
     from meshgroups import Layout, Topology
     from meshgroups.transfer import Shard, Weight
-    from meshgroups.transfer.families import hf_to_vllm
-    from meshgroups.transfer.jobs import init_job
-    from meshgroups.transfer.quant import BlockFP8
-    from meshgroups.transfer.stacking import expert_order
-    from meshgroups.transfer.sync import WeightSync
+    from meshgroups.transfer._names.families import hf_to_vllm
+    from meshgroups.transfer._names.quant import BlockFP8
+    from meshgroups.transfer._names.stacking import expert_order
+    from meshgroups.transfer._run.jobs import init_job
+    from meshgroups.transfer._run.sync import WeightSync
 
     trainer, rollout = Layout(ep=2, tp=2), Layout(ep=2, rank_offset=4)
     shapes = _trainer_shapes()

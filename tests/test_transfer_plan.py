@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from meshgroups import Layout, LayoutError, Topology
 from meshgroups.transfer import Message, Replicate, Shard, Weight, plan_transfer
-from meshgroups.transfer.spec import chunk
+from meshgroups.transfer._spec import chunk
 
 from .support.transfer_oracle import (
     T4,
@@ -234,13 +234,18 @@ def test_plan_against_brute_force(
 
 
 @pytest.mark.parametrize(
-    "module", ["__init__", "spec", "shards", "assign", "choose", "routes", "stats", "plan", "stream"]
+    "module",
+    [
+        "",
+        "._spec",
+        *(f"._plan.{m}" for m in ("shards", "assign", "choose", "routes", "stats", "plan", "stream")),
+    ],
 )
 def test_docstring_examples(module: str) -> None:
     import doctest
     import importlib
 
-    name = "meshgroups.transfer" + ("" if module == "__init__" else f".{module}")
+    name = f"meshgroups.transfer{module}"
     result = doctest.testmod(importlib.import_module(name))
     assert result.attempted > 0 and result.failed == 0
 

@@ -72,9 +72,9 @@ def _disjoint(rank, out):
     import torch
 
     from meshgroups import Topology
-    from meshgroups.transfer.conventions import vllm_map
-    from meshgroups.transfer.jobs import init_job
-    from meshgroups.transfer.sync import WeightSync
+    from meshgroups.transfer._names.conventions import vllm_map
+    from meshgroups.transfer._run.jobs import init_job
+    from meshgroups.transfer._run.sync import WeightSync
 
     trainer, rollout = Layout(dp_shard=2, tp=2), Layout(dp=2, tp=2, rank_offset=4)
     model = make_trainer()
@@ -198,9 +198,9 @@ def _colocated(rank, out):
     import torch.distributed as dist
 
     from meshgroups.transfer import Shard, Weight
-    from meshgroups.transfer.execute import TransferError
-    from meshgroups.transfer.jobs import init_job
-    from meshgroups.transfer.sync import WeightSync
+    from meshgroups.transfer._run.execute import TransferError
+    from meshgroups.transfer._run.jobs import init_job
+    from meshgroups.transfer._run.sync import WeightSync
 
     trainer, rollout = Layout(dp_shard=4, tp=2), Layout(dp=4, tp=2)
     shapes = {n: tuple(t.shape) for n, t in rollout_local(1, torch.float32).items()}  # global shapes
@@ -310,7 +310,7 @@ def _cast_at_the_sender(rank, out):
 
     from meshgroups import Topology
     from meshgroups.transfer import Weight, plan_transfer
-    from meshgroups.transfer.execute import execute
+    from meshgroups.transfer._run.execute import execute
 
     one = Layout.from_grid(np.array([0]), ("tp",))
     many = Layout.from_grid(np.array([0, 4, 5, 6]), ("dp",))  # rank 0: a local copy
@@ -337,7 +337,7 @@ def _cast_at_the_sender(rank, out):
 def worker(rank, world):
     import torch.distributed as dist
 
-    from meshgroups.mesh.torch_seam import held_group_count
+    from meshgroups.mesh._torch_seam import held_group_count
 
     held = held_group_count()
     out: dict = {}
@@ -371,7 +371,7 @@ def test_weight_sync_world8():
 def test_describe_sees_what_a_plan_depends_on_and_nothing_else():
     import torch
 
-    from meshgroups.transfer.sync_state import describe, local_tensors
+    from meshgroups.transfer._run.sync_state import describe, local_tensors
 
     t = torch.zeros(4, 2)
     before = describe({"w": t, "b": torch.zeros(3)})
@@ -392,7 +392,7 @@ def test_describe_sees_what_a_plan_depends_on_and_nothing_else():
 
 
 def test_weight_sync_needs_a_process_group():
-    from meshgroups.transfer.sync import WeightSync
+    from meshgroups.transfer._run.sync import WeightSync
 
     with pytest.raises(RuntimeError, match="initialised default process group"):
         WeightSync(None, Layout(tp=1), None, Layout(tp=1))
@@ -401,7 +401,7 @@ def test_weight_sync_needs_a_process_group():
 def test_docstring_examples():
     import doctest
 
-    from meshgroups.transfer import sync_state
+    from meshgroups.transfer._run import sync_state
 
     result = doctest.testmod(sync_state, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

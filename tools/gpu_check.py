@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from meshgroups import Layout
-from meshgroups.cli.demo import run_checks
+from meshgroups.cli import run_checks
 
 
 def layouts(world: int) -> list[tuple[str, Layout]]:

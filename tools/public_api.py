@@ -1,11 +1,12 @@
 """The public surface of meshgroups, read from the code, never listed by hand: one source for the
 API reference (``tools/mkdocs_hooks.py``) and for the docstring test (``tests/test_docstrings.py``).
 
-Public means what each package says in its ``__all__``: the packages ``meshgroups``, its
+Public means what each package front says in its ``__all__``: the package ``meshgroups``, its
 subpackages without a leading underscore (``layout``, ``mesh``, ``elastic``, ``transfer``,
-``render``, ``cli``), ``meshgroups.compat``, and the few modules users are told to import by
-their path (``MODULES``: the typed errors, the transfer presets and conventions, compat's
-drop-in modules, whose paths are the legacy APIs' own). A public module without ``__all__`` is an
+``engines``, ``cost``, ``render``, ``cli``), ``meshgroups.compat``, and the few modules users
+are told to import by their path (``MODULES``: the typed errors and compat's drop-in modules,
+whose paths are the legacy APIs' own). Implementation modules are private (a leading
+underscore, or a private folder) and never listed. A public module without ``__all__`` is an
 error. An object is listed once, where it is first met (a package before its modules), so
 ``meshgroups.Layout`` is not listed again under ``meshgroups.layout``.
 
@@ -24,9 +25,6 @@ ROOT = "meshgroups"
 # Modules (not packages) whose path users import: their own ``__all__`` is public too.
 MODULES = (
     "meshgroups.errors",
-    "meshgroups.layout.checks",
-    "meshgroups.transfer.conventions",
-    "meshgroups.transfer.presets",
     "meshgroups.compat.group_initializer",
     "meshgroups.compat.megatron",
     "meshgroups.compat.megatron_layout",
@@ -34,8 +32,8 @@ MODULES = (
     "meshgroups.compat.process_groups_config",
 )
 SKIP_MODULES = {"meshgroups.__main__"}
-# The one place private torch APIs are used: shared by the subsystems, not offered to users.
-INTERNAL_PACKAGES = {"meshgroups.mesh.torch_seam"}
+# Packages without a leading underscore that are still not offered to users.
+INTERNAL_PACKAGES: set[str] = set()
 
 
 def public_packages() -> list[str]:

@@ -1,5 +1,5 @@
-"""``python -m meshgroups``: the command line (``app.py``: the parser and ``main``; one module
-per subcommand family: ``elastic.py``, ``transfer.py``; ``demo.py``: the demo job; ``args.py``:
+"""``python -m meshgroups``: the command line (``_app``: the parser and ``main``; one private module
+per subcommand family: ``_elastic``, ``_transfer``, ``_cost``; ``_demo``: the demo job; ``_args``:
 strict command-line values)::
 
     >>> from meshgroups.cli import main
@@ -9,6 +9,9 @@ strict command-line values)::
 
 from __future__ import annotations
 
-from meshgroups.cli.app import main
+from meshgroups.cli._app import main
+from meshgroups.cli._demo import run_checks
 
 __all__ = ["main"]
+
+# Not in __all__: the demo's per-rank checks, for tools/gpu_check.py.

@@ -22,8 +22,8 @@ from .calls import Collective, collectives
 from .enumerate import Candidate, enumerate_layouts
 from .memory import RankMemory, activation_bytes_per_layer, peak_memory, rank_memory
 from .model import PRESETS, Model, preset
-from .report import cost_report, table
-from .roles import Parallelism, Precision, bubble_fraction
+from .report import SORT_KEYS, cost_report, format_bytes, sort_candidates, table
+from .roles import DTYPE_BYTES, ROLES, Parallelism, Precision, bubble_fraction
 from .traffic import Traffic, traffic
 
 __all__ = [
@@ -46,3 +46,5 @@ __all__ = [
     "table",
     "traffic",
 ]
+
+# Not in __all__: for the CLI's cost command (the sort keys, byte formatting, dtypes, roles).

@@ -15,7 +15,8 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from meshgroups.elastic.plans import (
+from meshgroups import _deprecated
+from meshgroups.elastic._plans import (
     REPLICATE_DIMS,
     FamilyChange,
     RecoveryError,
@@ -28,20 +29,20 @@ from meshgroups.elastic.plans import (
 )
 
 if TYPE_CHECKING:
-    from meshgroups.elastic.elastic_mesh import Elastic
-    from meshgroups.elastic.heal import fill_replicas, init_optimizer_state, training_state
-    from meshgroups.elastic.recover import mesh_options, rebuild
-    from meshgroups.elastic.verdict import Verdict, agree_lost
+    from meshgroups.elastic._elastic_mesh import Elastic
+    from meshgroups.elastic._heal import fill_replicas, init_optimizer_state, training_state
+    from meshgroups.elastic._recover import mesh_options, rebuild
+    from meshgroups.elastic._verdict import Verdict, agree_lost
 
 _TORCH_SIDE = {
-    "Elastic": "elastic_mesh",
-    "fill_replicas": "heal",
-    "init_optimizer_state": "heal",
-    "training_state": "heal",
-    "mesh_options": "recover",
-    "rebuild": "recover",
-    "Verdict": "verdict",
-    "agree_lost": "verdict",
+    "Elastic": "_elastic_mesh",
+    "fill_replicas": "_heal",
+    "init_optimizer_state": "_heal",
+    "training_state": "_heal",
+    "mesh_options": "_recover",
+    "rebuild": "_recover",
+    "Verdict": "_verdict",
+    "agree_lost": "_verdict",
 }
 __all__ = [
     "REPLICATE_DIMS",
@@ -67,4 +68,4 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name in _TORCH_SIDE:
         return getattr(import_module(f"meshgroups.elastic.{_TORCH_SIDE[name]}"), name)
-    raise AttributeError(f"module 'meshgroups.elastic' has no attribute {name!r}")
+    return _deprecated.old_name(__name__, name)

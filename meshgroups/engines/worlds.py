@@ -15,7 +15,7 @@ created, destroyed or changed by it::
     >>> with world.active():                              # meshgroups runs in the transfer world
     ...     sync = WeightSync(...)                                          # doctest: +SKIP
 
-**Why ``active()``.** ``meshgroups.transfer.execute`` (and the collective protocol of
+**Why ``active()``.** ``meshgroups.transfer._run.execute`` (and the collective protocol of
 ``WeightSync`` / ``TransferGroups``) address ranks through ``dist.get_rank()`` and the default
 group and store, with no parameter for another world's rank. Rather than a second copy of the
 transfer, ``active()`` makes the transfer world the process's *default* world for the duration
@@ -38,14 +38,15 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from meshgroups.errors import MeshConfigError, StoreConnectionError
-from meshgroups.mesh.cohort import use_cohort
-from meshgroups.mesh.collective import call_numbering, set_call_numbering
-from meshgroups.mesh.torch_seam.worlds import (
+from meshgroups.mesh import (
+    call_numbering,
     default_world,
     register_world,
+    set_call_numbering,
     set_default_world,
     standalone_group,
     unregister_world,
+    use_cohort,
 )
 
 #: Group names of transfer worlds start here: torch registers every group by name, and a

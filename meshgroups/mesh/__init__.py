@@ -1,14 +1,15 @@
 """The torch bridge: a ``Layout`` becomes ``torch.distributed`` process groups and one root
 ``DeviceMesh``, each distinct rank set created once.
 
-Three steps, a module each: a torch-free plan (``plan.py``) → a creation strategy
-(``strategies.py``) → the ``MeshGroups`` result (``mesh_groups.py``); every collective entry point
-follows one protocol (``collective.py``), over the live ranks (``cohort.py``); private torch APIs
-only in ``torch_seam/``. The names load torch on first use, so ``import meshgroups.mesh`` is cheap::
+Three steps, a private module each: a torch-free plan (``_plan``) → a creation strategy
+(``_strategies``) → the ``MeshGroups`` result (``_mesh_groups``); every collective entry point
+follows one protocol (``_collective``), over the live ranks (``_cohort``); private torch APIs
+only in ``_torch_seam/``. Everything a user calls is imported from here, and loads torch on first
+use, so ``import meshgroups.mesh`` is cheap::
 
     >>> import meshgroups.mesh
     >>> sorted(meshgroups.mesh.__all__)[:3]
-    ['Cohort', 'GroupCache', 'GroupSpec']
+    ['Cohort', 'GroupCache', 'MeshGroups']
 """
 
 from __future__ import annotations
@@ -16,35 +17,79 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from meshgroups.mesh.cohort import Cohort, current_cohort, use_cohort
-    from meshgroups.mesh.collective import collective_call, collective_entry, publish_refusal
-    from meshgroups.mesh.groups import GroupCache
-    from meshgroups.mesh.mesh_groups import MeshGroups, init_mesh, layout_of, set_group_timeout
-    from meshgroups.mesh.options import MeshOptions
-    from meshgroups.mesh.plan import GroupSpec
-    from meshgroups.mesh.strategies import Strategy
+from meshgroups import _deprecated
 
+if TYPE_CHECKING:
+    from meshgroups.mesh._cohort import Cohort, current_cohort, set_cohort, use_cohort
+    from meshgroups.mesh._collective import (
+        Call,
+        call_numbering,
+        collective_call,
+        collective_entry,
+        publish_refusal,
+        set_call_numbering,
+    )
+    from meshgroups.mesh._groups import GroupCache, GroupKey
+    from meshgroups.mesh._mesh_groups import MeshGroups, init_mesh, layout_of, set_group_timeout
+    from meshgroups.mesh._options import MeshOptions
+    from meshgroups.mesh._plan import SubsetSpec, as_timedelta
+    from meshgroups.mesh._strategies import Strategy
+    from meshgroups.mesh._torch_seam import (
+        StridedShard,
+        default_backend_name,
+        default_store,
+        default_timeout,
+        group_sequence,
+        shrink_nccl_group,
+    )
+    from meshgroups.mesh._torch_seam.worlds import (
+        default_world,
+        register_world,
+        set_default_world,
+        standalone_group,
+        unregister_world,
+    )
+
+# name -> its private module, imported on first use (the public names first, then the ones
+# meshgroups' packages above this one take from here: the collective protocol's pieces, the
+# torch seam's helpers; not in __all__).
 _WHERE = {
-    "Cohort": "cohort",
-    "current_cohort": "cohort",
-    "use_cohort": "cohort",
-    "collective_call": "collective",
-    "collective_entry": "collective",
-    "publish_refusal": "collective",
-    "GroupCache": "groups",
-    "MeshGroups": "mesh_groups",
-    "init_mesh": "mesh_groups",
-    "layout_of": "mesh_groups",
-    "set_group_timeout": "mesh_groups",
-    "MeshOptions": "options",
-    "GroupSpec": "plan",
-    "Strategy": "strategies",
+    "Cohort": "_cohort",
+    "current_cohort": "_cohort",
+    "use_cohort": "_cohort",
+    "collective_call": "_collective",
+    "collective_entry": "_collective",
+    "publish_refusal": "_collective",
+    "GroupCache": "_groups",
+    "MeshGroups": "_mesh_groups",
+    "init_mesh": "_mesh_groups",
+    "layout_of": "_mesh_groups",
+    "set_group_timeout": "_mesh_groups",
+    "MeshOptions": "_options",
+    "Strategy": "_strategies",
+    # internal
+    "set_cohort": "_cohort",
+    "Call": "_collective",
+    "call_numbering": "_collective",
+    "set_call_numbering": "_collective",
+    "GroupKey": "_groups",
+    "SubsetSpec": "_plan",
+    "as_timedelta": "_plan",
+    "StridedShard": "_torch_seam",
+    "default_backend_name": "_torch_seam",
+    "default_store": "_torch_seam",
+    "default_timeout": "_torch_seam",
+    "group_sequence": "_torch_seam",
+    "shrink_nccl_group": "_torch_seam",
+    "default_world": "_torch_seam.worlds",
+    "register_world": "_torch_seam.worlds",
+    "set_default_world": "_torch_seam.worlds",
+    "standalone_group": "_torch_seam.worlds",
+    "unregister_world": "_torch_seam.worlds",
 }
 __all__ = [
     "Cohort",
     "GroupCache",
-    "GroupSpec",
     "MeshGroups",
     "MeshOptions",
     "Strategy",
@@ -62,4 +107,4 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name in _WHERE:
         return getattr(import_module(f"meshgroups.mesh.{_WHERE[name]}"), name)
-    raise AttributeError(f"module 'meshgroups.mesh' has no attribute {name!r}")
+    return _deprecated.old_name(__name__, name)

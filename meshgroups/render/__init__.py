@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from meshgroups.render.formats import (
+from meshgroups import _deprecated
+from meshgroups.render._formats import (
     MAX_CELLS,
     MAX_COLUMNS,
     MAX_DPI,
@@ -25,7 +26,7 @@ from meshgroups.render.formats import (
 )
 
 if TYPE_CHECKING:
-    from meshgroups.render.widgets import layout_explorer
+    from meshgroups.render._widgets import layout_explorer
 
 __all__ = [
     "MAX_CELLS",
@@ -45,7 +46,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # ipywidgets is an optional extra: the explorer's module loads on first use
     if name == "layout_explorer":
-        from meshgroups.render.widgets import layout_explorer
+        from meshgroups.render._widgets import layout_explorer
 
         return layout_explorer
-    raise AttributeError(f"module 'meshgroups.render' has no attribute {name!r}")
+    return _deprecated.old_name(__name__, name)

@@ -1,9 +1,13 @@
 """Weight transfer for RL: where each weight lives on a layout, a plan to move it, and the
 objects an RL loop holds to move it.
 
-The plan side is numpy only and loads with the package (``plan_transfer``, ``Weight``,
-``Shard``, ``NameMap``, ...); the torch side (``WeightSync``, ``init_job``, ``execute``,
-``module_weights``) loads on first use, so ``import meshgroups.transfer`` imports no torch::
+The pipeline, one private folder per stage (numpy until the last): ``_spec`` (where a weight
+lives: ``Weight``, ``Shard``, ``Replicate``, ``Box``) → ``_names/`` (name maps, model families,
+stacked experts, block fp8: a rollout weight as links to trainer weights) → ``_plan/`` (who
+sends which slice to whom: ``plan_transfer``) → ``_run/`` (torch: the groups, buckets, steps,
+``execute``, ``WeightSync``). Everything a user calls is imported from here. The plan side loads
+with the package; the torch side loads on first use, so ``import meshgroups.transfer`` imports
+no torch::
 
     >>> from meshgroups import Layout
     >>> from meshgroups.transfer import Shard, Weight, plan_transfer
@@ -14,60 +18,71 @@ The plan side is numpy only and loads with the package (``plan_transfer``, ``Wei
 
 from __future__ import annotations
 
-import sys
-import types
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from meshgroups.transfer.assign import PlanError
-from meshgroups.transfer.expand import map_weights
-from meshgroups.transfer.families import hf_to_vllm
-from meshgroups.transfer.families_megatron import hf_to_megatron_family, megatron_to_hf_family
-
-# Planner internals that 0.3/0.4 exported here: still importable, no longer the public surface.
-from meshgroups.transfer.mapped import Link as Link
-from meshgroups.transfer.mapped import Mapped as Mapped
-from meshgroups.transfer.mapped import Move as Move
-from meshgroups.transfer.mapped import SegmentWeight as SegmentWeight
-from meshgroups.transfer.names import NameMap
-from meshgroups.transfer.names import Rule as Rule
-from meshgroups.transfer.names import Segment as Segment
-from meshgroups.transfer.plan import Message, Plan, TransferPlan, plan_transfer
-from meshgroups.transfer.presets import model_weights
-from meshgroups.transfer.quant import BlockFP8
-from meshgroups.transfer.spec import Box, Placement, Replicate, Shard, Weight
-from meshgroups.transfer.stacking import Stack, expert_order
+from meshgroups import _deprecated
+from meshgroups.transfer._names.conventions import (
+    CONVENTIONS,
+    PRESET_MAPS,
+    ModelConfig,
+    hf_to_megatron,
+    layer_names,
+    megatron_to_hf,
+    preset_map,
+    vllm_map,
+)
+from meshgroups.transfer._names.expand import map_weights
+from meshgroups.transfer._names.families import hf_to_vllm, moe_layers
+from meshgroups.transfer._names.families_megatron import hf_to_megatron_family, megatron_to_hf_family
+from meshgroups.transfer._names.names import NameMap, Rule, Segment
+from meshgroups.transfer._names.presets import FSDP_DIMS, HEADS, MODELS, model_config, model_weights
+from meshgroups.transfer._names.quant import BlockFP8
+from meshgroups.transfer._names.stacking import Stack, expert_order, stack_experts
+from meshgroups.transfer._plan.assign import PlanError
+from meshgroups.transfer._plan.plan import Message, TransferPlan, plan_transfer
+from meshgroups.transfer._spec import Box, Placement, Replicate, Shard, Weight
 
 if TYPE_CHECKING:
-    from meshgroups.transfer.execute import Report, TransferError, execute
-    from meshgroups.transfer.fanout_groups import TransferGroups
-    from meshgroups.transfer.jobs import Job, init_job
-    from meshgroups.transfer.sync import WeightSync
-    from meshgroups.transfer.torch_io import local_weights, module_weights
+    from meshgroups.transfer._run.execute import DEFAULT_BUCKET_BYTES, Progress, Report, execute
+    from meshgroups.transfer._run.fanout_groups import TransferGroups
+    from meshgroups.transfer._run.fp8 import quantize_blocks
+    from meshgroups.transfer._run.jobs import Job, init_job
+    from meshgroups.transfer._run.status import TransferError
+    from meshgroups.transfer._run.sync import WeightSync
+    from meshgroups.transfer._run.torch_io import local_weights, module_weights
 
+# The torch side: name -> its private module, imported on first use.
 _TORCH_SIDE = {
-    "Report": "execute",
-    "TransferError": "execute",
-    "execute": "execute",
-    "TransferGroups": "fanout_groups",
-    "Job": "jobs",
-    "init_job": "jobs",
-    "WeightSync": "sync",
-    "local_weights": "torch_io",
-    "module_weights": "torch_io",
+    "DEFAULT_BUCKET_BYTES": "_run.execute",
+    "Progress": "_run.execute",
+    "Report": "_run.execute",
+    "execute": "_run.execute",
+    "TransferError": "_run.status",
+    "TransferGroups": "_run.fanout_groups",
+    "quantize_blocks": "_run.fp8",
+    "Job": "_run.jobs",
+    "init_job": "_run.jobs",
+    "WeightSync": "_run.sync",
+    "local_weights": "_run.torch_io",
+    "module_weights": "_run.torch_io",
 }
 
 __all__ = [
+    "CONVENTIONS",
+    "PRESET_MAPS",
     "BlockFP8",
     "Box",
     "Job",
     "Message",
+    "ModelConfig",
     "NameMap",
     "Placement",
-    "Plan",
     "PlanError",
     "Replicate",
     "Report",
+    "Rule",
+    "Segment",
     "Shard",
     "Stack",
     "TransferError",
@@ -77,33 +92,31 @@ __all__ = [
     "WeightSync",
     "execute",
     "expert_order",
+    "hf_to_megatron",
     "hf_to_megatron_family",
     "hf_to_vllm",
     "init_job",
+    "layer_names",
     "local_weights",
     "map_weights",
+    "megatron_to_hf",
     "megatron_to_hf_family",
+    "model_config",
     "model_weights",
     "module_weights",
+    "moe_layers",
     "plan_transfer",
+    "preset_map",
+    "quantize_blocks",
+    "stack_experts",
+    "vllm_map",
 ]
+
+# Not in __all__: for meshgroups' own packages above this one (the CLI's preset tables, the
+# bucket size healing uses, the progress record the vLLM trainer reports).
 
 
 def __getattr__(name: str) -> Any:
     if name in _TORCH_SIDE:
         return getattr(import_module(f"meshgroups.transfer.{_TORCH_SIDE[name]}"), name)
-    raise AttributeError(f"module 'meshgroups.transfer' has no attribute {name!r}")
-
-
-class _Package(types.ModuleType):
-    """``execute`` is both the function this package exports and the module it lives in (a path
-    the docs showed, ``from meshgroups.transfer.execute import Report``): importing the module
-    must not replace the package's ``execute`` with it, as Python's import system otherwise does."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "execute" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+    return _deprecated.old_name(__name__, name)

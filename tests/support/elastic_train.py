@@ -68,7 +68,7 @@ def local(t):
 
 def snapshot(model, opt):
     """This rank's local shards of parameters and optimizer state, cloned, by name."""
-    from meshgroups.elastic.heal import training_state
+    from meshgroups.elastic._heal import training_state
 
     return {k: local(v).detach().clone() for k, v in training_state(model, opt).items()}
 
@@ -78,7 +78,7 @@ def load(model, opt, snap):
     coordinates (its shard boxes are the same)."""
     import torch
 
-    from meshgroups.elastic.heal import init_optimizer_state, training_state
+    from meshgroups.elastic._heal import init_optimizer_state, training_state
 
     init_optimizer_state(model, opt)
     state = training_state(model, opt)

@@ -5,7 +5,7 @@ sender quantizes its own link views with the library's quantizer.
 The reference is written here from the format alone (per block of the last two axes: ``amax``
 of magnitudes, at least ``1e-4``, over 448 is ``scale_inv``; values ``clamp(x / scale_inv,
 -448, 448)`` cast to float8_e4m3fn), a loop over blocks, sharing no code with
-``meshgroups.transfer.fp8``. The cross-node bytes are checked against a lower bound computed
+``meshgroups.transfer._run.fp8``. The cross-node bytes are checked against a lower bound computed
 here from ids (per node: needed rollout elements and block scales whose trainer data no rank
 of the node holds).
 """
@@ -19,9 +19,9 @@ import torch
 
 from meshgroups import Layout
 from meshgroups.transfer import NameMap, Plan, Weight
-from meshgroups.transfer.fp8 import quantize_blocks
-from meshgroups.transfer.mapped import view_source
-from meshgroups.transfer.quant import BlockFP8
+from meshgroups.transfer._names.mapped import view_source
+from meshgroups.transfer._names.quant import BlockFP8
+from meshgroups.transfer._run.fp8 import quantize_blocks
 
 from .moe_oracle import expected as moe_expected
 from .moe_oracle import full_ids, rule_parts

@@ -1,5 +1,5 @@
 """Megatron-Core's parameter names and shapes for the families of
-``meshgroups.transfer.families_megatron``, read from megatron-core itself: a ``GPTModel`` built
+``meshgroups.transfer._names.families_megatron``, read from megatron-core itself: a ``GPTModel`` built
 on CPU (gloo, world 1) with the *local* spec (``get_gpt_layer_local_spec``, SequentialMLP
 experts), one tiny config per family — the same sizes as the Hugging Face configs of
 ``tests/test_transfer_families_megatron.py``. Parameters and persistent buffers (the router's

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from meshgroups import Layout, Topology
 from meshgroups.transfer import NameMap, Plan, Replicate, Shard, Weight
-from meshgroups.transfer.mapped import view_source
-from meshgroups.transfer.names import Rule, Segment
-from meshgroups.transfer.stacking import Stack, expert_order
+from meshgroups.transfer._names.mapped import view_source
+from meshgroups.transfer._names.names import Rule, Segment
+from meshgroups.transfer._names.stacking import Stack, expert_order
 
 
 def _cut(box: tuple[tuple[int, int], ...] | None) -> tuple[slice, ...]:

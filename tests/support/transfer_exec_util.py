@@ -67,7 +67,7 @@ def _talk_only(plan, groups, rank):
 
 
 def _run(plan, srcs, dsts, groups, bucket_bytes, rank):
-    from meshgroups.transfer.execute import execute
+    from meshgroups.transfer._run.execute import execute
 
     seen = []
     report = execute(

@@ -26,9 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from meshgroups.errors import LayoutError
-from meshgroups.transfer.names import NameMap, Rule, Segment
-from meshgroups.transfer.spec import Shard, Weight
-from meshgroups.transfer.stacking import Stack
+from meshgroups.transfer import NameMap, Rule, Segment, Shard, Stack, Weight
 
 
 @dataclass(frozen=True)
@@ -245,7 +243,7 @@ def engine_destinations(
 ) -> tuple[list[Weight], NameMap]:
     """An engine's destination — every parameter's global ``Weight`` and the name map — from
     the :class:`Param` s each worker read (worker ``r`` at index ``r``) and an optional family
-    map (``meshgroups.transfer.families.hf_to_vllm(config, ...)``). The same on every rank that
+    map (``meshgroups.transfer._names.families.hf_to_vllm(config, ...)``). The same on every rank that
     computes it, trainer or worker.
 
     - Fused dense layers keep the rules read from vLLM's layers (they know replicated kv

@@ -38,14 +38,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from meshgroups.engines import TransferWorld
 from meshgroups.engines.vllm.destination import engine_destinations
-from meshgroups.engines.worlds import TransferWorld
 from meshgroups.errors import LayoutError, MeshConfigError, StoreConnectionError
 from meshgroups.layout import Layout
-from meshgroups.transfer.execute import Progress, Report
-from meshgroups.transfer.names import NameMap
-from meshgroups.transfer.status import TransferError
-from meshgroups.transfer.sync import WeightSync
+from meshgroups.transfer import NameMap, Progress, Report, TransferError, WeightSync
 
 
 class WeightSyncClient(Protocol):
@@ -137,7 +134,7 @@ class VLLMWeightSync:
         host: the address the engine's workers reach trainer rank 0 at.
         group: the trainer's group for the one address broadcast (default: its default group).
         name_map: a family map, Hugging Face names → vLLM's
-            (``meshgroups.transfer.families.hf_to_vllm(model.config, ...)``; needed for MoE
+            (``meshgroups.transfer._names.families.hf_to_vllm(model.config, ...)``; needed for MoE
             experts, optional for dense models). The engine checks it against its own layers: a
             fused rule must read the trainer weights vLLM's layer fuses, a stack of experts must
             be in the order of vLLM's expert map (build it with the engine's ``ep`` and
@@ -158,7 +155,7 @@ class VLLMWeightSync:
 
     A MoE model (Qwen3-MoE; Transformers 5's packed experts)::
 
-        >>> from meshgroups.transfer.families import hf_to_vllm
+        >>> from meshgroups.transfer._names.families import hf_to_vllm
         >>> sync = VLLMWeightSync(model, Layout(dp=2, tp=2), client,       # doctest: +SKIP
         ...                       name_map=hf_to_vllm(model.config, experts="packed"))
     """

@@ -39,14 +39,12 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from meshgroups.engines import TransferWorld
 from meshgroups.engines.vllm.destination import engine_destinations
 from meshgroups.engines.vllm.read import read_params, reprocess
-from meshgroups.engines.worlds import TransferWorld
 from meshgroups.errors import LayoutError
 from meshgroups.layout import Layout
-from meshgroups.transfer.names import NameMap
-from meshgroups.transfer.status import TransferError
-from meshgroups.transfer.sync import WeightSync
+from meshgroups.transfer import NameMap, TransferError, WeightSync
 
 logger = logging.getLogger(__name__)
 

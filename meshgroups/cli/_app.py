@@ -1,0 +1,445 @@
+"""``python -m meshgroups`` (also the ``meshgroups`` command): show, plot and demo a layout.
+
+    python -m meshgroups show pp=2 dp=2 cp=1 tp=4 --ranks-per-node 8 --rank 5
+    python -m meshgroups show tp=2 cp=1 dp=2 pp=2 --order tp-cp-dp-pp --json
+    python -m meshgroups show pp=4 dp=8 cp=2 tp=8 --topology node=8,domain=32
+    python -m meshgroups show --from-json groups.json      # a running job's groups read back
+    python -m meshgroups place pp=4 dp=8 cp=2 tp=8 --topology node=8,domain=32 --fast-first tp,cp
+    python -m meshgroups plot pp=2 dp=2 cp=1 tp=4 -o layout.png --color-by tp
+    python -m meshgroups demo pp=2 dp=2 cp=1 tp=2          # spawns the 8 processes it needs
+    python -m meshgroups shrink --layout pp=2,dp=4,tp=8 --lost 13,14 --node 8   # also grow
+
+Dims are ``name=size`` words, outermost first (or in ``--order``, Megatron's fastest-first
+order), anywhere among the options; one size may be ``-1`` with ``--world-size``. A dim name
+close to a usual one (``dpp``) is refused with a suggestion unless ``--any-names`` is given.
+Every bad value exits with status 2 and a usage line naming the problem and the rule; big
+layouts print a bounded summary that says what it left out (``--full`` prints everything).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from meshgroups._checks import MAX_RANK, formula, product
+from meshgroups.cli._args import (
+    bounded_float,
+    bounded_int,
+    check_order,
+    key_values,
+    parse_dims,
+    rank_arg,
+    signed_int,
+    strict_int,
+)
+from meshgroups.cli._demo import MAX_PROCESSES
+from meshgroups.cli._demo import MAX_TIMEOUT as DEMO_MAX_TIMEOUT
+from meshgroups.layout import Layout, Topology, megatron_order
+from meshgroups.render import MAX_DPI, short_list, span_table
+from meshgroups.render import text as render_text
+
+DEFAULT_DEMO = ["pp=2", "dp=2", "cp=1", "tp=2"]
+#: Without --full, JSON lists at most this many groups per dim, and tables this many members.
+SUMMARY_GROUPS = 8
+SUMMARY_MEMBERS = 16
+#: Largest --from-json file read (a million-rank job's groups fit comfortably).
+MAX_JSON_BYTES = 256 * 2**20
+#: Longest --timeout of the demo (a day).
+MAX_TIMEOUT = DEMO_MAX_TIMEOUT
+
+
+def _from_json(parser: argparse.ArgumentParser, path: str) -> Layout:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_JSON_BYTES + 1)  # bounded: /dev/zero or a huge file is refused
+        if len(raw) > MAX_JSON_BYTES:
+            parser.error(f"--from-json {path} is larger than {MAX_JSON_BYTES} bytes")
+        data = json.loads(raw)
+    except OSError as exc:
+        parser.error(f"cannot read --from-json {path}: {exc.strerror or exc}")
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested too deep
+        parser.error(f"--from-json {path} is not JSON meshgroups can read: {str(exc)[:200]}")
+    try:
+        if isinstance(data, dict) and "format" in data:
+            return Layout.from_dict(data)  # a layout written by show --json --full or to_dict()
+        if isinstance(data, dict) and isinstance(data.get("groups"), dict):
+            data = data["groups"]  # show --json output: its groups
+        elif isinstance(data, dict) and isinstance(data.get("layout"), dict) and "format" in data["layout"]:
+            return Layout.from_dict(data["layout"])  # place --json output
+        return Layout.infer(data)  # {"tp": [[0, 1], ...], "dp": [...], ...}: read the job back
+    except (ValueError, TypeError) as exc:
+        parser.error(f"--from-json {path}: {exc}")
+
+
+def _topology(parser: argparse.ArgumentParser, text: str | None) -> Topology | None:
+    if text is None:
+        return None
+    try:
+        return Topology.parse(text)
+    except (ValueError, TypeError) as exc:
+        parser.error(f"--topology {text!r}: {exc}")
+
+
+def _layout(parser: argparse.ArgumentParser, args: argparse.Namespace, default: Sequence[str] = ()) -> Layout:
+    if getattr(args, "from_json", None):
+        if args.dims or args.order:
+            parser.error("give either --from-json or dims (and --order), not both")
+        return _from_json(parser, args.from_json)
+    pairs = parse_dims(parser, args.dims or default, getattr(args, "any_names", False) or bool(args.order))
+    try:
+        if args.order is not None:
+            check_order(parser, args.order)
+            if any(size == -1 for _, size in pairs):
+                parser.error("-1 sizes are not supported with --order")
+            layout = Layout.from_order(args.order, **dict(pairs))
+            if args.world_size is not None and layout.world_size != args.world_size:
+                sizes = " × ".join(f"{n}={s}" for n, s in pairs)
+                parser.error(f"{sizes} = {layout.world_size} does not match world size {args.world_size}")
+            return layout
+        unknown = [name for name, size in pairs if size == -1]
+        if unknown and args.world_size is None:
+            parser.error(f"{unknown[0]}=-1 needs --world-size N to infer it from")
+        return Layout(pairs, world_size=args.world_size)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+
+
+def _rank_groups(layout: Layout, rank: int) -> dict[str, list[int]]:
+    groups = {d: layout.group_of(rank, d).tolist() for d in layout.names}
+    for name, view in layout.views.items():
+        groups.update(
+            {f"{name}.{d}": view.group_of(rank, d).tolist() for d in view.names if d not in layout.names}
+        )
+    return groups
+
+
+def _check_rank(parser: argparse.ArgumentParser, layout: Layout, rank: int | None) -> None:
+    if rank is not None and rank not in layout:
+        parser.error(f"--rank {rank} is not in the layout ({layout.describe_ranks()})")
+
+
+def _show(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    layout = _layout(parser, args)
+    _check_rank(parser, layout, args.rank)
+    topology = _topology(parser, args.topology)
+    if args.json:
+        data = _json(layout, args)
+        if topology is not None:
+            data["span"] = {d: layout.span(d, topology=topology) for d in layout.names}
+        print(json.dumps(data, indent=1))
+        return 0
+    members = None if args.full else SUMMARY_MEMBERS
+    print(render_text(layout, ranks_per_node=args.ranks_per_node, max_members=members))
+    if topology is not None:
+        print()
+        print(span_table(layout, topology))
+    if args.rank is not None:
+        print(f"\nrank {args.rank}: " + ", ".join(f"{k}={v}" for k, v in layout.coords(args.rank).items()))
+        for dims, ranks in _rank_groups(layout, args.rank).items():
+            print(f"  {dims} group: {short_list(ranks, members)}")
+    if not args.full and (layout.world_size > 256 or max(layout.shape) > SUMMARY_MEMBERS):
+        print(
+            "\n(a summary: groups are cut to their first members and the grid is not printed; --full prints all)"
+        )
+    return 0
+
+
+def _json(layout: Layout, args: argparse.Namespace) -> dict[str, object]:
+    groups: dict[str, object] = {}
+    omitted: dict[str, int] = {}
+    for name in layout.names:
+        rows = layout.groups(name)
+        keep = rows if args.full else rows[:SUMMARY_GROUPS]
+        groups[name] = keep.tolist()
+        if len(keep) < len(rows):
+            omitted[name] = len(rows) - len(keep)
+    data: dict[str, object] = {"fingerprint": layout.fingerprint(), "groups": groups}
+    data["layout"] = layout.to_dict() if args.full or layout.is_affine else {"repr": repr(layout)}
+    if omitted:
+        data["omitted_groups"] = omitted
+        data["note"] = f"first {SUMMARY_GROUPS} groups per dim; --full lists every group"
+    if args.ranks_per_node:
+        data["nodes"] = {n: layout.node_locality(n, ranks_per_node=args.ranks_per_node) for n in layout.names}
+    if args.rank is not None:
+        data["rank"] = {
+            "rank": args.rank,
+            "coords": layout.coords(args.rank),
+            "groups": _rank_groups(layout, args.rank),
+        }
+    return data
+
+
+def _place(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    pairs = parse_dims(parser, args.dims, args.any_names)
+    topology = _topology(parser, args.topology)
+    if topology is None:  # an invariant of this module, not a check of user input
+        raise RuntimeError("meshgroups internal error: topology is None (required by the parser)")
+    require = key_values(parser, "--require", args.require, "tp=node")
+    fast = [d for d in (args.fast_first or "").split(",") if d]
+    if len(set(fast)) < len(fast):
+        parser.error(f"--fast-first names a dim twice: {args.fast_first!r}")
+    try:
+        layout = Layout.place(dict(pairs), topology, fast_first=fast, require=require)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    order, why = megatron_order(layout)
+    if args.json:
+        spans = {d: layout.span(d, topology=topology) for d in layout.names}
+        data = {
+            "layout": layout.to_dict(),
+            "span": spans,
+            "megatron_order": order,
+            "megatron_order_note": why,
+        }
+        print(json.dumps(data, indent=1))
+        return 0
+    print(render_text(layout, max_members=SUMMARY_MEMBERS))
+    print()
+    print(span_table(layout, topology))
+    print()
+    if order is not None:
+        print(
+            f"Megatron order string: {order} (initialize_model_parallel(order={order!r}) gives these groups)"
+        )
+    else:
+        print(f"not a Megatron order string: {why}")
+    return 0
+
+
+def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    layout = _layout(parser, args)
+    _check_rank(parser, layout, args.rank)
+    if not args.output.strip() or args.output.endswith(("/", os.sep)) or os.path.isdir(args.output):
+        parser.error(f"-o needs a file name such as layout.png, got {args.output!r}")
+    color_by = tuple(args.color_by.split(",")) if args.color_by is not None else None
+    try:
+        from meshgroups.render import plot
+
+        fig = plot(layout, color_by, ranks_per_node=args.ranks_per_node, highlight_rank=args.rank)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    except ImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        fig.savefig(args.output, dpi=args.dpi)
+    except OSError as exc:
+        parser.error(f"cannot write -o {args.output}: {exc.strerror or exc}")
+    except ValueError as exc:  # e.g. an extension matplotlib has no writer for
+        parser.error(f"cannot write -o {args.output}: {exc}")
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The demo's processes: one per rank of the layout. A ``-1`` dim is filled from ``--nproc``
+    or torchrun's ``WORLD_SIZE``; a layout of another size than the processes is an error; at most
+    ``MAX_PROCESSES`` are spawned on this machine (torchrun starts its own)."""
+    from meshgroups.cli._demo import main as demo_main
+
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world, source = args.nproc, f"--nproc {args.nproc}"
+    if torchrun:
+        try:
+            world = strict_int(os.environ["WORLD_SIZE"], "WORLD_SIZE")
+        except argparse.ArgumentTypeError as exc:
+            parser.error(str(exc))
+        if args.nproc is not None and args.nproc != world:
+            parser.error(
+                f"--nproc {args.nproc} but torchrun started WORLD_SIZE={world} processes; drop --nproc"
+            )
+        source = f"torchrun's WORLD_SIZE={world}"
+    if args.dims:
+        layout = _demo_layout(parser, args, world, source)
+        if world is None:
+            world = layout.world_size
+        elif layout.world_size != world:
+            fix = (
+                f"start torchrun with {layout.world_size} processes"
+                if torchrun
+                else f"drop --nproc (it follows the dims) or give --nproc {layout.world_size}"
+            )
+            parser.error(
+                f"the layout has {layout.world_size} ranks but {source}; the demo runs one process per rank: {fix}"
+            )
+    else:
+        world = world or 8
+        tp = 2 if world % 2 == 0 else 1
+        pp = 2 if world % (2 * tp) == 0 and world > 2 * tp else 1
+        layout = Layout(pp=pp, dp=world // (pp * tp), cp=1, tp=tp)
+    if not torchrun and world > MAX_PROCESSES:
+        parser.error(
+            f"the layout has {world} ranks; the demo spawns at most {MAX_PROCESSES} processes on this "
+            "machine (one per rank); run it under torchrun for more"
+        )
+    status = demo_main(layout, world, strategy=args.strategy, timeout=args.timeout)
+    if torchrun:
+        # A torchrun worker whose groups are all destroyed (demo._shut_down) still aborts at
+        # interpreter exit now and then (SIGABRT on one rank, about one run in fifty in CI, after
+        # every check passed): a gloo worker thread meeting Python's finalization. Nothing is
+        # left to finalize, so the worker exits here with its status instead.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def _demo_layout(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, world: int | None, source: str
+) -> Layout:
+    """The demo's layout; a ``-1`` size is the processes' count over the other sizes."""
+    pairs = parse_dims(parser, args.dims, args.any_names or bool(args.order))
+    unknown = [name for name, size in pairs if size == -1]
+    if len(unknown) > 1:
+        parser.error(f"only one size may be -1 (inferred), got {', '.join(unknown)}")
+    if unknown:
+        if world is None:
+            parser.error(
+                f"{unknown[0]}=-1 needs the number of processes: give --nproc N (or run under torchrun)"
+            )
+        known = [(n, s) for n, s in pairs if s != -1 and s > 0]
+        rest = product(s for _, s in known)
+        if len(known) < len(pairs) - 1 or world % rest:
+            parser.error(
+                f"{formula([n for n, _ in known], [s for _, s in known]) if known else 'the other dims'} "
+                f"does not divide the {world} processes of {source}, so {unknown[0]}=-1 cannot be inferred"
+            )
+        pairs = [(n, world // rest if s == -1 else s) for n, s in pairs]
+    try:
+        if args.order is not None:
+            check_order(parser, args.order)
+            return Layout.from_order(args.order, **dict(pairs))
+        return Layout(pairs)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``meshgroups`` command line: ``show``, ``plot``, ``demo`` and ``place`` (and ``transfer``).
+
+    Returns:
+        The ``argparse`` parser; ``main`` uses it.
+    """
+    parser = argparse.ArgumentParser(prog="meshgroups", description="Show, plot and demo rank layouts.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def layout_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("dims", nargs="*", help="name=size words, outermost first (e.g. pp=2 dp=2 tp=4)")
+        p.add_argument("--order", help="Megatron order string, fastest first (e.g. tp-cp-dp-pp)")
+        p.add_argument(
+            "--world-size",
+            type=signed_int("--world-size"),
+            help="check the sizes against it (one size may be -1)",
+        )
+        p.add_argument(
+            "--ranks-per-node",
+            type=bounded_int("--ranks-per-node", 1, MAX_RANK + 1),
+            help="report intra/inter-node groups",
+        )
+        p.add_argument("--rank", type=rank_arg, help="show this rank's coordinates and groups")
+        p.add_argument("--any-names", action="store_true", help="accept dim names that look like typos")
+
+    show = sub.add_parser("show", help="print a layout and its groups")
+    layout_args(show)
+    show.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    show.add_argument(
+        "--topology",
+        help="levels of consecutive ranks, smallest first (node=8,domain=32): which groups leave them",
+    )
+    show.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="read the layout from a JSON file: a job's groups {name: [[ranks], ...]} or a layout dict",
+    )
+    show.add_argument("--full", action="store_true", help="print every group and member, however big")
+    show.set_defaults(run=_show, parser=show)
+    place = sub.add_parser("place", help="order dims so the bandwidth-hungry ones stay on fast levels")
+    place.add_argument("dims", nargs="*", help="name=size words, outermost first (e.g. pp=4 dp=8 tp=8)")
+    place.add_argument("--topology", required=True, help="levels, smallest first (e.g. node=8,domain=32)")
+    place.add_argument("--fast-first", help="dims by bandwidth need, most first (e.g. tp,cp,dp)")
+    place.add_argument("--require", help="constraints dim=level, comma separated (e.g. tp=node)")
+    place.add_argument("--json", action="store_true", help="print the layout and spans as JSON")
+    place.add_argument("--any-names", action="store_true", help="accept dim names that look like typos")
+    place.set_defaults(run=_place, parser=place)
+    plot = sub.add_parser("plot", help="draw a layout to a PNG (needs matplotlib)")
+    layout_args(plot)
+    plot.add_argument("-o", "--output", default="layout.png", help="output file (default layout.png)")
+    plot.add_argument("--color-by", help="dim or comma-separated dims whose groups get colours")
+    plot.add_argument(
+        "--dpi",
+        type=bounded_int("--dpi", 1, MAX_DPI, " (a 16 x 12 inch figure at most)"),
+        default=120,
+        help=f"resolution of the PNG (default 120, at most {MAX_DPI})",
+    )
+    plot.set_defaults(run=_plot, parser=plot)
+    demo = sub.add_parser("demo", help="build the mesh on real processes and verify every group")
+    demo.add_argument("dims", nargs="*", help="name=size words (default: pp=2 dp=2 cp=1 tp=2 for 8)")
+    demo.add_argument(
+        "--nproc",
+        type=bounded_int("--nproc", 1, MAX_PROCESSES, " (processes the demo spawns on this machine)"),
+        help=f"processes to spawn, at most {MAX_PROCESSES} (default: the layout's world, or 8; a -1 dim "
+        "is filled from it); under torchrun, its WORLD_SIZE",
+    )
+    demo.add_argument("--order", help="Megatron order string, fastest first")
+    demo.add_argument("--any-names", action="store_true", help="accept dim names that look like typos")
+    demo.add_argument("--strategy", choices=["global", "local"], default="global")
+    demo.add_argument(
+        "--timeout",
+        type=bounded_float("--timeout", MAX_TIMEOUT, 1.0, " seconds"),
+        default=60.0,
+        help=f"seconds before a stuck job fails (1 to {MAX_TIMEOUT:g})",
+    )
+    demo.set_defaults(run=_demo, parser=demo, world_size=None)
+    parser.set_defaults(commands={"show": show, "place": place, "plot": plot, "demo": demo})
+    from meshgroups.cli._transfer import register as register_transfer  # weight transfer: its own module
+
+    parser.get_default("commands")["transfer"] = register_transfer(sub)
+    from meshgroups.cli._elastic import register as register_elastic  # recovery plans: their own module
+
+    parser.get_default("commands").update(register_elastic(sub))
+    from meshgroups.cli._cost import add_parser as add_cost  # what a layout costs
+    from meshgroups.cli._cost import run as run_cost
+
+    cost = add_cost(sub)
+    cost.set_defaults(run=lambda _parser, args: run_cost(args), parser=cost)
+    parser.get_default("commands")["cost"] = cost
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line (``python -m meshgroups ...``).
+
+    Args:
+        argv: the words after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 on success, 1 when a demo check fails or the plot extra is missing; a
+        bad value exits with status 2 and the usage line (``SystemExit``), never a traceback.
+    """
+    parser = build_parser()
+    words = list(sys.argv[1:] if argv is None else argv)
+    # Dims may sit anywhere among the options: the subcommand parses its words intermixed.
+    commands = parser.get_default("commands")
+    if words and words[0] in commands:
+        args = commands[words[0]].parse_intermixed_args(words[1:])
+    else:
+        args = parser.parse_args(words)
+    try:
+        return int(args.run(args.parser, args))
+    except BrokenPipeError:
+        # The reader left (``| head``): stop quietly, as other command-line tools do, with no
+        # traceback from the interpreter flushing stdout at exit either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by the signal
+    except (ValueError, TypeError) as exc:
+        # The last net: every check above names its option; a value error from deeper in the
+        # library is still a usage error (exit 2, one message), never a traceback.
+        command: argparse.ArgumentParser = args.parser
+        command.error(str(exc))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,390 @@
+"""A training job that loses ranks and keeps going: ``Elastic`` holds the mesh, the live ranks,
+the spares and the verdicts.
+
+    >>> el = Elastic(Layout(dp_replicate=2, dp_shard=2, tp=2), spares=(8, 9))   # doctest: +SKIP
+    >>> while training:                                                          # doctest: +SKIP
+    ...     try:
+    ...         with el.step():
+    ...             train_step(el.mg)
+    ...     except RanksLostError as lost:           # every survivor, the same lost ranks
+    ...         model.reset_iter_state()         # FSDP2: the failed step's unsharded params out
+    ...         mg = el.shrink()                 # None on a rank that became a spare
+    ...         ...                              # rebuild the model on el.mg, from the state kept
+
+- ``Elastic(...)`` is collective over the layout's ranks and the spares (every one calls it):
+  it starts a heartbeat thread and builds the layout with ``strategy="local"``.
+- ``step()`` guards one training step: an exception inside (a collective that lost its peer:
+  gloo's ``Connection closed by peer``, or a timeout) is published, the ranks agree who is lost
+  (``meshgroups.elastic._verdict``), and every survivor raises ``RanksLostError`` naming the same ranks (or
+  ``StepFailedError`` when every rank is alive); a rank that was too late raises ``ExcludedError``.
+  Failures are counted by step: a rank still finishing step k when a peer fails in step k + 1
+  gets through step k and fails in step k + 1 as the others did, so every rank names the same step.
+- ``shrink()`` drops the replicas that hold lost ranks and rebuilds over the survivors
+  (``meshgroups.elastic._recover.rebuild``: unchanged groups are the same objects); ``grow(ranks)``
+  admits spares as new replicas; spares wait in ``standby()``.
+- ``group``: a process group over the live members — what needs a world-wide group (the
+  default group holds the dead ranks forever).
+
+The store must outlive every worker (torchrun's agent store, or a store process): the default
+``tcp://`` rendezvous hosts it in rank 0, and losing rank 0 then loses the store.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+
+import numpy as np
+import torch.distributed as dist
+
+from meshgroups import _deprecated
+from meshgroups.elastic._plans import RecoveryPlan, plan_grow, plan_shrink, plan_substitute, replicate_dim
+from meshgroups.elastic._recover import rebuild
+from meshgroups.elastic._verdict import (
+    KEY,
+    Heartbeat,
+    Staleness,
+    Verdict,
+    agree_lost,
+    commit,
+    failed_step,
+    publish_failure,
+)
+from meshgroups.errors import MeshConfigError, RanksLostError, StepFailedError
+from meshgroups.layout import Layout, Topology
+from meshgroups.mesh import (
+    Cohort,
+    GroupCache,
+    MeshGroups,
+    MeshOptions,
+    as_timedelta,
+    collective_call,
+    default_store,
+    default_timeout,
+    init_mesh,
+    set_cohort,
+)
+
+
+class Elastic:
+    """See the module docstring.
+
+    Args:
+        layout: the starting layout (over part or all of the default group's world).
+        spares: idle ranks outside the layout that may be admitted later (they call
+            ``standby()`` after the constructor).
+        flatten: ``init_mesh``'s flattened dims.
+        dim: the replicate dim that shrinks and grows (default: the outermost dim named
+            ``dp_replicate``, ``replicate``, ``dp``, ``ddp`` or ``data``).
+        timeout: bound on each group's collectives and creation (default: the default group's).
+        verdict_timeout: how long the survivors wait for a rank that is alive (heartbeat
+            beating) but has not reported (default: twice ``timeout`` plus 5 s: a rank blocked
+            in a collective with a failed peer reports when that collective times out).
+        heartbeat: seconds between heartbeats; stale_after: a rank whose heartbeat did not
+            change for this long is dead (default ``max(10 * heartbeat, 5)``).
+        device_type, backend: as for ``init_mesh``.
+
+    Raises:
+        MeshConfigError: spares inside the layout, no replicate dim; what ``init_mesh`` raises.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        *,
+        spares: Iterable[int] = (),
+        flatten: Iterable[Sequence[str]] = (),
+        dim: str | None = None,
+        timeout: timedelta | float | None = None,
+        verdict_timeout: float | None = None,
+        heartbeat: float = 1.0,
+        stale_after: float | None = None,
+        device_type: str = "cpu",
+        backend: str | None = None,
+    ) -> None:
+        self.rank = dist.get_rank()
+        self.layout = layout
+        self.spares: tuple[int, ...] = tuple(sorted(int(r) for r in spares))
+        inside = [r for r in self.spares if r in layout]
+        if inside:
+            raise MeshConfigError(f"spares {inside} are inside the layout; spares are idle ranks outside it")
+        self.dim = dim if dim is not None else replicate_dim(layout)
+        wait = as_timedelta(timeout, default_timeout())
+        self.verdict_timeout = _seconds("verdict_timeout", verdict_timeout, 2 * wait.total_seconds() + 5)
+        self.stale_after = _seconds(
+            "stale_after", stale_after, max(10 * _seconds("heartbeat", heartbeat, 1.0), 5.0)
+        )
+        # One value for every mesh this object builds (the main mesh, the members' group, each
+        # rebuild): local synchronisation, because after a loss the ranks hold different groups.
+        self.options = MeshOptions(device_type=device_type, backend=backend, timeout=wait, strategy="local")
+        self.flatten: tuple[tuple[str, ...], ...] = tuple(tuple(f) for f in flatten)
+        self.store = default_store()
+        self._enter_epoch(0)
+        self.members: tuple[int, ...] = tuple(sorted(layout.grid.ravel().tolist()))
+        self.verdicts: list[Verdict] = []
+        self.plan: RecoveryPlan | None = None  # the last shrink / substitute / grow plan
+        # the replica indices whose state must be filled after the last grow() / substitute()
+        self.grown: tuple[int, ...] = ()
+        self._beat = Heartbeat(self.store, self.rank, heartbeat)
+        self.cache = GroupCache()
+        self.cohort = self._cohort(tuple(sorted({*self.members, *self.spares})), 0)
+        set_cohort(self.cohort)
+        self.mg: MeshGroups | None = init_mesh(
+            layout, cache=self.cache, flatten=self.flatten, options=self.options
+        )
+        self._world: MeshGroups | None = self._world_mesh(self.members)
+        if self.is_spare:  # spares hold no group; they wait in standby()
+            self._drop_meshes()
+        self.cohort = self._cohort(self.members, 0, self.live_group)
+        set_cohort(self.cohort)
+
+    # ------------------------------------------------------------------ live ranks
+    def _cohort(self, members: Sequence[int], epoch: int, group: dist.ProcessGroup | None = None) -> Cohort:
+        """The cohort of ``members``, whose collective calls stop waiting for a rank whose
+        heartbeat stopped (a rank dying during a recovery is seen in ``stale_after`` seconds,
+        not after the whole meeting timeout)."""
+        return Cohort(
+            tuple(members), epoch, group, watch=lambda: Staleness(self.store, self.stale_after).stale
+        )
+
+    @property
+    def live_group(self) -> dist.ProcessGroup | None:
+        """A process group over the live members (``None`` on a spare)."""
+        return None if self._world is None else self._world.group("member")
+
+    # live_group's name before 0.4.1 (MeshGroups.group is a method looking a group up by dims)
+    group = _deprecated.renamed_property("Elastic.group")
+
+    @property
+    def is_spare(self) -> bool:
+        return self.rank not in self.members
+
+    def _world_mesh(self, members: Sequence[int]) -> MeshGroups | None:
+        """A 1-D mesh over ``members`` (its group: ``self.live_group``), through the shared cache."""
+        grid = np.asarray([list(members)], dtype=np.int64)
+        return init_mesh(
+            Layout.from_grid(grid, ("world", "member")),
+            cache=self.cache,
+            only=[("member",)],
+            options=self.options,
+        )
+
+    # ------------------------------------------------------------------ failures
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Guard one step (see the module docstring). Raises ``RanksLostError`` / ``StepFailedError`` on
+        every live member alike, ``ExcludedError`` on a rank declared lost."""
+        if self.is_spare:
+            raise MeshConfigError(f"rank {self.rank} is a spare: call standby(), not step()")
+        self._steps += 1
+        try:
+            yield
+        except Exception as exc:
+            raise self._fail(exc) from exc
+        # A peer failed in this step (or before) while this rank got through. A failure in a
+        # later step (this rank was still finishing this one) is not this step's: the next step
+        # meets it as every rank did (its collectives fail, commit() aborts).
+        failed = failed_step(self.store, self.epoch)
+        if failed is not None and failed <= self._steps:
+            raise self._fail(None)
+
+    def _enter_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self._commits = self._steps = 0
+
+    def commit(self) -> None:
+        """Inside ``step()``, between ``backward()`` and ``optimizer.step()``: returns once every
+        live member got this far, so no rank applies a step that failed elsewhere (a replica
+        whose collectives all succeeded would otherwise step while its peers did not). Raises
+        (turned into the verdict by ``step()``) as soon as a failure is published or a member's
+        heartbeat stops. One store ``add`` and a wait per rank."""
+        number, self._commits = self._commits, self._commits + 1
+        commit(
+            self.store,
+            self.epoch,
+            number,
+            self.members,
+            self.rank,
+            timeout=self.verdict_timeout,
+            stale_after=self.stale_after,
+        )
+
+    def _fail(self, exc: BaseException | None) -> StepFailedError:
+        publish_failure(self.store, self.epoch, self.rank, exc, step=self._steps)
+        verdict = agree_lost(
+            self.store,
+            self.epoch,
+            self.members,
+            self.rank,
+            timeout=self.verdict_timeout,
+            stale_after=self.stale_after,
+        )
+        self.verdicts.append(verdict)
+        self._enter_epoch(self.epoch + 1)
+        self.members = verdict.survivors
+        self.cohort = self._cohort(self.members, self.epoch)
+        set_cohort(self.cohort)
+        lost = ", ".join(map(str, verdict.lost))
+        if verdict.lost:
+            return RanksLostError(
+                f"rank {self.rank}: rank{'s' if len(verdict.lost) > 1 else ''} {lost} lost in epoch {verdict.epoch} "
+                f"({verdict.why}); survivors {list(verdict.survivors)}; first failure: {verdict.cause}",
+                verdict.lost,
+                verdict.epoch,
+                verdict.survivors,
+                verdict.cause,
+            )
+        return StepFailedError(
+            f"rank {self.rank}: the step failed in epoch {verdict.epoch} with every rank alive; first failure: "
+            f"{verdict.cause}. Rebuild (el.rebuild()) before the next step: groups may be out of step",
+            (),
+            verdict.epoch,
+            verdict.survivors,
+            verdict.cause,
+        )
+
+    # ------------------------------------------------------------------ new layouts
+    def rebuild(self, layout: Layout | None = None, site: str | None = None) -> MeshGroups | None:
+        """Build ``layout`` (default: the current one, e.g. after ``StepFailedError``) over the live
+        members that it holds; members outside it become spares. Collective over the new
+        layout's ranks (the others only close their mesh). Returns the mesh, ``None`` on a
+        rank that became a spare."""
+        layout = layout if layout is not None else self.layout
+        ranks = tuple(sorted(layout.grid.ravel().tolist()))
+        dropped = [r for r in self.members if r not in ranks]
+        self.spares = tuple(sorted({*self.spares, *dropped} - set(ranks)))
+        self.layout, self.members = layout, ranks
+        if self.rank not in ranks:
+            self._drop_meshes()
+            return None
+        self.cohort = self._cohort(ranks, self.epoch)
+        set_cohort(self.cohort)
+        old_world = self._world
+        try:
+            with collective_call("Elastic.rebuild") as call:  # one call: the mesh and the world group
+                if site is not None:
+                    call.site_key = call.site = site
+                mg = rebuild(self.mg, layout, options=self.options, flatten=self.flatten, cache=self.cache)
+                self.mg = mg
+                self._world = self._world_mesh(ranks)
+        except Exception as exc:
+            # A rank failed (or died) during the recovery itself: a verdict over this attempt's
+            # ranks, then the same RanksLostError everywhere; the old mesh is still open, so a
+            # retry (shrink() again) starts from it.
+            raise self._fail(exc) from exc
+        if old_world is not None:
+            old_world.close()
+        self.cohort.group = self.live_group
+        return self.mg
+
+    def shrink(self, lost: Iterable[int] | None = None) -> MeshGroups | None:
+        """Drop every replica (index of ``dim``) holding a lost rank (default: the last
+        verdict's) and rebuild over the rest; the dropped replicas' live ranks become spares.
+        Returns the mesh, ``None`` on a rank that became a spare."""
+        self.plan = plan_shrink(self.layout, self._lost(lost), dim=self.dim, flatten=self.flatten)
+        return self.rebuild(self.plan.new_layout)
+
+    def substitute(self, lost: Iterable[int] | None = None, node: int | None = None) -> MeshGroups | None:
+        """Put spares in the places of the lost ranks (default: the last verdict's), keeping the
+        layout's shape; with ``node`` (ranks per node) a whole spare node replaces each node that
+        lost a rank, and that node's live ranks leave (they become spares), so node-local dims
+        stay node-local. Collective over the new layout's ranks, the admitted spares joining
+        through ``standby()``; returns the mesh (``None`` on a rank that left)."""
+        topology = Topology(node=node) if node is not None else None
+        self.plan = plan_substitute(
+            self.layout, self._lost(lost), self.spares, topology=topology, flatten=self.flatten
+        )
+        layout, admitted = self.plan.new_layout, self.plan.admitted
+        self.grown = tuple(sorted({layout.coords(r)[self.dim] for r in admitted}))
+        return self._admit_spares(layout, admitted)
+
+    def _lost(self, lost: Iterable[int] | None) -> tuple[int, ...]:
+        """``lost``, or the last verdict's lost ranks."""
+        if lost is not None:
+            return tuple(sorted({int(r) for r in lost}))
+        return self.verdicts[-1].lost if self.verdicts else ()
+
+    def grow(self, ranks: Sequence[int]) -> MeshGroups:
+        """Admit ``ranks`` (spares in ``standby()``) as new replicas along ``dim`` (each replica's
+        ranks fill it in row-major order) and rebuild over everyone; collective over the
+        current members, the admitted ranks join through ``standby()``."""
+        admitted = [int(r) for r in ranks]
+        missing = [r for r in admitted if r not in self.spares]
+        if missing:
+            raise MeshConfigError(f"ranks {missing} are not spares of this job (spares: {list(self.spares)})")
+        self.plan = plan_grow(self.layout, admitted, dim=self.dim, flatten=self.flatten)
+        layout = self.plan.new_layout
+        self.grown = tuple(i for i, old in enumerate(self.plan.index_map) if old is None)
+        mg = self._admit_spares(layout, admitted)
+        if mg is None:  # every current member is in the grown layout; this is a broken invariant
+            raise MeshConfigError(f"rank {self.rank} is not in the grown layout {layout!r}")
+        return mg
+
+    def _admit_spares(self, layout: Layout, admitted: Sequence[int]) -> MeshGroups | None:
+        """Tell the admitted spares (in ``standby()``) the new layout, then rebuild over it."""
+        self._enter_epoch(self.epoch + 1)
+        if self.rank == self.members[0]:
+            spares = sorted((set(self.spares) | set(self.members)) - set(layout.grid.ravel().tolist()))
+            record = json.dumps(
+                {"epoch": self.epoch, "layout": layout.to_dict(), "spares": spares, "grown": self.grown}
+            )
+            for r in admitted:
+                self.store.set(f"{KEY}/admit/{r}", record)
+        return self.rebuild(layout, site="Elastic.grow / Elastic.standby")
+
+    def standby(self, timeout: float | None = None) -> MeshGroups:
+        """On a spare: wait (``timeout`` seconds, default forever) until ``grow`` admits this
+        rank; returns the new mesh. Raises ``TimeoutError`` when not admitted in time."""
+        key = f"{KEY}/admit/{self.rank}"
+        wait = timedelta(seconds=timeout) if timeout is not None else timedelta(days=365)
+        try:
+            self.store.wait([key], wait)
+        except (RuntimeError, dist.DistError) as exc:
+            raise TimeoutError(f"spare rank {self.rank} was not admitted within {timeout}s ({exc})") from None
+        record = json.loads(self.store.get(key))
+        self.store.delete_key(key)
+        self._enter_epoch(int(record["epoch"]))
+        self.spares = tuple(record["spares"])
+        self.grown = tuple(record["grown"])
+        layout = Layout.from_dict(record["layout"])
+        self.members = tuple(r for r in sorted(layout.grid.ravel().tolist()) if r != self.rank)
+        mg = self.rebuild(layout, site="Elastic.grow / Elastic.standby")
+        if mg is None:
+            raise MeshConfigError(f"spare rank {self.rank} was admitted but is not in the layout {layout!r}")
+        return mg
+
+    def _drop_meshes(self) -> int:
+        destroyed = sum(m.close() for m in (self.mg, self._world) if m is not None)
+        self.mg = self._world = None
+        return destroyed
+
+    def close(self) -> int:
+        """Stop the heartbeat, close the meshes, leave the cohort (local, like
+        ``MeshGroups.close``). Idempotent. Returns the number of process groups destroyed on
+        this rank."""
+        destroyed = self._drop_meshes()
+        self._beat.stop()
+        set_cohort(None)
+        return destroyed
+
+    def __enter__(self) -> Elastic:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _seconds(name: str, value: float | None, default: float) -> float:
+    """A positive number of seconds, ``default`` for ``None`` (0 is refused, not defaulted)."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    if not 0 < value < float("inf"):
+        raise MeshConfigError(f"{name}={value!r} must be a positive, finite number of seconds")
+    return float(value)
+
+
+__all__ = ["Elastic"]

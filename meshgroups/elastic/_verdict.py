@@ -1,0 +1,326 @@
+"""Who is lost: one verdict, decided once through the store, the same on every live rank.
+
+When a guarded step fails on a rank (``Elastic.step()``), the rank publishes the failure and
+*checks in* for the current epoch. The verdict is decided once, atomically:
+
+- every check-in appends the rank to one store key (``roll``) by ``compare_set``; deciding is a
+  ``compare_set`` that marks the same key ``closed``, with the rule that decided (so every rank
+  that sees the roll closed reads the same ``why``). Every change of that key is one
+  compare-and-set, so a check-in either lands before the decision (the rank is a survivor) or
+  finds the key closed (the rank was declared lost: ``ExcludedError``) — never both, on no rank;
+- a rank decides once every member has checked in (nobody lost), or every member still missing
+  has a stale heartbeat (its ``Heartbeat`` thread stopped: the process died), or the verdict's
+  timeout passed (the missing ranks hung). The lost ranks are the members missing from the
+  closed roll.
+
+A merely slow rank is never lost by some and alive by others: there is one roll. A rank that is
+slow past the timeout is lost everywhere, and learns it when it checks in (``ExcludedError``).
+
+Heartbeats run on a thread with a connection of their own (``store.clone()``): a rank blocked
+inside a gloo collective still beats (gloo waits release the GIL), so only dead (or frozen)
+processes go stale. Staleness is judged by each observer's own clock (a value that did not
+change for ``stale_after`` seconds), so clocks need not agree.
+
+Store keys live under ``meshgroups/elastic/_plans/``; O(members) store operations per check-in round,
+polled every ``poll`` seconds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from meshgroups.errors import ExcludedError
+
+KEY = "meshgroups/elastic"
+_CLOSED = "closed\n"
+_ABSENT = "\x00"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The decision of one epoch: ``survivors`` (checked in) and ``lost`` (members that did
+    not), ``why`` the rule that decided it, ``cause`` the first failure a rank published."""
+
+    epoch: int
+    survivors: tuple[int, ...]
+    lost: tuple[int, ...]
+    why: str
+    cause: str
+
+
+class Heartbeat:
+    """A daemon thread that bumps ``meshgroups/elastic/_plans/hb/<rank>`` every ``interval`` seconds
+    through its own store connection; ``stop()`` ends it::
+
+        >>> beat = Heartbeat(store, rank=3, interval=1.0)   # doctest: +SKIP
+        >>> beat.stop()                                      # doctest: +SKIP
+    """
+
+    def __init__(self, store: dist.Store, rank: int, interval: float) -> None:
+        if not interval > 0:
+            raise ValueError(f"heartbeat interval must be positive seconds, got {interval!r}")
+        self.rank, self.interval = rank, float(interval)
+        self._store = store.clone()  # type: ignore[attr-defined]
+        self._stop = threading.Event()
+        self._store.add(heartbeat_key(rank), 1)  # exists before anyone reads it
+        self._thread = threading.Thread(target=self._run, name=f"meshgroups-heartbeat-{rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._store.add(heartbeat_key(self.rank), 1)
+            except Exception:
+                # Keep beating: one failed ``add`` (a store slow to answer on a loaded host) must
+                # not make a live rank look dead forever. A store that is gone is the main
+                # thread's news (its own store calls fail).
+                continue
+
+    def stop(self) -> None:
+        """Stop beating (others will see this rank go stale)."""
+        self._stop.set()
+        self._thread.join(timeout=self.interval * 2 + 1)
+
+
+def heartbeat_key(rank: int) -> str:
+    """The store key whose counter ``rank``'s heartbeat thread keeps raising."""
+    return f"{KEY}/hb/{rank}"
+
+
+def _key(epoch: int, name: str) -> str:
+    return f"{KEY}/e{epoch}/{name}"
+
+
+def publish_failure(
+    store: dist.Store, epoch: int, rank: int, exc: BaseException | None, step: int = 0
+) -> str:
+    """Record the first failure of ``epoch`` (first writer wins) and the earliest ``step`` of the
+    epoch a failure was seen in (0: before any step); returns the failure that counts."""
+    _lower_to(store, _key(epoch, "failed_step"), step)  # before "failed": a reader of one finds both
+    mine = f"rank {rank}: " + (f"{type(exc).__name__}: {exc}" if exc is not None else "a peer failed")
+    return str(store.compare_set(_key(epoch, "failed"), "", mine[:2000]).decode())
+
+
+def failure_published(store: dist.Store, epoch: int) -> bool:
+    """Whether some rank published a failure in ``epoch`` (one store round trip)."""
+    return bool(store.check([_key(epoch, "failed")]))
+
+
+def failed_step(store: dist.Store, epoch: int) -> int | None:
+    """The earliest step of ``epoch`` in which a rank published a failure, ``None`` when none did
+    (one store round trip without a failure, two with one)."""
+    if not failure_published(store, epoch):
+        return None
+    step = _read(store, _key(epoch, "failed_step"))
+    return 0 if step == _ABSENT else int(step)
+
+
+def _lower_to(store: dist.Store, key: str, value: int) -> None:
+    """Set the integer at ``key`` to ``value`` unless it already holds a smaller one."""
+    expected = ""
+    while True:
+        got = str(store.compare_set(key, expected, str(value)).decode())
+        if got == str(value) or int(got) <= value:
+            return
+        expected = got
+
+
+def _read(store: dist.Store, key: str) -> str:
+    # compare_set with a non-empty expected value returns it for a missing key, sets nothing
+    return str(store.compare_set(key, _ABSENT, _ABSENT).decode())
+
+
+def _parts(roll: str) -> tuple[str, str]:
+    """``(why, ranks)`` of a roll: the rule that closed it ("" while it is open) and its check-ins."""
+    if not roll.startswith(_CLOSED):
+        return "", roll
+    why, _, body = roll[len(_CLOSED) :].partition("\n")
+    return why, body
+
+
+def _closed_why(roll: str) -> str:
+    return _parts(roll)[0]
+
+
+def _ranks_of(roll: str) -> set[int]:
+    return {int(r) for r in _parts(roll)[1].split(",") if r and r != _ABSENT}
+
+
+def _check_in(store: dist.Store, key: str, rank: int) -> str:
+    """Append ``rank`` to the roll unless it is closed; returns the roll as last seen."""
+    expected = ""
+    while True:
+        new = f"{expected}{rank},"
+        got = str(store.compare_set(key, expected, new).decode())
+        if got == new or got.startswith(_CLOSED):
+            return got
+        expected = got
+
+
+def _close(store: dist.Store, key: str, why: str) -> str:
+    """Mark the roll closed with the rule that decided (once, whoever comes first: the rule goes
+    in the same compare-and-set, so every rank that sees the roll closed reads the closer's
+    rule); returns the closed roll."""
+    expected = _read(store, key)
+    while not expected.startswith(_CLOSED):
+        current = "" if expected == _ABSENT else expected
+        closed = f"{_CLOSED}{why.replace(chr(10), ' ')}\n{current}"
+        got = str(store.compare_set(key, current, closed).decode())
+        if got == closed:
+            return got
+        expected = got
+    return expected
+
+
+def agree_lost(
+    store: dist.Store,
+    epoch: int,
+    members: Sequence[int],
+    rank: int,
+    *,
+    timeout: float,
+    stale_after: float,
+    poll: float = 0.05,
+) -> Verdict:
+    """Check in for ``epoch`` and return its verdict over ``members`` (see the module
+    docstring); bounded by ``timeout`` seconds plus a few store round trips.
+
+    Raises:
+        ExcludedError: this rank checked in after the decision (it is among the lost).
+        ValueError: ``rank`` is not a member.
+    """
+    if rank not in members:
+        raise ValueError(f"rank {rank} is not a member of epoch {epoch} ({list(members)})")
+    roll_key = _key(epoch, "roll")
+    started = time.monotonic()
+    roll = _check_in(store, roll_key, rank)
+    if rank not in _ranks_of(roll):
+        raise _excluded(epoch, rank, roll)
+    watch = Staleness(store, stale_after)
+    why = ""
+    pause = poll
+    while not roll.startswith(_CLOSED):
+        here = _ranks_of(roll)
+        missing = [r for r in members if r not in here]
+        now = time.monotonic()
+        if not missing:
+            why = "every member reported"
+        else:
+            stale = watch.stale(missing)
+            if len(stale) == len(missing):
+                why = f"heartbeat stopped for {stale_after:g}s"
+            elif now - started >= timeout:
+                why = f"did not report within {timeout:g}s"
+        if why:
+            roll = _close(store, roll_key, why)
+            break
+        time.sleep(pause)
+        pause = min(pause * 1.5, max(poll, 0.25))
+        roll = _read(store, roll_key)
+    survivors = tuple(sorted(_ranks_of(roll)))
+    lost = tuple(r for r in members if r not in survivors)
+    if rank not in survivors:  # unreachable: this rank checked in before the close
+        raise _excluded(epoch, rank, roll)
+    cause = _read(store, _key(epoch, "failed"))
+    return Verdict(epoch, survivors, lost, _closed_why(roll), "" if cause == _ABSENT else cause)
+
+
+class Staleness:
+    """Which ranks' heartbeats stopped: a value that did not change for ``stale_after`` seconds
+    of this observer's clock (from the first look)."""
+
+    def __init__(self, store: dist.Store, stale_after: float) -> None:
+        self.store, self.stale_after = store, stale_after
+        self.seen: dict[int, tuple[int, float]] = {}  # rank -> (value, when it last changed here)
+        self.beating: set[int] = set()  # ranks whose heartbeat key exists
+
+    def stale(self, ranks: Sequence[int]) -> list[int]:
+        now = time.monotonic()
+        # (multi_get would block on a rank that never beat: such a rank reads as 0, unchanging)
+        beating = [r for r in ranks if r in self.beating or self.store.check([heartbeat_key(r)])]
+        self.beating.update(beating)
+        values = (
+            dict(zip(beating, self.store.multi_get([heartbeat_key(r) for r in beating]))) if beating else {}
+        )
+        for r in ranks:
+            v = int(values[r].decode() or 0) if r in values else 0
+            if r not in self.seen or self.seen[r][0] != v:
+                self.seen[r] = (v, now)
+        return [r for r in ranks if now - self.seen[r][1] >= self.stale_after]
+
+
+class StepAbortedError(RuntimeError):
+    """``commit`` saw a failure (published, or a member's heartbeat stopped): the step must not
+    be applied; ``Elastic.step()`` turns it into the verdict."""
+
+
+def commit(
+    store: dist.Store,
+    epoch: int,
+    number: int,
+    members: Sequence[int],
+    rank: int,
+    *,
+    timeout: float,
+    stale_after: float,
+    poll: float = 0.02,
+) -> None:
+    """Wait until every member reached commit ``number`` of ``epoch`` (then nobody failed the
+    step's collectives, and each may apply it), or raise ``StepAbortedError`` as soon as a failure
+    is published or a member goes stale, or after ``timeout`` seconds. One ``add`` per rank;
+    the last arrival deletes the previous commit's keys."""
+    base = _key(epoch, f"commit/{number}")
+    if int(store.add(f"{base}/count", 1)) == len(members):
+        store.set(f"{base}/done", "1")
+        if number > 0:
+            for name in ("count", "done"):
+                store.delete_key(_key(epoch, f"commit/{number - 1}/{name}"))
+        return
+    started, pause = time.monotonic(), poll
+    watch = Staleness(store, stale_after)
+    while True:
+        # (polled: a short store.wait that times out logs a warning in torch each time)
+        if store.check([f"{base}/done"]):
+            return
+        # (done again after a failure: the last arrival sets it before anyone can go on and fail)
+        if failure_published(store, epoch) and not store.check([f"{base}/done"]):
+            raise StepAbortedError(f"rank {rank}: a peer failed in epoch {epoch} before commit {number}")
+        stale = watch.stale([r for r in members if r != rank])
+        if stale:
+            raise StepAbortedError(
+                f"rank {rank}: the heartbeat of rank(s) {stale} stopped before commit {number}"
+            )
+        if time.monotonic() - started > timeout:
+            raise StepAbortedError(
+                f"rank {rank}: not every member reached commit {number} within {timeout:g}s"
+            )
+        time.sleep(pause)
+        pause = min(pause * 1.5, 0.25)
+
+
+def _excluded(epoch: int, rank: int, roll: str) -> ExcludedError:
+    return ExcludedError(
+        f"rank {rank} was declared lost in epoch {epoch} ({_closed_why(roll)}): it reported after "
+        f"the survivors ({sorted(_ranks_of(roll))}) had decided; it must not join their collectives — exit, "
+        "or wait to be re-admitted as a spare"
+    )
+
+
+__all__ = [
+    "KEY",
+    "Heartbeat",
+    "Staleness",
+    "StepAbortedError",
+    "Verdict",
+    "agree_lost",
+    "commit",
+    "failed_step",
+    "failure_published",
+    "heartbeat_key",
+    "publish_failure",
+]

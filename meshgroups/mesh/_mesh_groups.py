@@ -1,0 +1,399 @@
+"""The torch bridge: a ``Layout`` becomes one root ``DeviceMesh`` and its process groups.
+
+    >>> import torch.distributed as dist                        # doctest: +SKIP
+    >>> dist.init_process_group("gloo")                         # or torchrun's env
+    >>> mg = init_mesh(Layout(pp=2, dp=2, cp=1, tp=2), flatten=[("dp", "cp")])
+    >>> tp_mesh, dp_cp_mesh = mg.mesh["tp"], mg.mesh["dp_cp"]   # slices of one root
+    >>> fully_shard(model, mesh=dp_cp_mesh)                     # combines with TP on tp_mesh
+
+Each distinct group is created once (``dp_cp`` with ``cp=1`` *is* the ``dp`` group; an expert
+view's ``pp`` *is* the dense ``pp``; size-1 dims share one one-rank group), always in mesh order,
+and only after every rank has confirmed it builds the same thing. ``mg.mesh`` is the only root
+mesh of the layout: submeshes are its slices, declared flattened dims are registered on it, and
+torch's own ``_flatten``/``_unflatten`` on it build (or reuse) groups in mesh order through
+meshgroups instead of torch's sorted ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshgroups.errors import DuplicateNameError, MeshConfigError, UnknownDimError, torch_says
+from meshgroups.layout import Layout
+from meshgroups.mesh._build import Built, build, check_device_index, check_new_name
+from meshgroups.mesh._collective import collective_call
+from meshgroups.mesh._families import Families
+from meshgroups.mesh._groups import GroupCache, GroupKey
+from meshgroups.mesh._options import MeshOptions, merge_options
+from meshgroups.mesh._plan import SubsetSpec
+from meshgroups.mesh._root_meshes import RootMeshes
+from meshgroups.mesh._torch_seam import (
+    flattened_dim,
+    forget_dtensor_caches,
+    set_group_timeout,
+    use_collective_calls,
+)
+
+# Public here (compat uses it): changing a live group's timeout has no public torch API.
+__all__ = ["GroupCache", "MeshGroups", "init_mesh", "layout_of", "set_group_timeout"]
+from meshgroups.mesh._strategies import Strategy
+
+
+class MeshGroups:
+    """This rank's view of a built layout: the root ``DeviceMesh`` and every declared group.
+
+    **Ranks outside a layout, view or subset** (a layout over part of the world, a rank offset,
+    a subset) are treated as torch treats ranks outside a ``DeviceMesh``: ``mesh``,
+    ``view_mesh`` and ``submesh`` still give a ``DeviceMesh`` (every rank gets one), whose
+    ``get_coordinate()`` is ``None``, on which DTensor ops are no-ops, and whose ``_flatten``,
+    ``_unflatten`` and slicing take part in the collective calls like the members'. The
+    meshgroups lookups that name *this rank's* group answer ``None`` there instead, because
+    there is no such group: ``group``, ``ranks`` and ``local_rank`` (and ``group(gloo=True)``).
+    ``size`` always answers.
+
+    ``close()`` (or leaving a ``with init_mesh(...) as mg:`` block) destroys every process group
+    this mesh created, except those another live ``MeshGroups`` still uses through a shared
+    ``GroupCache``; the mesh is unusable afterwards.
+    """
+
+    def __init__(self, layout: Layout, built: Built) -> None:
+        self.layout = layout
+        self.device_type = built.plan.device_type
+        self.strategy = built.plan.strategy
+        self.cache: GroupCache = built.builder.cache
+        self.generation = built.generation
+        self._closed = False
+        # The groups (lookups, lifetime) and the DeviceMeshes built from them.
+        self._families = Families(built)
+        self._roots = RootMeshes(layout, self.device_type, self._families)
+
+    # ----------------------------------------------------------------------- lifetime
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def gloo_twins(self) -> bool:
+        """Whether every group has a gloo twin (``init_mesh(gloo_twins=True)``)."""
+        return self._families.plan.gloo_twins
+
+    @property
+    def options(self) -> MeshOptions:
+        """The options this mesh was built with, to build another layout alike."""
+        plan = self._families.plan
+        return MeshOptions(
+            device_type=plan.device_type,
+            backend=plan.backend,
+            timeout=plan.timeout,
+            gloo_twins=plan.gloo_twins,
+            strategy=plan.strategy,
+            check=self._families.check,
+            backend_override={k: v for k, v in plan.backend_override.items()} or None,
+        )
+
+    @property
+    def declared_flatten(self) -> tuple[tuple[str, ...], ...]:
+        """The ``flatten=`` dim sets this mesh was built with."""
+        return tuple(self._families.plan.flatten)
+
+    @property
+    def declared_only(self) -> tuple[tuple[str, ...], ...] | None:
+        """The ``only=`` dim sets this mesh was built with (``None``: every dim)."""
+        only = self._families.plan.only
+        return None if only is None else tuple(only)
+
+    def forget_group(self, key: GroupKey) -> None:
+        """Stop holding the cache entry ``key`` (after ``GroupCache.evict(key)`` destroyed its
+        group), so ``close()`` does not release it a second time."""
+        self._families.keys[:] = [k for k in self._families.keys if k != key]
+
+    def close(self) -> int:
+        """Destroy the process groups this mesh created (not WORLD, not groups another live
+        mesh shares through the cache) and detach its DeviceMeshes. Local: no collective, but
+        call it on every rank, like the ``init_mesh`` it undoes. Idempotent. Returns the number
+        of process groups destroyed on this rank."""
+        if self._closed:
+            return 0
+        self._closed = True
+        self._roots.close()
+        destroyed = self._families.release()
+        forget_dtensor_caches()
+        return destroyed
+
+    def __enter__(self) -> MeshGroups:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this MeshGroups was closed; its process groups are destroyed")
+
+    # ----------------------------------------------------------------------- meshes
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The root ``DeviceMesh`` of the main layout (``mesh_dim_names == layout.names``), on
+        every rank (``get_coordinate()`` is ``None`` outside the layout). Built on first use
+        from the groups already created (no collective; one O(world) torch constructor, every
+        declared flattened dim then registered in O(ndim)): ``mesh["dp_cp"]`` and
+        ``mesh["dp", "cp"]._flatten()`` return meshgroups' group."""
+        self._check_open()
+        return self._roots.root(self.layout)
+
+    def view_mesh(self, name: str) -> DeviceMesh:
+        """The root ``DeviceMesh`` of a view declared with ``Layout.with_views`` (coordinate
+        ``None`` off it).
+        A view is another factorisation, so its mesh is a root of its own: combine TP and FSDP2
+        on slices of one root (the main mesh *or* one view mesh), never across them."""
+        self._check_open()
+        views = self.layout.views
+        if name not in views:
+            raise MeshConfigError(f"unknown view {name!r}; views are {', '.join(views) or 'none'}")
+        return self._roots.root(views[name])
+
+    def flatten(self, *dims: str, name: str | None = None) -> DeviceMesh:
+        """Add the flattened group of ``dims`` after ``init_mesh`` — collective: every rank calls
+        it, like torch's ``_flatten`` — and register it on the root as ``name`` (default: the
+        dims joined by ``_``). Returns the flattened 1-D mesh (coordinate ``None`` off the
+        layout); an already built set is reused."""
+        with collective_call("flatten") as call:  # numbered before anything is checked
+            self._check_open()
+            if not dims:
+                raise MeshConfigError("flatten needs at least one dim, e.g. mg.flatten('dp', 'cp')")
+            owner = self.layout.resolve(*dims)
+            key = tuple(d for d in owner.names if d in dims)
+            label = name if name is not None else "_".join(key)
+            if len(key) > 1:
+                check_new_name(label, self._dim_names(), "flatten(name=)" if name is not None else "")
+            call.compare(dims=key, name=label)
+            handles = self._families.handles
+            if key not in handles:
+                handles[key] = self._families.add(owner, key, label)
+            if len(key) == 1:
+                return self._roots.root(owner)[key[0]]
+            return self._roots.flattened(owner, key, label)
+
+    def _dim_names(self) -> set[str]:
+        """Every name a flattened dim must not take: dims of the layout and its views, subsets."""
+        names = set(self.layout.names).union(*(v.names for v in self.layout.views.values()))
+        return names | set(self._families.subsets)
+
+    def submesh(self, *dims: str, flatten: bool = False) -> DeviceMesh:
+        """A slice of the root: ``mg.mesh[dims]`` (any dims, n-D, no declaration needed), or
+        with ``flatten=True`` the registered flattened dim (``mg.mesh["dp_cp"]``; declare it with
+        ``init_mesh(flatten=...)`` or add it with ``flatten()``). A subset name gives a 1-D mesh
+        over the subset's group, a root of its own (it is no dim of the layout). Off the group:
+        the same mesh with coordinate ``None`` (as torch's slices on a rank outside the mesh)."""
+        self._check_open()
+        if len(dims) == 1 and dims[0] in self._families.subsets:
+            return self._roots.subset(dims[0])
+        if not dims:
+            raise MeshConfigError("name at least one dim (or a subset), e.g. submesh('tp')")
+        try:
+            owner = self.layout.resolve(*dims)
+        except (UnknownDimError, DuplicateNameError) as exc:  # torch's words for mesh[dims] too
+            said = (
+                f"Invalid mesh_dim_names {dims} specified. Valid mesh_dim_names are {list(self.layout.names)}."
+                if isinstance(exc, UnknownDimError)
+                else f"Slicing overlapping dim_names {dims} is not allowed."
+            )
+            raise type(exc)(torch_says(str(exc), said)) from None
+        key = tuple(d for d in owner.names if d in dims)
+        root = self._roots.root(owner)
+        if flatten and len(key) > 1:
+            self._families.key_of(self.layout, key)  # a clear error if it was not built
+            return flattened_dim(root, "_".join(key)) or self.flatten(*key)
+        return root[key]
+
+    # ----------------------------------------------------------------------- lookups
+    def has(self, *dims: str) -> bool:
+        """Whether the group family of ``dims`` (or the subset ``dims[0]``) was built, so
+        ``group`` answers for it. Unknown dims are simply ``False``."""
+        if len(dims) == 1 and dims[0] in self._families.subsets:
+            return True
+        if not dims or not all(isinstance(d, str) for d in dims):
+            return False
+        try:
+            owner = self.layout.resolve(*dims)
+        except ValueError:
+            return False
+        return tuple(d for d in owner.names if d in dims) in self._families.handles
+
+    def group(self, *dims: str, gloo: bool = False) -> dist.ProcessGroup | None:
+        """This rank's group varying ``dims`` (or the subset named ``dims[0]``); ``None`` if this
+        rank is in none. ``gloo=True`` gives the gloo twin (``init_mesh(gloo_twins=True)``)."""
+        self._check_open()
+        handle = self._families.handles[self._families.key_of(self.layout, dims)]
+        if gloo:
+            if handle.ranks is not None and handle.gloo is None:
+                raise MeshConfigError("no gloo twins were built; pass init_mesh(..., gloo_twins=True)")
+            return handle.gloo
+        return handle.group
+
+    def _ranks(self, dims: tuple[str, ...]) -> tuple[int, ...] | None:
+        self._check_open()
+        if len(dims) == 1 and dims[0] in self._families.subsets:
+            return self._families.handles[dims[0]].ranks
+        if not dims:
+            raise MeshConfigError("name at least one dim (or a subset), e.g. ranks('tp')")
+        owner = self.layout.resolve(*dims)
+        rank = dist.get_rank()
+        return tuple(owner.group_of(rank, *dims).tolist()) if rank in owner else None
+
+    def ranks(self, *dims: str) -> list[int] | None:
+        """Global ranks of this rank's group varying ``dims``, in mesh order (= group rank order),
+        or ``None``. Layout arithmetic: any dim set, built or not."""
+        ranks = self._ranks(dims)
+        return None if ranks is None else list(ranks)
+
+    def local_rank(self, *dims: str) -> int | None:
+        """This rank's index in its group varying ``dims`` (== ``dist.get_rank(group)`` where the
+        group was built), or ``None``. Any dim set."""
+        ranks = self._ranks(dims)
+        return None if ranks is None else ranks.index(dist.get_rank())
+
+    def size(self, *dims: str) -> int:
+        """Size of the groups varying ``dims`` (or of the subset's groups); any dims, built or not;
+        with no dims the layout's world size, as torch's ``DeviceMesh.size()``."""
+        if len(dims) == 1 and dims[0] in self._families.subsets:
+            return self._families.subsets[dims[0]].size
+        return self.layout.size(*dims)
+
+    @property
+    def families(self) -> list[Hashable]:
+        """Keys of every group family built: dim tuples (layout order) and subset names."""
+        return list(self._families.handles)
+
+    def __repr__(self) -> str:
+        state = ", closed" if self._closed else ""
+        return (
+            f"MeshGroups(rank={dist.get_rank()}, layout={self.layout!r}, strategy={self.strategy!r}, "
+            f"families={len(self._families.handles)}, groups_held={len(self.cache)}{state})"
+        )
+
+    def _repr_html_(self) -> str:
+        from meshgroups.render import html
+
+        return html(self.layout, highlight_rank=dist.get_rank())
+
+
+def init_mesh(
+    layout: Layout,
+    device_type: str = "cpu",
+    *,
+    flatten: Iterable[Sequence[str]] = (),
+    subsets: Mapping[str, SubsetSpec] | None = None,
+    only: Iterable[Sequence[str]] | None = None,
+    backend: str | None = None,
+    timeout: timedelta | float | None = None,
+    gloo_twins: bool = False,
+    strategy: Strategy = "auto",
+    cache: GroupCache | None = None,
+    check: bool | None = None,
+    backend_override: Mapping[int | str, object] | None = None,
+    options: MeshOptions | None = None,
+) -> MeshGroups:
+    """Build ``layout`` on the initialised default process group. Call it on every rank, the
+    same number of times, from one thread.
+
+    Args:
+        layout: the main layout; its views (``Layout.with_views``) are built too.
+        device_type: ``"cpu"``, ``"cuda"``, ... (a device type, no index), as for ``DeviceMesh``.
+        flatten: dim sets to build flattened groups for, e.g. ``[("dp", "cp")]``; each is also
+            registered on the root mesh (``mg.mesh["dp_cp"]``).
+        subsets: named subset groups, ``{"embd": (layout.select("pp", [0, -1]), "pp")}``:
+            the groups of that sub-layout varying those dims; other ranks get ``None``.
+        only: build exactly these dim sets (and ``subsets``) instead of every dim plus
+            ``flatten`` — e.g. ``only=[("tp",)]`` for just the tp groups. ``mesh`` then needs
+            every single dim among them.
+        backend: backend of the new groups; default: the default group's. Strings such as
+            ``"cpu:gloo,cuda:nccl"`` pass through to ``new_group``.
+        timeout: bounds every wait of this call — the cross-rank check and each group's
+            creation (seconds or timedelta, positive, at most 7 days); default: the default
+            group's timeout (``init_process_group(timeout=...)``).
+        gloo_twins: also build a gloo twin of every group (``group(..., gloo=True)``), what
+            Megatron calls ``create_gloo_process_groups``.
+        strategy: ``"auto"`` (default: ``"split"`` where the default group is bound to a
+            device and torch >= 2.14, as torch 2.15's nccl2 backend splits subgroups from the
+            parent itself; else ``"global"``), ``"global"`` (every rank makes every creation
+            call — safe everywhere, O(world) calls per rank), ``"local"`` (each rank creates
+            only its own groups with ``use_local_synchronization=True`` — O(number of
+            families); torch's held-group counts are levelled across ranks first; not for MPI,
+            refused with a device-bound default group, pytorch#129965), or ``"split"``
+            (``dist.split_group`` per family; needs a device-bound default group; on torch 2.13
+            groups must have increasing ranks; NCCL is untested here: no multi-GPU machine).
+        cache: share groups across ``init_mesh`` calls (one strategy per cache); a group stays
+            alive while any ``MeshGroups`` built through the cache uses it.
+        check: ``None``/``True``: the cross-rank rendezvous runs (always, on a real backend:
+            it is what keeps calls in step); ``False`` is accepted only on torch's
+            single-process ``"fake"`` backend, where there is no store to meet through.
+        backend_override: torch's per-dim backend choice (``init_device_mesh``'s argument):
+            ``{dim name or index: backend name | backend options | (name, options)}``, e.g.
+            ``{"tp": "gloo", 0: ("gloo", opts)}``; keys may also be a view's dim, a declared
+            flattened dim (``"dp_cp"``) or a subset name. Part of the cross-rank check.
+        options: all of the above but ``flatten``, ``subsets``, ``only`` and ``cache`` as one
+            ``MeshOptions`` value (then leave those keywords at their defaults).
+
+    Raises:
+        RuntimeError: the default process group is not initialised.
+        ConcurrentInitError: another thread of this process is inside a collective call.
+        TypeError / MeshConfigError / LayoutError: bad arguments on this rank — raised before
+            any group is created, and raised on every other rank too, same class, naming it.
+            Where torch raises ``RuntimeError`` for the same misuse the error is also one
+            (``DeviceTypeError`` for ``"cpu:0"``, ``DuplicateNameError``, ``WorldSizeError``,
+            ``BackendOverrideError``; see ``meshgroups.errors``).
+        MismatchError: ranks passed different arguments, or made different calls at this call
+            number (``argument`` is then ``"operation"`` or ``"call_site"``), named with the ranks.
+        RendezvousTimeoutError: a rank never arrived, or arrived after the others gave up.
+        StoreConnectionError: the connection to the store was lost (e.g. rank 0 died).
+        MeshBuildError: a rank failed while creating groups; every rank destroyed what the call
+            created, and retrying the same call on every rank is safe.
+
+    Returns:
+        The ``MeshGroups`` of this rank: ``mesh`` (the root ``DeviceMesh``), ``group(*dims)``,
+        ``ranks``, ``local_rank``, ``size``, ``submesh``, ``view_mesh``; ``close()`` (or ``with``)
+        destroys the groups it created.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        check_device_index(device_type)  # torch tells this first, with or without a default group
+        raise RuntimeError(
+            "init_mesh needs an initialised default process group: call dist.init_process_group first"
+        )
+    # build() opens the collective call: numbered first, errors published, a failed call closed
+    keywords = MeshOptions(device_type, backend, timeout, gloo_twins, strategy, check, backend_override)
+    opts, refusal = merge_options(options, keywords)
+    built = build(
+        layout, flatten=flatten, subsets=subsets, only=only, cache=cache, refusal=refusal, **opts.kwargs()
+    )
+    return MeshGroups(layout, built)
+
+
+# torch's _flatten/_unflatten on a meshgroups mesh run inside the same protocol as init_mesh.
+use_collective_calls(collective_call)
+
+
+def layout_of(device_mesh: DeviceMesh) -> Layout:
+    """Any torch ``DeviceMesh`` read back as a ``Layout`` with the mesh's dim names (``dim_0``,
+    ... when it has none): a root from ``init_device_mesh``, a slice (this rank's sub-grid) or a
+    flattened mesh (this rank's flattened group), so a torchtitan user can draw and check the
+    mesh they already have. Public DeviceMesh API only (``mesh``, ``mesh_dim_names``)::
+
+        >>> layout_of(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))  # doctest: +SKIP
+        Layout(dp=2, tp=4)
+
+    Args:
+        device_mesh: any ``DeviceMesh`` (a root, a slice, a flattened mesh).
+
+    Returns:
+        The ``Layout`` of the ranks it holds, with its dim names.
+    """
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"layout_of takes a torch DeviceMesh, got {type(device_mesh).__name__}")
+    grid = device_mesh.mesh.detach().cpu().numpy()
+    names = device_mesh.mesh_dim_names or tuple(f"dim_{i}" for i in range(grid.ndim))
+    return Layout.from_grid(grid, tuple(names))

@@ -1,0 +1,376 @@
+"""One meeting of the ranks inside a collective call, through the default store.
+
+A collective call (``meshgroups.mesh._collective``) has a number agreed by counting; its meetings
+are numbered within it, and a meeting's keys live under ``meshgroups/rdzv/<call>/<meeting>/``.
+A meeting has three phases, each a barrier whose outcome is decided exactly once, by
+``compare_set`` on a state key (first writer wins):
+
+1. *arrive* — rank 0 (a cohort's first member) publishes its argument digests, every rank raises torch's group counters to
+   the common maximum and counts itself in; the last arrival sets ``arrived``. A rank that gave
+   up waiting sets ``abandoned`` instead, so a rank arriving later raises rather than passing
+   alone; a rank that failed sets ``failed`` so the others stop waiting.
+2. *verify* — every rank compares its digests with rank 0's and records what differs; the last
+   sets ``verified``, and then every rank raises the same ``MismatchError`` naming the argument
+   and the ranks, or goes on.
+3. *built* — after creating its groups every rank reports (``ok``, or why it failed); the state
+   is decided once every rank reported or when the wait ends, so every rank raises the same
+   error: the first failure that was not merely waiting on a peer, else the first failure, else
+   the ranks that never reported (dead or hung: a peer stuck in gloo's connect reports when its
+   own timeout ends, so this wait lasts a grace period longer).
+
+Every wait is bounded; a timeout names the ranks that never arrived and what each last
+published; a lost store connection is a ``StoreConnectionError``. O(1) store operations per
+rank on the success path.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from meshgroups.errors import MeshBuildError, MismatchError, RendezvousTimeoutError, StoreConnectionError
+from meshgroups.mesh._failure_records import failure_record, from_record, shared, waiting_on_peer
+
+PREFIX = "meshgroups/rdzv"
+PHASES = ("state", "verify", "built")
+#: Worlds up to this size get the exact list of missing ranks in a timeout message.
+NAME_MISSING_UP_TO = 4096
+#: Seconds between two looks of a liveness probe at the ranks a meeting still awaits (cohorts of
+#: up to 512 ranks; proportionally longer above).
+LIVENESS_POLL = 0.5
+#: How many of a phase's first arrivals watch the others' liveness (the rest wait on the key).
+WATCHERS = 2
+
+
+class Meeting:
+    """One meeting of a collective call; see the module docstring."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        what: str,
+        base: str,
+        timeout: timedelta,
+        last_words: Callable[[list[int]], str] = lambda ranks: "",
+        members: Sequence[int] | None = None,
+        watch: Callable[[], Callable[[Sequence[int]], list[int]]] | None = None,
+    ) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.what = what  # e.g. "flatten call #7"
+        self.base = base
+        self.timeout = timeout
+        self.last_words = last_words  # what the named ranks last published
+        # The ranks that meet (a cohort of live ranks; default the whole world) and the one
+        # that publishes the reference arguments.
+        self.members: Sequence[int] = tuple(members) if members is not None else range(world_size)
+        self.leader = self.members[0]
+        # A liveness probe per wait (a cohort's, ``meshgroups.mesh._cohort.Cohort.watch``): a rank that
+        # died is not waited for until the timeout.
+        self.watch = watch
+        self.dead: list[int] = []  # the awaited ranks the probe found dead in the last wait
+        self.arrival = 0  # this rank's place in the order of arrival at the current phase (1: first)
+
+    def _key(self, name: str) -> str:
+        return f"{self.base}/{name}"
+
+    # ------------------------------------------------------------------ store access
+    def lost(self, exc: BaseException, where: str = "during") -> StoreConnectionError:
+        return shared(
+            StoreConnectionError(
+                f"rank {self.rank} lost the connection to the rendezvous store {where} {self.what} "
+                f"(the store is hosted by rank 0 under torchrun/tcp://; did it die?): {exc}"
+            )
+        )
+
+    def op(self, method: str, *args: Any) -> Any:
+        """``store.<method>(*args)``, a lost connection reported as such."""
+        try:
+            return getattr(self.store, method)(*args)
+        except (RuntimeError, dist.DistError) as exc:  # DistStoreError is both
+            raise self.lost(exc) from None
+
+    def publish_failure(self, exc: BaseException, phases: tuple[str, ...] = PHASES) -> str:
+        """Tell the other ranks this rank failed, so they stop waiting (first writer of each
+        phase wins). Returns the failure that counts for the first phase. A store that is gone
+        is a ``StoreConnectionError``."""
+        mine = failure_record(self.rank, exc)
+        first = ""
+        for phase in phases:
+            state = self.op("compare_set", self._key(phase), "", mine).decode()
+            first = first or state
+        return first if first.startswith("failed") else mine
+
+    def _wait(self, key: str, seconds: float, where: str, phase: str) -> bool:
+        """Wait for ``key``; False when the wait timed out, or (with a liveness probe, on one of
+        the first ``WATCHERS`` ranks to arrive) as soon as a rank that has not reached ``phase``
+        is dead (then named in ``self.dead``). The other ranks wait on the key, which the
+        watcher that sees the death sets."""
+        self.dead = []
+        if self.watch is not None and self.world_size <= NAME_MISSING_UP_TO and 0 < self.arrival <= WATCHERS:
+            return self._watch(key, seconds, phase)
+        try:
+            self.store.wait([key], timedelta(seconds=max(seconds, 0.001)))
+            return True
+        except (RuntimeError, dist.DistError) as exc:
+            if "timeout" not in str(exc).lower():
+                raise self.lost(exc, f"at {where} of") from None
+            return False
+
+    def _watch(self, key: str, seconds: float, phase: str) -> bool:
+        """``_wait`` by polling (a short ``store.wait`` that times out logs a warning in torch
+        each time): the key, and every ``LIVENESS_POLL`` seconds (longer for large cohorts) the
+        probe on the ranks that have not reached ``phase``: O(members) store checks per look,
+        on ``WATCHERS`` ranks only."""
+        if self.watch is None:  # an invariant of this module, not a check of user input
+            raise RuntimeError("meshgroups internal error: self.watch is None")
+        dead_of = self.watch()
+        look_every = LIVENESS_POLL * max(1.0, self.world_size / 512)
+        deadline, pause, next_look = time.monotonic() + seconds, 0.005, 0.0
+        while True:
+            if self.op("check", [key]):
+                return True
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            if now >= next_look:
+                absent = self._absent(phase) or []
+                self.dead = list(dead_of(absent)) if absent else []
+                if self.dead:
+                    return False
+                next_look = now + look_every
+            time.sleep(min(pause, max(deadline - now, 0.0)))
+            pause = min(pause * 2, 0.1)
+
+    def _wait_state(self, phase: str, done: str, where: str, started: float, late: bool = False) -> None:
+        """Wait for ``phase``'s state key; return if it says ``done``, raise otherwise."""
+        key = self._key(phase)
+        state = None
+        if not late and not self._wait(
+            key, self.timeout.total_seconds() - (time.monotonic() - started), where, phase
+        ):
+            elapsed = time.monotonic() - started
+            record = f"abandoned\n{self.rank}\n{elapsed:.1f}\n{json.dumps(self.dead)}"
+            state = self.op("compare_set", key, "", record).decode()
+        if state is None:
+            state = self.op("get", key).decode()
+        if state == done:
+            return  # (also when the last rank arrived just as this one gave up)
+        if state.startswith("failed"):
+            raise from_record(
+                state,
+                lambda r, cls, msg: (
+                    f"rank {r} failed before {where} of {self.what} ({cls}: {msg}); this is rank {self.rank}"
+                ),
+            )
+        _, who, after, dead_json = (state + "\n[]").split("\n")[:4]
+        dead = json.loads(dead_json)
+        if dead:  # the probe saw them die: no point waiting the timeout out
+            died = RendezvousTimeoutError(
+                f"rank {self.rank}: {_ranks(dead)} died before {where} of {self.what} (seen dead by rank "
+                f"{who} after {after}s of waiting: {'their' if len(dead) > 1 else 'its'} heartbeat stopped)"
+                f"{self.last_words(dead)}"
+            )
+            died._mg_gone = len(dead)  # type: ignore[attr-defined]  # not waited for at the close
+            raise shared(died)
+        if late:
+            raise shared(
+                RendezvousTimeoutError(
+                    f"rank {self.rank} reached {where} of {self.what} after rank {who} gave up waiting "
+                    f"({after}s); every rank raises, none builds groups alone"
+                )
+            )
+        raise shared(
+            RendezvousTimeoutError(
+                f"rank {self.rank}: {self._missing(phase)} at {where} of {self.what} (rank {who} gave up "
+                f"after {after}s; this rank waited {time.monotonic() - started:.1f}s, timeout "
+                f"{self.timeout.total_seconds():g}s); is it called on every rank, with the same timeout?"
+            )
+        )
+
+    def _absent(self, phase: str) -> list[int] | None:
+        if self.world_size > NAME_MISSING_UP_TO:
+            return None
+        return [r for r in self.members if not self.op("check", [self._key(f"{phase}/here/{r}")])]
+
+    def _missing(self, phase: str) -> str:
+        arrived = int(self.op("add", self._key(f"{phase}/count"), 0))
+        absent = self._absent(phase)
+        if absent is None:
+            return f"{self.world_size - arrived} of {self.world_size} ranks never arrived"
+        if not absent:
+            return "every rank arrived, but too late"
+        return f"{_ranks(absent)} never arrived ({arrived} of {self.world_size} did{self.last_words(absent)})"
+
+    def _barrier(self, phase: str, done: str, where: str, started: float) -> None:
+        if self.op("check", [self._key(phase)]):
+            self._wait_state(phase, done, where, started, late=True)  # decided without this rank
+            return
+        self.op("set", self._key(f"{phase}/here/{self.rank}"), "1")
+        self.arrival = int(self.op("add", self._key(f"{phase}/count"), 1))
+        if self.arrival == self.world_size:
+            self.op("compare_set", self._key(phase), "", done)
+        self._wait_state(phase, done, where, started)
+
+    def _raise_up_to_max(self, name: str, value: int) -> None:
+        key = self._key(f"max/{name}")
+        current = self.op("compare_set", key, "", str(value)).decode()
+        while int(current) < value:
+            seen = current
+            current = self.op("compare_set", key, seen, str(value)).decode()
+
+    # ------------------------------------------------------------------ phases
+    def agree(
+        self, digests: Mapping[str, str], shown: Mapping[str, str], counters: Mapping[str, int]
+    ) -> dict[str, int]:
+        """Phases 1 and 2. Returns the maximum of each counter over all ranks; raises the same
+        error on every rank if any argument differs from rank 0's (``shown`` is what the
+        message prints for each argument; ``call_site`` is compared only between ranks that run
+        the same ``program``)."""
+        started = time.monotonic()
+        if self.rank == self.leader:
+            self.op("set", self._key("ref"), json.dumps(digests))
+            self.op("set", self._key(f"mine/{self.leader}"), json.dumps(shown))
+        for name, value in counters.items():
+            self._raise_up_to_max(name, value)
+        self._barrier("state", "arrived", "the cross-rank check", started)
+        reference = json.loads(self.op("get", self._key("ref")))
+        differing = [
+            arg
+            for arg, digest in digests.items()
+            if reference.get(arg) != digest
+            and arg != "program"
+            and not (arg == "call_site" and reference.get("program") != digests.get("program"))
+        ]
+        if differing:
+            entry = json.dumps([self.rank, {arg: digests[arg] for arg in differing}])
+            self.op("append", self._key("bad"), entry + "\n")
+            self.op("set", self._key(f"mine/{self.rank}"), json.dumps(shown))
+        self._barrier("verify", "verified", "the comparison", started)
+        if self.op("check", [self._key("bad")]):
+            self._raise_mismatch(reference)
+        return {name: int(self.op("get", self._key(f"max/{name}"))) for name in counters}
+
+    def _raise_mismatch(self, reference: Mapping[str, str]) -> None:
+        by_arg: dict[str, dict[int, str]] = {}
+        for line in self.op("get", self._key("bad")).decode().splitlines():
+            r, args = json.loads(line)
+            for arg, digest in args.items():
+                by_arg.setdefault(arg, {})[int(r)] = digest
+        order = list(reference)
+        first = min(by_arg, key=lambda a: order.index(a) if a in order else len(order))
+        ranks = sorted(by_arg[first])
+        odd, usual = ranks[0], self.leader
+        if len(ranks) > self.world_size // 2 and len(set(by_arg[first].values())) == 1:
+            # Most ranks agree with each other, not with the leader: the leader is the odd one out.
+            odd, usual, ranks = self.leader, ranks[0], [self.leader]
+        odd_shown = json.loads(self.op("get", self._key(f"mine/{odd}")))
+        usual_shown = json.loads(self.op("get", self._key(f"mine/{usual}")))
+        others = [a for a in by_arg if a != first]
+        if first in ("operation", "call_site"):
+            advice = (
+                "every rank must make the same collective calls in the same order; did a rank skip a "
+                "call, or make one the others did not?"
+            )
+        else:
+            advice = "every rank must make this call with the same arguments"
+        raise shared(
+            MismatchError(
+                f"{self.what} was made with a different {first!r} on {_ranks(ranks)}: rank {odd} has "
+                f"{first}={odd_shown.get(first)} but rank {usual} has {first}={usual_shown.get(first)}"
+                + (f" (also differing: {', '.join(others)})" if others else "")
+                + f"; this is rank {self.rank}. {advice[0].upper()}{advice[1:]}",
+                argument=first,
+                ranks=tuple(ranks),
+            )
+        )
+
+    def finish(self, error: BaseException | None, grace: float) -> None:
+        """Phase 3: report this rank's build (``None``: success) and wait for every rank's; the
+        same ``MeshBuildError`` on every rank if any failed or never reported (the caller has
+        already released what this rank created)."""
+        started = time.monotonic()
+        record = "ok" if error is None else failure_record(self.rank, error)
+        if error is not None:
+            # The first failure of its kind is kept; a peer's timeout is not the cause.
+            kind = "second" if waiting_on_peer(error) else "first"
+            self.op("compare_set", self._key(f"fail/{kind}"), "", record)
+        if self.op("check", [self._key("built")]):
+            self._decide_built(started)  # decided without this rank (it was too slow)
+            return
+        self.op("set", self._key(f"built/here/{self.rank}"), record)
+        self.arrival = int(self.op("add", self._key("built/count"), 1))
+        if self.arrival == self.world_size:
+            self.op("compare_set", self._key("built"), "", "reported")
+        if not self._wait(
+            self._key("built"), self.timeout.total_seconds() + grace, "the end of group creation", "built"
+        ):
+            absent = self._absent("built")
+            count = int(self.op("add", self._key("built/count"), 0))
+            verdict = f"silent\n{json.dumps(absent)}\n{self.world_size - count}"
+            self.op("compare_set", self._key("built"), "", verdict)
+        self._decide_built(started)
+
+    def _decide_built(self, started: float) -> None:
+        # A failure of its own comes first, then ranks that never reported (a dead rank leaves its
+        # peers timing out in gloo: their failures are the symptom), then a peer's timeout.
+        state = self.op("get", self._key("built")).decode()
+        if state.startswith("failed"):  # a rank failed outside group creation, after the check
+            raise from_record(
+                state,
+                lambda r, cls, msg: f"{self.what} failed on rank {r} ({cls}: {msg}). {self._after_failure()}",
+            )
+        self._raise_recorded("first")
+        if state.startswith("silent"):
+            _, absent_json, n_absent = state.split("\n")
+            absent = json.loads(absent_json)
+            who = _ranks(absent) if absent is not None else f"{n_absent} of {self.world_size} ranks"
+            error = MeshBuildError(
+                f"{who} never reported the end of group creation of {self.what} (dead or hung"
+                f"{self.last_words(absent or [])}; this rank waited {time.monotonic() - started:.1f}s). "
+                + self._after_failure()
+            )
+            error._mg_gone = int(n_absent)  # type: ignore[attr-defined]  # not waited for at the close
+            raise shared(error)
+        self._raise_recorded("second")
+
+    def _raise_recorded(self, kind: str) -> None:
+        if not self.op("check", [self._key(f"fail/{kind}")]):
+            return
+        _, failed_rank, path, message = self.op("get", self._key(f"fail/{kind}")).decode().split("\n", 3)
+        raise shared(
+            MeshBuildError(
+                f"{self.what} failed on rank {failed_rank} while creating groups "
+                f"({path.partition(':')[2]}: {message}). {self._after_failure()}"
+            )
+        )
+
+    def _after_failure(self) -> str:
+        return (
+            f"This is rank {self.rank}: every group this call created here has been destroyed and "
+            "torch's group counters are re-aligned by the next call, so making the same call again on "
+            "every rank is safe"
+        )
+
+    def own_keys(self) -> list[str]:
+        """This rank's keys in this meeting (each rank deletes its own)."""
+        return [self._key(f"{p}/here/{self.rank}") for p in PHASES] + [self._key(f"mine/{self.rank}")]
+
+    def shared_keys(self, counters: tuple[str, ...]) -> list[str]:
+        """The meeting's shared keys (deleted by the last rank out of the call)."""
+        names = ["ref", "bad", "fail/first", "fail/second"] + [f"max/{c}" for c in counters]
+        names += [f"{phase}{suffix}" for phase in PHASES for suffix in ("", "/count")]
+        return [self._key(n) for n in names]
+
+
+def _ranks(ranks: list[int]) -> str:
+    names = ", ".join(map(str, ranks[:16])) + (", …" if len(ranks) > 16 else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {names}"

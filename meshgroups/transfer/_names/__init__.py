@@ -1,0 +1,1 @@
+"""Private: meshgroups/transfer/_names. See the package front."""

@@ -1,0 +1,347 @@
+"""Name maps: which trainer weights each rollout weight is made of (data; JSON round-trip).
+
+A :class:`NameMap` maps a rollout weight's name to a :class:`Rule`. A rule concatenates
+*parts* along one ``axis``; a part is one or more :class:`Segment` s, each a range
+``[start, stop)`` of one trainer weight along that axis. That one form says every case:
+
+- rename / tie: ``"lm_head.weight": "model.embed_tokens.weight"`` (one trainer weight may feed
+  several rollout weights);
+- fusion: ``"qkv_proj": ["q_proj", "k_proj", "v_proj"]`` (q ‖ k ‖ v along axis 0, each part's
+  size read from the trainer weight's shape);
+- split: ``{"source": "linear_fc1", "start": 0, "stop": 4096}`` (a slice of one trainer weight);
+- interleave: a part made of many segments, e.g. Megatron's ``linear_qkv`` (per query group:
+  its q heads, its k head, its v head) as segments of HF's ``q_proj``, ``k_proj``, ``v_proj``.
+
+Where the rollout shards the fused axis, ``sharding`` says how: ``"per_part"`` (vLLM's
+``QKVParallelLinear`` / ``MergedColumnParallelLinear``, Megatron's GLU ``linear_fc1``: each
+part is sharded on its own, and a rank's buffer is its shard of part 0, then of part 1, ...)
+or ``"whole"`` (a DTensor ``Shard`` of the concatenated tensor). Rollout names the map lacks
+mean the trainer weight of the same name::
+
+    >>> m = NameMap({"qkv": ["q", "k", "v"], "head": "embed"})
+    >>> m.rule("qkv").sources, m.rule("head").sources, m.rule("norm").sources
+    (('q', 'k', 'v'), ('embed',), ('norm',))
+    >>> NameMap.loads(m.dumps()) == m
+    True
+
+numpy-free and torch-free: sizes are checked when a plan is made against real shapes
+(:mod:`~meshgroups.transfer._names.mapped`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from meshgroups._checks import is_int
+from meshgroups.errors import LayoutError
+
+if TYPE_CHECKING:
+    from meshgroups.transfer._names.stacking import Stack
+
+#: How a rule's parts are sharded where the rollout shards the fused axis.
+SHARDINGS = ("per_part", "whole")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Indices ``[start, stop)`` of trainer weight ``source`` along the rule's axis
+    (``stop=None``: to its end), read through an optional *view* of the source.
+
+    Args:
+        source: the trainer weight's name.
+        start, stop: the range along the rule's axis, counted in the view.
+        index: inside a :class:`~meshgroups.transfer._names.stacking.Stack` only: the entry is
+            ``source[index]`` (one expert of a packed ``[E, ...]`` tensor, e.g. Transformers 5's
+            ``mlp.experts.gate_up_proj``); the view drops axis 0.
+        transpose: read the source (after ``index``) with its last two axes swapped, where the
+            two sides store a matrix the other way round (``[H, I]`` against ``[I, H]``).
+
+    Raises:
+        TypeError / LayoutError: a non-str source, a negative start, ``stop <= start``, a
+            negative index.
+
+    >>> Segment("mlp.experts.gate_up_proj", 0, 64, index=3).to_json()
+    {'source': 'mlp.experts.gate_up_proj', 'start': 0, 'stop': 64, 'index': 3}
+    """
+
+    source: str
+    start: int = 0
+    stop: int | None = None
+    index: int | None = None
+    transpose: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source:
+            raise TypeError(f"a segment's source must be a trainer weight name, got {self.source!r}")
+        if not is_int(self.start) or (self.stop is not None and not is_int(self.stop)):
+            raise TypeError(
+                f"segment of {self.source!r}: start and stop must be ints, got {self.start!r}, {self.stop!r}"
+            )
+        if self.start < 0 or (self.stop is not None and self.stop <= self.start):
+            raise LayoutError(
+                f"segment of {self.source!r}: [{self.start}, {self.stop}) must have 0 <= start < stop"
+            )
+        if self.index is not None and (not is_int(self.index) or self.index < 0):
+            raise LayoutError(f"segment of {self.source!r}: index={self.index!r} must be an int >= 0")
+        if not isinstance(self.transpose, bool):
+            raise TypeError(f"segment of {self.source!r}: transpose must be a bool, got {self.transpose!r}")
+
+    @property
+    def viewed(self) -> bool:
+        """The source is read through a view (``index`` or ``transpose``)."""
+        return self.index is not None or self.transpose
+
+    @property
+    def full(self) -> bool:
+        """The whole source along the axis, as it is (no view)."""
+        return self.start == 0 and self.stop is None and not self.viewed
+
+    def to_json(self) -> str | list[object] | dict[str, object]:
+        if self.full:
+            return self.source
+        if not self.viewed:
+            return [self.source, self.start, self.stop]
+        out: dict[str, object] = {"source": self.source, "start": self.start, "stop": self.stop}
+        if self.index is not None:
+            out["index"] = self.index
+        if self.transpose:
+            out["transpose"] = True
+        return out
+
+    @classmethod
+    def of(cls, spec: object) -> Segment:
+        """From ``"name"``, ``[name, start, stop]`` or ``{"source", "start", "stop", "index",
+        "transpose"}``."""
+        if isinstance(spec, Segment):
+            return spec
+        if isinstance(spec, str):
+            return cls(spec)
+        if isinstance(spec, (list, tuple)) and len(spec) == 3 and isinstance(spec[0], str):
+            return cls(spec[0], spec[1], spec[2])
+        if isinstance(spec, Mapping) and "source" in spec:
+            unknown = set(spec) - {"source", "start", "stop", "index", "transpose"}
+            if unknown:
+                raise LayoutError(f"segment {dict(spec)!r}: unknown keys {sorted(unknown)}")
+            return cls(
+                spec["source"],
+                spec.get("start", 0),
+                spec.get("stop"),
+                spec.get("index"),
+                spec.get("transpose", False),
+            )
+        raise TypeError(
+            f"a segment is 'name', [name, start, stop] or {{'source', 'start', 'stop'}}, got {spec!r}"
+        )
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rollout weight = ``parts`` concatenated along ``axis``, each part its segments
+    concatenated (see the module docstring).
+
+    Args:
+        parts: a tuple of parts, each a non-empty tuple of segments.
+        axis: the axis the parts and segments are concatenated along (ignored by a rule of one
+            whole segment: a rename).
+        sharding: ``"per_part"`` (each part sharded on its own, vLLM) or ``"whole"`` (the
+            concatenation sharded, DTensor); the same where the axis is not sharded.
+
+    Raises:
+        TypeError / LayoutError: empty parts, a bad axis or sharding.
+    """
+
+    parts: tuple[tuple[Segment, ...], ...]
+    axis: int = 0
+    sharding: str = "per_part"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.parts, tuple) or not self.parts:
+            raise LayoutError(f"a rule needs at least one part, got {self.parts!r}")
+        for part in self.parts:
+            if not isinstance(part, tuple) or not part or not all(isinstance(s, Segment) for s in part):
+                raise TypeError(f"each part of a rule is a non-empty tuple of Segment, got {part!r}")
+        if not is_int(self.axis) or self.axis < 0:
+            raise LayoutError(f"a rule's axis must be an int >= 0, got {self.axis!r}")
+        if self.sharding not in SHARDINGS:
+            raise LayoutError(f"sharding must be one of {SHARDINGS}, got {self.sharding!r}")
+
+    @classmethod
+    def rename(cls, source: str) -> Rule:
+        """The whole trainer weight ``source`` (a rename, or a tie when several rules name it)."""
+        return cls(((Segment(source),),))
+
+    @classmethod
+    def fuse(cls, sources: tuple[str, ...] | list[str], axis: int = 0, sharding: str = "per_part") -> Rule:
+        """Whole trainer weights concatenated along ``axis``, one part each."""
+        return cls(tuple((Segment(s),) for s in sources), axis, sharding)
+
+    @property
+    def is_rename(self) -> bool:
+        """One whole segment: the planner moves the trainer weight as it is."""
+        return len(self.parts) == 1 and len(self.parts[0]) == 1 and self.parts[0][0].full
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """Every segment in order along the axis."""
+        return tuple(s for part in self.parts for s in part)
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The trainer weights used, in first-use order."""
+        return tuple(dict.fromkeys(s.source for s in self.segments))
+
+    def to_json(self) -> object:
+        """The shortest JSON form that reads back to this rule."""
+        if self.is_rename:
+            return self.parts[0][0].source
+        parts = [p[0].to_json() if len(p) == 1 else [s.to_json() for s in p] for p in self.parts]
+        if self.axis == 0 and self.sharding == "per_part" and all(isinstance(p, str) for p in parts):
+            return parts
+        return {"axis": self.axis, "sharding": self.sharding, "parts": parts}
+
+    @classmethod
+    def of(cls, spec: object) -> Rule:
+        """From a JSON form: ``"name"``; a list of parts (axis 0, per part); ``{"parts": [...],
+        "axis": 0, "sharding": "per_part"}``; ``{"segments": [...], ...}`` (one part); or one
+        segment dict ``{"source", "start", "stop", "axis"}`` (a split). A part is a segment or a
+        list of segments."""
+        if isinstance(spec, Rule):
+            return spec
+        if isinstance(spec, str):
+            return cls.rename(spec)
+        if isinstance(spec, (list, tuple)):
+            return cls(tuple(_part(p) for p in spec))
+        if isinstance(spec, Mapping):
+            axis, sharding = spec.get("axis", 0), spec.get("sharding", "per_part")
+            if "source" in spec:
+                seg = {k: v for k, v in spec.items() if k not in ("axis", "sharding")}
+                return cls(((Segment.of(seg),),), axis, sharding)
+            unknown = set(spec) - {"parts", "segments", "axis", "sharding"}
+            if unknown or ("parts" in spec) == ("segments" in spec):
+                raise LayoutError(
+                    f"rule {dict(spec)!r}: give exactly one of 'parts' or 'segments' (and optionally "
+                    "'axis', 'sharding')"
+                )
+            if "segments" in spec:
+                return cls((_part(list(spec["segments"])),), axis, sharding)
+            return cls(tuple(_part(p) for p in spec["parts"]), axis, sharding)
+        raise TypeError(f"a rule is a name, a list of parts or a dict, got {spec!r}")
+
+
+def read_rule(spec: object) -> Rule | Stack:
+    """A rule from any JSON form: ``{"stack": [...]}`` is a
+    :class:`~meshgroups.transfer._names.stacking.Stack`, anything else a :class:`Rule`.
+
+    Args:
+        spec: a Rule, a Stack or a JSON form of either.
+
+    Returns:
+        The Rule or Stack.
+
+    Raises:
+        TypeError / LayoutError: a form that cannot be read.
+
+    >>> type(read_rule({"stack": ["e0", "e1"]})).__name__
+    'Stack'
+    """
+    from meshgroups.transfer._names.stacking import Stack  # made of Rules: imported where one is read
+
+    if isinstance(spec, Stack) or (isinstance(spec, Mapping) and "stack" in spec):
+        return Stack.of(spec)
+    return Rule.of(spec)
+
+
+def _part(spec: object) -> tuple[Segment, ...]:
+    if isinstance(spec, list) and not (len(spec) == 3 and isinstance(spec[0], str) and is_int(spec[1])):
+        return tuple(Segment.of(s) for s in spec)
+    return (Segment.of(spec),)
+
+
+class NameMap(Mapping[str, "Rule | Stack"]):
+    """Rollout weight name -> :class:`Rule` (see the module docstring); names it lacks map to
+    the trainer weight of the same name.
+
+    Args:
+        rules: ``{rollout name: Rule or a JSON form of one}``.
+
+    Raises:
+        TypeError / LayoutError: a rule that cannot be read, naming the rollout weight.
+    """
+
+    def __init__(self, rules: Mapping[str, object] | None = None) -> None:
+        if rules is not None and not isinstance(rules, Mapping):
+            raise TypeError(f"a NameMap is built from a mapping rollout name -> rule, got {rules!r}")
+        self._rules: dict[str, Rule | Stack] = {}
+        for name, spec in (rules or {}).items():
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"rollout weight names must be non-empty str, got {name!r}")
+            try:
+                self._rules[name] = read_rule(spec)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"name map, rollout weight {name!r}: {exc}") from None
+
+    def __getitem__(self, name: str) -> Rule | Stack:
+        return self._rules[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rules)
+
+    def __len__(self) -> int:
+        return len(self._rules)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NameMap) and self._rules == other._rules
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __or__(self, other: Mapping[str, object]) -> NameMap:
+        """This map with ``other``'s rules added (``other`` wins on a name in both)."""
+        return NameMap({**self._rules, **NameMap.of(other)._rules})
+
+    def __repr__(self) -> str:
+        return f"NameMap({len(self)} rules)"
+
+    def rule(self, name: str) -> Rule | Stack:
+        """The rule for rollout weight ``name``: its own, or the same-named trainer weight."""
+        return self._rules.get(name) or Rule.rename(name)
+
+    @classmethod
+    def of(cls, value: object) -> NameMap:
+        """``value`` as a NameMap: a NameMap, a mapping of rules, or ``None`` (empty)."""
+        if isinstance(value, NameMap):
+            return value
+        if value is None or isinstance(value, Mapping):
+            return cls(value)
+        raise TypeError(f"name_map must be a NameMap, a mapping rollout name -> rule, or None, got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``{rollout name: rule's JSON form}``."""
+        return {name: rule.to_json() for name, rule in self._rules.items()}
+
+    def dumps(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def loads(cls, text: str) -> NameMap:
+        """From JSON text (an object rollout name -> rule)."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise LayoutError(
+                f"a name map's JSON must be an object rollout name -> rule, got {type(data).__name__}"
+            )
+        return cls(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.dumps(indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> NameMap:
+        """Read a JSON file written by :meth:`save` (or by hand)."""
+        return cls.loads(Path(path).read_text())
+
+
+__all__ = ["SHARDINGS", "NameMap", "Rule", "Segment", "read_rule"]

@@ -1,0 +1,1 @@
+"""Private: meshgroups/transfer/_plan. See the package front."""

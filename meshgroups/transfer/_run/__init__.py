@@ -1,0 +1,1 @@
+"""Private: meshgroups/transfer/_run. See the package front."""

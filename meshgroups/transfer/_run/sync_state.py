@@ -1,0 +1,91 @@
+"""What ``WeightSync`` reads from a module each step: its local tensors, and what a plan depends
+on (torch side; local, no collective)::
+
+    >>> import torch
+    >>> describe({"w": torch.zeros(2, 3)})
+    (('w', (2, 3), torch.float32),)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from meshgroups.errors import LayoutError
+from meshgroups.transfer._spec import Box, Weight
+
+#: A module (its ``named_parameters``), a ``{name: tensor}`` mapping, or ``None`` (no part here).
+Tensors = torch.nn.Module | Mapping[str, Any] | None
+
+
+def _items(obj: Tensors) -> list[tuple[str, Any]]:
+    if obj is None:
+        return []
+    if isinstance(obj, torch.nn.Module):
+        return list(obj.named_parameters())
+    if isinstance(obj, Mapping):
+        return list(obj.items())
+    raise TypeError(f"expected an nn.Module, a mapping name -> tensor or None, got {type(obj).__name__}")
+
+
+def read(obj: Tensors) -> tuple[tuple[object, ...], dict[str, torch.Tensor]]:
+    """One pass over ``obj``: what a plan depends on (see :func:`describe`) and its local
+    tensors (see :func:`local_tensors`)."""
+    meshes: dict[int, tuple[object, ...]] = {}
+    described: list[object] = []
+    tensors: dict[str, torch.Tensor] = {}
+    with torch.no_grad():  # to_local() without autograd bookkeeping; detach() keeps the storage
+        for name, t in _items(obj):
+            if isinstance(t, DTensor):
+                mesh = t.device_mesh
+                if id(mesh) not in meshes:  # a mesh is shared by many parameters
+                    meshes[id(mesh)] = (mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()), mesh)
+                local = t.to_local()
+                key = meshes[id(mesh)][:2]
+                described.append(
+                    (name, tuple(t.shape), t.dtype, tuple(local.shape), tuple(t.placements), key)
+                )
+            elif isinstance(t, torch.Tensor):
+                local = t
+                described.append((name, tuple(t.shape), t.dtype))
+            else:
+                raise TypeError(f"{name!r} must be a tensor, got {type(t).__name__}")
+            tensors[name] = local.detach()
+    return tuple(described), tensors
+
+
+def local_tensors(obj: Tensors) -> dict[str, torch.Tensor]:
+    """``{name: local tensor}`` (a DTensor's local shard), detached: same storage, so writing
+    it writes the parameter."""
+    return read(obj)[1]
+
+
+def describe(obj: Tensors) -> tuple[object, ...]:
+    """What a plan depends on, per tensor: name, shape, dtype, and for a DTensor its local
+    shape, placements and mesh (dim names and ranks). Local: compared with this rank's earlier
+    value only (no data is read)."""
+    return read(obj)[0]
+
+
+def slices(box: Box) -> tuple[slice, ...]:
+    """``box`` (``(start, stop)`` per axis) as the index that cuts it out of a tensor."""
+    return tuple(slice(a, b) for a, b in box)
+
+
+def merge(parts: Sequence[Sequence[Weight]], side: str = "") -> list[Weight]:
+    """Every rank's weights of one side, first seen in rank order; two ranks describing one
+    weight differently is an error (``side``, e.g. ``"trainer"``, names the side in it)."""
+    merged: dict[str, Weight] = {}
+    for part in parts:
+        for w in part:
+            seen = merged.setdefault(w.name, w)
+            if seen != w:
+                which = f"{side} weight" if side else "weight"
+                raise LayoutError(f"ranks describe {which} {w.name!r} differently: {seen} and {w}")
+    return list(merged.values())
+
+
+__all__ = ["Tensors", "describe", "local_tensors", "merge", "read", "slices"]

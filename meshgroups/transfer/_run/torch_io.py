@@ -1,0 +1,199 @@
+"""Where a real module's weights live: ``Weight`` placements read from its DTensor parameters.
+
+FSDP2 + TP parameters are DTensors on a slice of the trainer's root mesh: ``param.device_mesh``
+names the dims, ``param.placements`` says how each shards the tensor. ``module_weights`` turns
+them into ``Weight`` objects on the trainer's ``Layout`` (mesh dim names mapped to layout dims),
+gathers every rank's (pipeline stages hold different weights) and keeps this rank's local shards::
+
+    >>> src = module_weights(model, trainer_layout)  # doctest: +SKIP
+    >>> plan = plan_transfer(src.layout, src.weights, rollout, rollout_weights)  # doctest: +SKIP
+    >>> execute(plan, src.tensors, buffers)  # doctest: +SKIP
+
+torch's FSDP2 shards a tensor axis that TP already shards *after* TP (``_StridedShard`` on the
+FSDP dim), the reverse of DTensor's mesh order; such a weight gets ``shard_order=("tp",
+"dp_shard")``, and so does any weight whose mesh nests dims in another order than the layout.
+Plain tensors (not DTensors) are replicated over the layout, or over their pipeline stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate as TorchReplicate
+from torch.distributed.tensor import Shard as TorchShard
+
+from meshgroups.errors import LayoutError
+from meshgroups.layout import Layout
+from meshgroups.mesh import StridedShard as _StridedShard
+from meshgroups.transfer._run.sync_state import merge
+from meshgroups.transfer._spec import Placement, Replicate, Shard, Weight
+
+
+@dataclass
+class ModuleWeights:
+    """A module's weights on ``layout``: ``weights`` (every rank's, gathered, the same list on
+    every rank) and ``tensors``, this rank's local shards by name."""
+
+    layout: Layout
+    weights: list[Weight]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).rsplit(".", 1)[-1]
+
+
+def _check_mesh(name: str, param: DTensor, layout: Layout, dims: tuple[str, ...], rank: int) -> None:
+    """The DTensor's mesh must be this rank's group of ``dims`` in the layout (any dim order)."""
+    got = param.device_mesh.mesh.detach().cpu().numpy()
+    coords = layout.coords(rank)
+    index = tuple(slice(None) if d in dims else coords[d] for d in layout.names)
+    in_layout_order = [d for d in layout.names if d in dims]
+    want = np.transpose(layout.grid[index], [in_layout_order.index(d) for d in dims])
+    if got.shape != want.shape or not np.array_equal(got, want):
+        raise LayoutError(
+            f"parameter {name!r}: its DeviceMesh over {dims} holds ranks {got.tolist()}, but the layout's "
+            f"{dims} group of rank {rank} is {want.tolist()}; pass the layout the mesh was built from"
+        )
+
+
+def _placements(
+    name: str, param: DTensor, names: tuple[str, ...], sizes: tuple[int, ...], layout: Layout
+) -> tuple[dict[str, Placement], tuple[str, ...] | None]:
+    """Placements by layout dim, and the ``shard_order`` torch's nesting needs (``None`` when
+    every axis splits in layout order)."""
+    placements: dict[str, Placement] = {}
+    per_axis: dict[int, list[tuple[int, int]]] = {}  # axis -> [(mesh index, split factor)]
+    for i, p in enumerate(param.placements):
+        if isinstance(p, _StridedShard):
+            placements[names[i]] = Shard(p.dim)
+            per_axis.setdefault(p.dim, []).append((i, int(p.split_factor)))
+        elif isinstance(p, TorchShard):
+            placements[names[i]] = Shard(p.dim)
+            per_axis.setdefault(p.dim, []).append((i, 1))
+        elif isinstance(p, TorchReplicate):
+            placements[names[i]] = Replicate()
+        else:
+            raise LayoutError(
+                f"parameter {name!r}: placement {p!r} on mesh dim {names[i]!r} holds no complete values "
+                "(only Shard, _StridedShard and Replicate can be transferred); redistribute it first"
+            )
+    order: list[str] = []
+    for axis, dims in per_axis.items():
+        nested = [i for i, _ in dims]  # DTensor: mesh order
+        for pos, (i, factor) in enumerate(dims):
+            if factor == 1:
+                continue
+            # _StridedShard(sf): the next same-axis dims, whose sizes multiply to sf, split first
+            prod, k = 1, pos + 1
+            while k < len(dims) and prod < factor:
+                prod *= sizes[dims[k][0]]
+                k += 1
+            if prod != factor:
+                raise LayoutError(
+                    f"parameter {name!r}: _StridedShard(dim={axis}, split_factor={factor}) on {names[i]!r} "
+                    "does not match the sizes of the later dims sharding that axis; unsupported placement"
+                )
+            nested.remove(i)
+            nested.insert(nested.index(dims[k - 1][0]) + 1, i)
+        dims_in_order = [names[i] for i in nested]
+        if dims_in_order != sorted(dims_in_order, key=layout.names.index):
+            order += dims_in_order
+    return placements, tuple(order) or None
+
+
+def local_weights(
+    module: torch.nn.Module | Mapping[str, Any] | None,
+    layout: Layout,
+    *,
+    dims: Mapping[str, str] | None = None,
+    stage_dim: str | None = "pp",
+) -> tuple[list[Weight], dict[str, torch.Tensor]]:
+    """This rank's weights and local shards (no collective).
+
+    ``module``: an ``nn.Module`` (its ``named_parameters``) or a ``{name: tensor}`` mapping such
+    as a state dict; ``None`` on a rank that holds none. ``dims`` renames mesh dims to layout dims
+    (``{"dp_shard": "dp"}``). When ``stage_dim`` is a layout dim the DTensor meshes do not
+    cover, each weight lives on this rank's stage only (``stage=("pp", k)``).
+
+    Returns:
+        A ``ModuleWeights``: ``weights`` (this rank's ``Weight`` list), ``tensors`` (its local
+        shards by name) and ``layout``.
+
+    Raises:
+        ValueError: a DTensor whose mesh is not the layout's group of this rank, a
+            ``Partial`` placement, a dim missing from ``layout`` (``TypeError`` for a wrong type).
+    """
+    if module is None:
+        return [], {}
+    rank = dist.get_rank()
+    if rank not in layout:
+        raise LayoutError(f"rank {rank} passed a module but is not in the layout {layout!r}; pass None there")
+    items = module.named_parameters() if isinstance(module, torch.nn.Module) else module.items()
+    rename = dict(dims or {})
+    coords = layout.coords(rank)
+    weights: list[Weight] = []
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in items:
+        if isinstance(t, DTensor):
+            mesh_names = t.device_mesh.mesh_dim_names or ()
+            mapped = tuple(rename.get(d, d) for d in mesh_names)
+            unknown = [d for d in mapped if d not in layout.names]
+            if not mesh_names or unknown:
+                raise LayoutError(
+                    f"parameter {name!r}: mesh dim {(unknown or ['(unnamed)'])[0]!r} is not a dim of the layout "
+                    f"({', '.join(layout.names)}); map it with dims={{mesh dim: layout dim}}, or for a flattened "
+                    "mesh dim (dp_cp) pass the layout flattened alike (layout.flatten('dp', 'cp'))"
+                )
+            _check_mesh(name, t, layout, mapped, rank)
+            shape = tuple(t.device_mesh.mesh.shape)
+            placements, order = _placements(name, t, mapped, shape, layout)
+            local = t.to_local()
+        else:
+            mapped, placements, order, local = (), {}, None, t
+        stage = None
+        if stage_dim is not None and stage_dim in layout.names and stage_dim not in mapped:
+            stage = (stage_dim, coords[stage_dim])
+        weights.append(Weight(name, tuple(t.shape), _dtype(local), placements, stage, order))
+        tensors[name] = local.detach()
+    return weights, tensors
+
+
+def module_weights(
+    module: torch.nn.Module | Mapping[str, Any] | None,
+    layout: Layout,
+    *,
+    dims: Mapping[str, str] | None = None,
+    stage_dim: str | None = "pp",
+    group: dist.ProcessGroup | None = None,
+) -> ModuleWeights:
+    """Collective (``group``, default the world; ranks without a part pass ``module=None``):
+    every rank's ``local_weights`` gathered into one list (first seen in rank order), checked
+    to agree where two ranks describe the same weight.
+
+    Args:
+        module: as for ``local_weights``.
+        layout: the layout the weights live on.
+        dims: as for ``local_weights``.
+        stage_dim: as for ``local_weights``.
+        group: the ranks taking part (default: the world).
+
+    Returns:
+        A ``ModuleWeights`` with every rank's weights and this rank's tensors.
+
+    Raises:
+        ValueError: two ranks describe one weight differently; what ``local_weights`` raises.
+    """
+    weights, tensors = local_weights(module, layout, dims=dims, stage_dim=stage_dim)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, weights, group=group)
+    return ModuleWeights(layout, merge(gathered), tensors)
+
+
+__all__ = ["ModuleWeights", "local_weights", "module_weights"]
