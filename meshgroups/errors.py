@@ -62,6 +62,33 @@ class MeshBuildError(RuntimeError):
     after each destroyed what that call had created, so the same call can simply be retried."""
 
 
+class RanksGoneError(RendezvousTimeoutError, MeshBuildError):
+    """Ranks a collective call waits for have exited or stopped responding (their heartbeat
+    in the store stopped: SIGKILL, SIGSTOP, a lost host); raised on every waiting rank alike,
+    within seconds, instead of at the timeout. Also a ``RendezvousTimeoutError`` (the wait
+    ended) and a ``MeshBuildError`` (the call built nothing), so clauses written for those
+    catch it.
+
+    Attributes:
+        ranks: the ranks gone, in increasing order.
+        states: how each went: ``"exited"`` or ``"stopped responding (...)"``.
+
+    Args:
+        message: what was waited for and who is gone.
+        ranks, states: the attributes.
+
+    >>> RanksGoneError("rank 0: rank 3 exited", (3,), {3: "exited"}).ranks
+    (3,)
+    """
+
+    def __init__(
+        self, message: str, ranks: tuple[int, ...] = (), states: dict[int, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.states = dict(states or {})
+
+
 class ConcurrentInitError(RuntimeError):
     """``init_mesh`` was called from a second thread while another call was in progress."""
 
@@ -179,6 +206,7 @@ __all__ = [
     "MeshConfigError",
     "MismatchError",
     "NameCountError",
+    "RanksGoneError",
     "RanksLostError",
     "RecoveryError",
     "RendezvousTimeoutError",

@@ -18,6 +18,10 @@ initializers' ``init_dist_group``) runs inside ``collective_call(operation)``:
 4. A failed call is **closed** before the next starts: each rank waits (bounded by the call's
    timeout) until every rank that entered it has left, and the last one out deletes the call's
    store keys. So the identical retry, right away, works.
+5. Every wait watches **liveness** (``meshgroups.mesh._liveness``): entering a call starts this
+   process's heartbeat; a rank awaited that has exited or stopped responding ends the wait on
+   every rank with ``RanksGoneError`` naming it, and a rank that is late but alive is logged
+   ("still waiting for ...", with the call number and site) every ``report_every`` seconds.
 
 Calls nest: a ``collective_call`` opened while another is active on the same thread is part of
 it (``initialize_model_parallel`` calls ``init_mesh``; the number is taken once). A second
@@ -53,8 +57,11 @@ import torch.distributed as dist
 from meshgroups.errors import ConcurrentInitError, StoreConnectionError
 from meshgroups.mesh._cohort import current_cohort
 from meshgroups.mesh._failure_records import is_shared, shared
-from meshgroups.mesh._rendezvous import PREFIX, Meeting
+from meshgroups.mesh._liveness import Liveness, start_heartbeat
+from meshgroups.mesh._options import DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_REPORT_EVERY
+from meshgroups.mesh._rendezvous import NAME_MISSING_UP_TO, PREFIX, Meeting
 from meshgroups.mesh._torch_seam import default_backend_name, default_store, default_timeout
+from meshgroups.mesh._waiting import members_lookout
 
 F = TypeVar("F", bound=Callable[..., Any])
 _OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -128,6 +135,17 @@ class Call:
         self.sweep_prefixes: list[str] = []
         self._compared: dict[str, str] = {}
         self.started = time.monotonic()
+        # liveness: this process's observer of the world (set on entering), and the settings
+        # of the call's waits (``use_liveness``: the options of the mesh being built)
+        self.observer: Liveness | None = None
+        self.heartbeat, self.lease, self.report_every = DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_REPORT_EVERY
+
+    def use_liveness(self, heartbeat: float, lease: float, report_every: float) -> None:
+        """The liveness settings of this call's waits from now on (``MeshOptions``' fields,
+        checked by the caller); the process's heartbeat beats every ``heartbeat`` seconds."""
+        self.heartbeat, self.lease, self.report_every = heartbeat, lease, report_every
+        if self.enabled and self.observer is not None:
+            start_heartbeat(self.store, heartbeat, lease, report_every)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ for entry points
     def compare(self, **arguments: object) -> None:
@@ -191,6 +209,10 @@ class Call:
             self.last_words,
             self.members,
             self.watch,
+            site=self.site,
+            observer=self.observer,
+            lease=self.lease,
+            report_every=self.report_every,
         )
         self.meetings.append(meeting)
         return meeting
@@ -224,6 +246,18 @@ class Call:
 
     def enter(self) -> None:
         if self.enabled:
+            # until the call names its own (``use_liveness``), the last settings of this world
+            try:
+                self.observer = start_heartbeat(self.store)  # type: ignore[arg-type]
+            except (RuntimeError, dist.DistError) as exc:
+                raise shared(
+                    StoreConnectionError(
+                        f"rank {self.rank} lost the connection to the rendezvous store entering {self.what} "
+                        f"(the store is hosted by rank 0 under torchrun/tcp://; did it die?): {exc}"
+                    )
+                ) from None
+            self.heartbeat, self.lease = self.observer.heartbeat, self.observer.lease
+            self.report_every = self.observer.report_every
             self.progress("entered")
             self._op("add", self._key("entered"), 1)
 
@@ -267,13 +301,22 @@ class Call:
                     self._op("delete_key", key)
         mine = int(self._op("add", self._key("left"), 1))
         if failed:
-            # Closed before the next call starts: wait (bounded) for every rank that entered.
+            # Closed before the next call starts: wait (bounded) for every rank that entered,
+            # but not for ranks gone meanwhile (a rank that exited never leaves).
             deadline = time.monotonic() + self.timeout.total_seconds()
             pause = 0.002
+            members = self.members if self.members is not None else range(self.world_size)
+            lookout = (  # (counts who has left, names nobody)
+                members_lookout(self.observer, self.lease, members, self.rank, f"the close of {self.what}")
+                if self.world_size <= NAME_MISSING_UP_TO
+                else None
+            )
             while time.monotonic() < deadline:
                 entered, left = self._peek("entered"), self._peek("left")
                 if entered is None or left is None or left >= entered - gone:
                     break  # every rank that entered has left (or the last one swept the keys)
+                if lookout is not None:
+                    gone = max(gone, len(lookout.gone()))
                 time.sleep(pause)
                 pause = min(pause * 2, 0.1)
         # The last rank out sweeps; when ranks are gone (dead: they never leave), the last survivor.

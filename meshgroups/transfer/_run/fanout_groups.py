@@ -356,6 +356,7 @@ class TransferGroups:
             cache=self.cache,
             check=check,
             backend_override=backend_override,
+            partial=True,  # the transfer groups hold the ranks that talk, not the world
         )
         self._meshes.append(mg)
         return mg

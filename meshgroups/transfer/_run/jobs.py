@@ -208,8 +208,14 @@ def init_job(
             flatten=digest_text(repr(sorted((n, [tuple(d) for d in f]) for n, f in flat.items()))),
         )
         cache = GroupCache()
+        # each layout of a job covers part of the world (trainer and rollout ranks): partial
         options = MeshOptions(
-            device_type=device_type, backend=backend, timeout=timeout, strategy=strategy, check=check
+            device_type=device_type,
+            backend=backend,
+            timeout=timeout,
+            strategy=strategy,
+            check=check,
+            partial=True,
         )
         meshes: dict[str, MeshGroups] = {}
         try:
