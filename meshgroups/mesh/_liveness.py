@@ -181,6 +181,8 @@ class Heartbeat:
                 return  # its world was destroyed: nobody waits for this rank there any more
             try:
                 own.add(heartbeat_key(self.rank), 1)
+            except dist.DistNetworkError:
+                return  # the connection is closed (the store's host ended): it never comes back
             except Exception:
                 # Keep beating: one failed ``add`` (a store slow to answer on a loaded host) must
                 # not make a live rank look dead forever. A store that is gone is the main
