@@ -11,7 +11,8 @@ tell a bad layout from a cross-rank mismatch or a rank that never arrived::
     ...     print(exc)
     pp=2 × tp=3 = 6 does not match world_size=16
 
-Nothing here imports torch.
+Every error class of meshgroups lives here (compat's Megatron-named ones aside, in
+``meshgroups.compat``), each named ``...Error``. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -106,6 +107,47 @@ class ExcludedError(RuntimeError):
     wait to be re-admitted as a spare."""
 
 
+class TransferError(RuntimeError):
+    """A transfer failed on some rank; raised on every rank of the status group alike.
+
+    Attributes:
+        ranks: the ranks that failed. bucket: the bucket it happened in (0-based; ``-1``: the
+            check before the first). stage: ``"check"``, ``"prepare"`` (nothing of the bucket
+            moved yet), ``"transfer"`` or ``"progress"`` (the bucket is complete). done: weights
+            complete on every rank before the failure (the others may be partly written).
+
+    Args:
+        message: what failed, naming the ranks and their reasons, the bucket and the stage.
+        ranks: see Attributes.
+        bucket: see Attributes.
+        stage: see Attributes.
+        done: see Attributes.
+    """
+
+    def __init__(self, message: str, ranks: tuple[int, ...], bucket: int, stage: str, done: tuple[str, ...]):
+        super().__init__(message)
+        self.ranks, self.bucket, self.stage, self.done = ranks, bucket, stage, done
+
+
+class PlanError(LayoutError):
+    """The plan breaks one of its guarantees (coverage exactly once); a bug, never silent."""
+
+
+class TorchInternalsError(ImportError):
+    """This torch lacks a private piece meshgroups' torch seam relies on, sets a field the seam
+    does not know, or behaves differently from what the seam's self-test expects."""
+
+
+class StepAbortedError(RuntimeError):
+    """``commit`` saw a failure (published, or a member's heartbeat stopped): the step must not
+    be applied; ``Elastic.step()`` turns it into the verdict."""
+
+
+class ClosedError(RuntimeError):
+    """An object that holds process groups (``MeshGroups``, ``Elastic``, ``Job``,
+    ``TransferGroups``, ``WeightSync``, ...) was used after ``close()``; build a new one."""
+
+
 # Errors that are also the class torch raises for the same misuse, so code written against
 # torch (``except RuntimeError`` around ``init_device_mesh``, ``except KeyError`` around
 # ``mesh["nope"]``) catches meshgroups' error too, which keeps its own, clearer message and
@@ -170,6 +212,7 @@ class BackendOverrideError(MeshConfigError, RuntimeError):
 
 __all__ = [
     "BackendOverrideError",
+    "ClosedError",
     "ConcurrentInitError",
     "DeviceTypeError",
     "DuplicateNameError",
@@ -179,11 +222,15 @@ __all__ = [
     "MeshConfigError",
     "MismatchError",
     "NameCountError",
+    "PlanError",
     "RanksLostError",
     "RecoveryError",
     "RendezvousTimeoutError",
+    "StepAbortedError",
     "StepFailedError",
     "StoreConnectionError",
+    "TorchInternalsError",
+    "TransferError",
     "UnknownDimError",
     "WorldSizeError",
     "torch_says",

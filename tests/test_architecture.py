@@ -14,8 +14,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # The leaves every package may import: the typed errors, the shared input checks, the deprecation
-# table and the version (each imports nothing of meshgroups but errors).
-LEAVES = {"meshgroups.errors", "meshgroups._checks", "meshgroups._deprecated", "meshgroups._version"}
+# table, the closeable base of every object holding groups, and the version (each imports nothing
+# of meshgroups but errors).
+LEAVES = {
+    "meshgroups.errors",
+    "meshgroups._checks",
+    "meshgroups._deprecated",
+    "meshgroups._lifecycle",
+    "meshgroups._version",
+}
 
 # What each subsystem may import at module level (besides itself and the ``LEAVES``). Imports inside functions or ``if TYPE_CHECKING:`` are not layering:
 # they are how the numpy side reaches an optional renderer or the torch side lazily.

@@ -40,6 +40,7 @@ import numpy as np
 import torch.distributed as dist
 
 from meshgroups import _deprecated
+from meshgroups._lifecycle import Closeable
 from meshgroups.elastic._plans import RecoveryPlan, plan_grow, plan_shrink, plan_substitute, replicate_dim
 from meshgroups.elastic._recover import rebuild
 from meshgroups.elastic._verdict import (
@@ -64,11 +65,12 @@ from meshgroups.mesh import (
     default_store,
     default_timeout,
     init_mesh,
+    merge_options,
     set_cohort,
 )
 
 
-class Elastic:
+class Elastic(Closeable):
     """See the module docstring.
 
     Args:
@@ -85,9 +87,13 @@ class Elastic:
         heartbeat: seconds between heartbeats; stale_after: a rank whose heartbeat did not
             change for this long is dead (default ``max(10 * heartbeat, 5)``).
         device_type, backend: as for ``init_mesh``.
+        options: a ``MeshOptions`` instead of ``timeout``, ``device_type`` and ``backend``
+            (its strategy ``"auto"`` or ``"local"``: every mesh is built with ``"local"``).
 
     Raises:
-        MeshConfigError: spares inside the layout, no replicate dim; what ``init_mesh`` raises.
+        TypeError: ``options`` together with one of the keywords it replaces.
+        MeshConfigError: spares inside the layout, no replicate dim, an ``options.strategy``
+            other than ``"auto"``/``"local"``; what ``init_mesh`` raises.
     """
 
     def __init__(
@@ -103,22 +109,32 @@ class Elastic:
         stale_after: float | None = None,
         device_type: str = "cpu",
         backend: str | None = None,
+        options: MeshOptions | None = None,
     ) -> None:
         self.rank = dist.get_rank()
+        keywords = MeshOptions(device_type=device_type, backend=backend, timeout=timeout)
+        given, refusal = merge_options(options, keywords)
+        if refusal is not None:
+            raise TypeError(refusal)
+        if given.strategy not in ("auto", "local"):
+            raise MeshConfigError(
+                f"Elastic builds every mesh with strategy='local' (after a loss the ranks hold different "
+                f"groups), got options.strategy={given.strategy!r}"
+            )
         self.layout = layout
         self.spares: tuple[int, ...] = tuple(sorted(int(r) for r in spares))
         inside = [r for r in self.spares if r in layout]
         if inside:
             raise MeshConfigError(f"spares {inside} are inside the layout; spares are idle ranks outside it")
         self.dim = dim if dim is not None else replicate_dim(layout)
-        wait = as_timedelta(timeout, default_timeout())
+        wait = as_timedelta(given.timeout, default_timeout())
         self.verdict_timeout = _seconds("verdict_timeout", verdict_timeout, 2 * wait.total_seconds() + 5)
         self.stale_after = _seconds(
             "stale_after", stale_after, max(10 * _seconds("heartbeat", heartbeat, 1.0), 5.0)
         )
         # One value for every mesh this object builds (the main mesh, the members' group, each
         # rebuild): local synchronisation, because after a loss the ranks hold different groups.
-        self.options = MeshOptions(device_type=device_type, backend=backend, timeout=wait, strategy="local")
+        self.options = given.replace(timeout=wait, strategy="local")
         self.flatten: tuple[tuple[str, ...], ...] = tuple(tuple(f) for f in flatten)
         self.store = default_store()
         self._enter_epoch(0)
@@ -176,6 +192,7 @@ class Elastic:
     def step(self) -> Iterator[None]:
         """Guard one step (see the module docstring). Raises ``RanksLostError`` / ``StepFailedError`` on
         every live member alike, ``ExcludedError`` on a rank declared lost."""
+        self._check_open("step()")
         if self.is_spare:
             raise MeshConfigError(f"rank {self.rank} is a spare: call standby(), not step()")
         self._steps += 1
@@ -200,6 +217,7 @@ class Elastic:
         whose collectives all succeeded would otherwise step while its peers did not). Raises
         (turned into the verdict by ``step()``) as soon as a failure is published or a member's
         heartbeat stops. One store ``add`` and a wait per rank."""
+        self._check_open("commit()")
         number, self._commits = self._commits, self._commits + 1
         commit(
             self.store,
@@ -251,6 +269,7 @@ class Elastic:
         members that it holds; members outside it become spares. Collective over the new
         layout's ranks (the others only close their mesh). Returns the mesh, ``None`` on a
         rank that became a spare."""
+        self._check_open("rebuild()")
         layout = layout if layout is not None else self.layout
         ranks = tuple(sorted(layout.grid.ravel().tolist()))
         dropped = [r for r in self.members if r not in ranks]
@@ -283,6 +302,7 @@ class Elastic:
         """Drop every replica (index of ``dim``) holding a lost rank (default: the last
         verdict's) and rebuild over the rest; the dropped replicas' live ranks become spares.
         Returns the mesh, ``None`` on a rank that became a spare."""
+        self._check_open("shrink()")
         self.plan = plan_shrink(self.layout, self._lost(lost), dim=self.dim, flatten=self.flatten)
         return self.rebuild(self.plan.new_layout)
 
@@ -292,6 +312,7 @@ class Elastic:
         lost a rank, and that node's live ranks leave (they become spares), so node-local dims
         stay node-local. Collective over the new layout's ranks, the admitted spares joining
         through ``standby()``; returns the mesh (``None`` on a rank that left)."""
+        self._check_open("substitute()")
         topology = Topology(node=node) if node is not None else None
         self.plan = plan_substitute(
             self.layout, self._lost(lost), self.spares, topology=topology, flatten=self.flatten
@@ -310,6 +331,7 @@ class Elastic:
         """Admit ``ranks`` (spares in ``standby()``) as new replicas along ``dim`` (each replica's
         ranks fill it in row-major order) and rebuild over everyone; collective over the
         current members, the admitted ranks join through ``standby()``."""
+        self._check_open("grow()")
         admitted = [int(r) for r in ranks]
         missing = [r for r in admitted if r not in self.spares]
         if missing:
@@ -337,6 +359,7 @@ class Elastic:
     def standby(self, timeout: float | None = None) -> MeshGroups:
         """On a spare: wait (``timeout`` seconds, default forever) until ``grow`` admits this
         rank; returns the new mesh. Raises ``TimeoutError`` when not admitted in time."""
+        self._check_open("standby()")
         key = f"{KEY}/admit/{self.rank}"
         wait = timedelta(seconds=timeout) if timeout is not None else timedelta(days=365)
         try:
@@ -360,10 +383,8 @@ class Elastic:
         self.mg = self._world = None
         return destroyed
 
-    def close(self) -> int:
-        """Stop the heartbeat, close the meshes, leave the cohort (local, like
-        ``MeshGroups.close``). Idempotent. Returns the number of process groups destroyed on
-        this rank."""
+    def _release(self) -> int:
+        # close(): stop the heartbeat, close the meshes, leave the cohort
         destroyed = self._drop_meshes()
         self._beat.stop()
         set_cohort(None)
@@ -371,9 +392,6 @@ class Elastic:
 
     def __enter__(self) -> Elastic:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _seconds(name: str, value: float | None, default: float) -> float:

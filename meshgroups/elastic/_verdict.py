@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from meshgroups.errors import ExcludedError
+from meshgroups.errors import ExcludedError, StepAbortedError
 
 KEY = "meshgroups/elastic"
 _CLOSED = "closed\n"
@@ -252,11 +252,6 @@ class Staleness:
             if r not in self.seen or self.seen[r][0] != v:
                 self.seen[r] = (v, now)
         return [r for r in ranks if now - self.seen[r][1] >= self.stale_after]
-
-
-class StepAbortedError(RuntimeError):
-    """``commit`` saw a failure (published, or a member's heartbeat stopped): the step must not
-    be applied; ``Elastic.step()`` turns it into the verdict."""
 
 
 def commit(

@@ -37,10 +37,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from meshgroups._lifecycle import Closeable
 from meshgroups.errors import MeshConfigError, StoreConnectionError
 from meshgroups.mesh import (
+    MeshOptions,
     call_numbering,
     default_world,
+    merge_options,
     register_world,
     set_call_numbering,
     set_default_world,
@@ -91,7 +94,7 @@ def _timedelta(timeout: timedelta | float | None) -> timedelta:
     return timedelta(seconds=float(timeout))
 
 
-class TransferWorld:
+class TransferWorld(Closeable):
     """This process's membership of a transfer world (see the module docstring).
 
     Args:
@@ -102,6 +105,8 @@ class TransferWorld:
         generation: a new generation is a new group on the same store (after a failure broke
             the last one); every member passes the same.
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL as well; untested here).
+        options: a ``MeshOptions`` instead of ``timeout`` and ``device_type`` (its timeout and
+            device type are used; giving both is a ``TypeError``).
 
     Attributes:
         group: the transfer world's process group (``None`` after ``close()``).
@@ -124,7 +129,12 @@ class TransferWorld:
         timeout: timedelta | float | None = None,
         generation: int = 0,
         device_type: str = "cpu",
+        options: MeshOptions | None = None,
     ) -> None:
+        given, refusal = merge_options(options, MeshOptions(device_type=device_type, timeout=timeout))
+        if refusal is not None:  # before the rendezvous: nothing waits on this member yet
+            raise TypeError(refusal)
+        device_type, timeout = given.device_type, given.timeout
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise MeshConfigError(f"size={size!r} must be an int >= 1 (trainer ranks + engine workers)")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
@@ -246,21 +256,19 @@ class TransferWorld:
             set_default_world(saved_pg, saved_count)
             _lock.release()
 
-    def close(self) -> None:
-        """Forget the group (local, idempotent): its registry entries go, its connections close
-        when the last reference does. Groups made inside ``active()`` (``TransferGroups``) are
-        their owner's to close, before this."""
+    def _release(self) -> int:
+        # close(): forget the group: its registry entries go, its connections close when the
+        # last reference does. Groups made inside active() (TransferGroups) are their owner's
+        # to close, before this.
         if self.group is None:
-            return
+            return 0
         if self._registered:
             unregister_world(self.group)
         self.group = None
+        return 1
 
     def __enter__(self) -> TransferWorld:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     )
     from meshgroups.mesh._groups import GroupCache, GroupKey
     from meshgroups.mesh._mesh_groups import MeshGroups, init_mesh, layout_of, set_group_timeout
-    from meshgroups.mesh._options import MeshOptions
+    from meshgroups.mesh._options import MeshOptions, merge_options
     from meshgroups.mesh._plan import SubsetSpec, as_timedelta
     from meshgroups.mesh._strategies import Strategy
     from meshgroups.mesh._torch_seam import (
@@ -69,6 +69,7 @@ _WHERE = {
     "Strategy": "_strategies",
     # internal
     "set_cohort": "_cohort",
+    "merge_options": "_options",
     "Call": "_collective",
     "call_numbering": "_collective",
     "set_call_numbering": "_collective",

@@ -22,6 +22,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshgroups._lifecycle import Closeable
 from meshgroups.errors import DuplicateNameError, MeshConfigError, UnknownDimError, torch_says
 from meshgroups.layout import Layout
 from meshgroups.mesh._build import Built, build, check_device_index, check_new_name
@@ -43,7 +44,7 @@ __all__ = ["GroupCache", "MeshGroups", "init_mesh", "layout_of", "set_group_time
 from meshgroups.mesh._strategies import Strategy
 
 
-class MeshGroups:
+class MeshGroups(Closeable):
     """This rank's view of a built layout: the root ``DeviceMesh`` and every declared group.
 
     **Ranks outside a layout, view or subset** (a layout over part of the world, a rank offset,
@@ -66,16 +67,11 @@ class MeshGroups:
         self.strategy = built.plan.strategy
         self.cache: GroupCache = built.builder.cache
         self.generation = built.generation
-        self._closed = False
         # The groups (lookups, lifetime) and the DeviceMeshes built from them.
         self._families = Families(built)
         self._roots = RootMeshes(layout, self.device_type, self._families)
 
     # ----------------------------------------------------------------------- lifetime
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     @property
     def gloo_twins(self) -> bool:
         """Whether every group has a gloo twin (``init_mesh(gloo_twins=True)``)."""
@@ -111,14 +107,9 @@ class MeshGroups:
         group), so ``close()`` does not release it a second time."""
         self._families.keys[:] = [k for k in self._families.keys if k != key]
 
-    def close(self) -> int:
-        """Destroy the process groups this mesh created (not WORLD, not groups another live
-        mesh shares through the cache) and detach its DeviceMeshes. Local: no collective, but
-        call it on every rank, like the ``init_mesh`` it undoes. Idempotent. Returns the number
-        of process groups destroyed on this rank."""
-        if self._closed:
-            return 0
-        self._closed = True
+    def _release(self) -> int:
+        # close(): the process groups this mesh created (not WORLD, not groups another live
+        # mesh shares through the cache), and its DeviceMeshes detached
         self._roots.close()
         destroyed = self._families.release()
         forget_dtensor_caches()
@@ -126,13 +117,6 @@ class MeshGroups:
 
     def __enter__(self) -> MeshGroups:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this MeshGroups was closed; its process groups are destroyed")
 
     # ----------------------------------------------------------------------- meshes
     @property
@@ -142,7 +126,7 @@ class MeshGroups:
         from the groups already created (no collective; one O(world) torch constructor, every
         declared flattened dim then registered in O(ndim)): ``mesh["dp_cp"]`` and
         ``mesh["dp", "cp"]._flatten()`` return meshgroups' group."""
-        self._check_open()
+        self._check_open("mesh")
         return self._roots.root(self.layout)
 
     def view_mesh(self, name: str) -> DeviceMesh:
@@ -150,7 +134,7 @@ class MeshGroups:
         ``None`` off it).
         A view is another factorisation, so its mesh is a root of its own: combine TP and FSDP2
         on slices of one root (the main mesh *or* one view mesh), never across them."""
-        self._check_open()
+        self._check_open("view_mesh()")
         views = self.layout.views
         if name not in views:
             raise MeshConfigError(f"unknown view {name!r}; views are {', '.join(views) or 'none'}")
@@ -162,7 +146,7 @@ class MeshGroups:
         dims joined by ``_``). Returns the flattened 1-D mesh (coordinate ``None`` off the
         layout); an already built set is reused."""
         with collective_call("flatten") as call:  # numbered before anything is checked
-            self._check_open()
+            self._check_open("flatten()")
             if not dims:
                 raise MeshConfigError("flatten needs at least one dim, e.g. mg.flatten('dp', 'cp')")
             owner = self.layout.resolve(*dims)
@@ -189,7 +173,7 @@ class MeshGroups:
         ``init_mesh(flatten=...)`` or add it with ``flatten()``). A subset name gives a 1-D mesh
         over the subset's group, a root of its own (it is no dim of the layout). Off the group:
         the same mesh with coordinate ``None`` (as torch's slices on a rank outside the mesh)."""
-        self._check_open()
+        self._check_open("submesh()")
         if len(dims) == 1 and dims[0] in self._families.subsets:
             return self._roots.subset(dims[0])
         if not dims:
@@ -227,7 +211,7 @@ class MeshGroups:
     def group(self, *dims: str, gloo: bool = False) -> dist.ProcessGroup | None:
         """This rank's group varying ``dims`` (or the subset named ``dims[0]``); ``None`` if this
         rank is in none. ``gloo=True`` gives the gloo twin (``init_mesh(gloo_twins=True)``)."""
-        self._check_open()
+        self._check_open("group()")
         handle = self._families.handles[self._families.key_of(self.layout, dims)]
         if gloo:
             if handle.ranks is not None and handle.gloo is None:
@@ -236,7 +220,7 @@ class MeshGroups:
         return handle.group
 
     def _ranks(self, dims: tuple[str, ...]) -> tuple[int, ...] | None:
-        self._check_open()
+        self._check_open("_ranks()")
         if len(dims) == 1 and dims[0] in self._families.subsets:
             return self._families.handles[dims[0]].ranks
         if not dims:

@@ -22,6 +22,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from meshgroups import _deprecated
+from meshgroups.errors import PlanError, TransferError
 from meshgroups.transfer._names.conventions import (
     CONVENTIONS,
     PRESET_MAPS,
@@ -39,7 +40,6 @@ from meshgroups.transfer._names.names import NameMap, Rule, Segment
 from meshgroups.transfer._names.presets import FSDP_DIMS, HEADS, MODELS, model_config, model_weights
 from meshgroups.transfer._names.quant import BlockFP8
 from meshgroups.transfer._names.stacking import Stack, expert_order, stack_experts
-from meshgroups.transfer._plan.assign import PlanError
 from meshgroups.transfer._plan.plan import Message, TransferPlan, plan_transfer
 from meshgroups.transfer._spec import Box, Placement, Replicate, Shard, Weight
 
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from meshgroups.transfer._run.fanout_groups import TransferGroups
     from meshgroups.transfer._run.fp8 import quantize_blocks
     from meshgroups.transfer._run.jobs import Job, init_job
-    from meshgroups.transfer._run.status import TransferError
     from meshgroups.transfer._run.sync import WeightSync
     from meshgroups.transfer._run.torch_io import local_weights, module_weights
 
@@ -58,7 +57,6 @@ _TORCH_SIDE = {
     "Progress": "_run.execute",
     "Report": "_run.execute",
     "execute": "_run.execute",
-    "TransferError": "_run.status",
     "TransferGroups": "_run.fanout_groups",
     "quantize_blocks": "_run.fp8",
     "Job": "_run.jobs",

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 # First, before any private name below is imported: a torch that lacks one is a clear error
 # naming its version and the missing piece (``internals``), not a half-built mesh later.
-from meshgroups.mesh._torch_seam.internals import TESTED_TORCH, TorchInternalsError, check, check_overrides
+from meshgroups.errors import TorchInternalsError
+from meshgroups.mesh._torch_seam.internals import TESTED_TORCH, check, check_overrides
 
 check()
 

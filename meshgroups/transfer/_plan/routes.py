@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshgroups.errors import PlanError
 from meshgroups.layout import Layout
-from meshgroups.transfer._plan.assign import ByNode, PairRoute, PlanError
+from meshgroups.transfer._plan.assign import ByNode, PairRoute
 from meshgroups.transfer._plan.choose import Choices
 from meshgroups.transfer._plan.shards import BlockKey, Side, axis_pairs, holders
 from meshgroups.transfer._plan.stream import Stream

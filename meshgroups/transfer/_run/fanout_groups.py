@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from meshgroups._lifecycle import Closeable
 from meshgroups.errors import MeshConfigError
 from meshgroups.layout import Layout
 from meshgroups.mesh import (
@@ -237,7 +238,7 @@ def _layers(sets: Sequence[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
     return [rows for _, _, rows in layers]
 
 
-class TransferGroups:
+class TransferGroups(Closeable):
     """Collective: one process group per fan-out rank set of ``plan`` (see the module
     docstring). Every rank passes its plan — whole or its own (``plan_transfer(..., rank=r)``),
     parts of one plan (the same ``plan_transfer`` arguments but ``rank``).
@@ -385,13 +386,14 @@ class TransferGroups:
 
     def group(self, ranks: Sequence[int]) -> dist.ProcessGroup | None:
         """This rank's group over ``ranks`` (sender first, receivers sorted), or ``None``."""
+        self._check_open("group()")
         return self._groups.get(tuple(ranks))
 
     def __len__(self) -> int:
         return len(self.sets)
 
-    def close(self) -> int:
-        """Destroy the groups (those no other mesh of the cache uses). Local, idempotent."""
+    def _release(self) -> int:
+        # close(): the groups no other mesh of the cache uses
         destroyed = sum(mg.close() for mg in self._meshes)
         self._meshes.clear()
         self._groups.clear()
@@ -400,9 +402,6 @@ class TransferGroups:
 
     def __enter__(self) -> TransferGroups:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"TransferGroups({len(self.sets)} fan-out groups, {len(self._groups)} on this rank)"

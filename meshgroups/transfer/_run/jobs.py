@@ -31,9 +31,18 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import torch.distributed as dist
 
+from meshgroups._lifecycle import Closeable
 from meshgroups.errors import LayoutError, MeshConfigError
 from meshgroups.layout import Layout
-from meshgroups.mesh import GroupCache, MeshGroups, MeshOptions, Strategy, collective_call, init_mesh
+from meshgroups.mesh import (
+    GroupCache,
+    MeshGroups,
+    MeshOptions,
+    Strategy,
+    collective_call,
+    init_mesh,
+    merge_options,
+)
 from meshgroups.transfer._run.fanout_groups import RouteKey, TransferGroups, fanouts
 
 if TYPE_CHECKING:
@@ -76,7 +85,7 @@ def check_sharing(layouts: Mapping[str, Layout], sharing: str) -> None:
                     )
 
 
-class Job:
+class Job(Closeable):
     """Every layout of a job built on this rank: ``job[name]`` is that layout's ``MeshGroups``
     (a mesh whose ``get_coordinate()`` is ``None``, and ``None`` groups, on ranks outside it).
     All share ``cache``, so a group two layouts both need (colocated ``tp`` groups of equal
@@ -95,7 +104,6 @@ class Job:
         self.sharing = sharing
         self.options = options
         self._transfer: list[TransferGroups] = []
-        self._closed = False
 
     @property
     def layouts(self) -> dict[str, Layout]:
@@ -121,8 +129,7 @@ class Job:
         with the job's meshes: a transfer that fails inside a broadcast leaves that group's
         collectives out of step, and the training groups must not be that group."""
         with collective_call("TransferGroups"):  # TransferGroups joins this call
-            if self._closed:
-                raise RuntimeError("this Job was closed; its process groups are destroyed")
+            self._check_open("transfer_groups()")
             o = self.options
             groups = TransferGroups(
                 plan,
@@ -136,20 +143,13 @@ class Job:
         self._transfer.append(groups)
         return groups
 
-    def close(self) -> int:
-        """Destroy what this job created (transfer groups, then each mesh's groups). Local,
-        idempotent; call it on every rank. Returns the number of process groups destroyed."""
-        if self._closed:
-            return 0
-        self._closed = True
+    def _release(self) -> int:
+        # close(): what this job created, transfer groups first, then each mesh's groups
         destroyed = sum(t.close() for t in self._transfer)
         return destroyed + sum(mg.close() for mg in self.meshes.values())
 
     def __enter__(self) -> Job:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{name}={mg.layout!r}" for name, mg in self.meshes.items())
@@ -166,6 +166,7 @@ def init_job(
     timeout: timedelta | float | None = None,
     strategy: Strategy = "auto",
     check: bool | None = None,
+    options: MeshOptions | None = None,
 ) -> Job:
     """Build every layout of a job (collective: every rank of the world calls it alike).
 
@@ -187,6 +188,8 @@ def init_job(
         timeout: as for ``init_mesh``, for every layout.
         strategy: as for ``init_mesh``, for every layout.
         check: as for ``init_mesh``, for every layout.
+        options: a ``MeshOptions`` for every layout, instead of the option keywords above
+            (giving both is a ``TypeError`` on every rank).
 
     Returns:
         The ``Job``: ``job[name]`` is that layout's ``MeshGroups``; ``close()`` releases them all.
@@ -200,7 +203,13 @@ def init_job(
             earlier ones before it propagates. Each on every rank alike; the identical call
             can be retried at once.
     """
+    keywords = MeshOptions(
+        device_type=device_type, backend=backend, timeout=timeout, strategy=strategy, check=check
+    )
+    merged, refusal = merge_options(options, keywords)
     with collective_call("init_job") as call:  # numbered before anything is checked
+        if refusal is not None:
+            raise TypeError(refusal)
         flat = _check_job(layouts, sharing, flatten)
         call.compare(
             sharing=sharing,
@@ -208,18 +217,15 @@ def init_job(
             flatten=digest_text(repr(sorted((n, [tuple(d) for d in f]) for n, f in flat.items()))),
         )
         cache = GroupCache()
-        options = MeshOptions(
-            device_type=device_type, backend=backend, timeout=timeout, strategy=strategy, check=check
-        )
         meshes: dict[str, MeshGroups] = {}
         try:
             for name, layout in layouts.items():  # each joins this call (one number, one protocol)
-                meshes[name] = init_mesh(layout, flatten=flat.get(name, ()), cache=cache, options=options)
+                meshes[name] = init_mesh(layout, flatten=flat.get(name, ()), cache=cache, options=merged)
         except BaseException:
             for mg in meshes.values():
                 mg.close()
             raise
-        return Job(meshes, cache, sharing, options)
+        return Job(meshes, cache, sharing, merged)
 
 
 def _check_job(

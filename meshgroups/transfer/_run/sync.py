@@ -42,9 +42,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshgroups.errors import LayoutError, MeshConfigError
+from meshgroups._lifecycle import Closeable
+from meshgroups.errors import LayoutError, MeshConfigError, TransferError
 from meshgroups.layout import Layout, Topology
-from meshgroups.mesh import GroupCache, as_timedelta, collective_call, default_timeout
+from meshgroups.mesh import (
+    GroupCache,
+    MeshOptions,
+    as_timedelta,
+    collective_call,
+    default_timeout,
+    merge_options,
+)
 from meshgroups.transfer._names.expand import Cast
 from meshgroups.transfer._names.mapped import view_source
 from meshgroups.transfer._names.names import NameMap
@@ -55,13 +63,13 @@ from meshgroups.transfer._run.fanout_groups import TransferGroups
 from meshgroups.transfer._run.fp8 import quantize_blocks
 from meshgroups.transfer._run.jobs import Job, digest_text
 from meshgroups.transfer._run.packing import PackBuffers
-from meshgroups.transfer._run.status import Status, TransferError
+from meshgroups.transfer._run.status import Status
 from meshgroups.transfer._run.sync_state import Tensors, merge, read, slices
 from meshgroups.transfer._run.torch_io import local_weights
 from meshgroups.transfer._spec import Weight
 
 
-class WeightSync:
+class WeightSync(Closeable):
     """Move a trainer's weights into a rollout's, every step (collective: every rank of the
     world builds it and calls ``sync()`` alike; see the module docstring).
 
@@ -87,9 +95,11 @@ class WeightSync:
             the local tensors by these names. The same list on every rank.
         topology, bucket_bytes, timeout, progress: as for ``plan_transfer`` / ``execute``.
         job: the ``Job`` whose options build the transfer groups (closed with it too);
-            without, ``device_type`` and ``backend`` do.
+            without, ``options`` (or ``device_type``, ``backend`` and ``timeout``) do.
         dims: mesh dim name -> layout dim name, for both sides (``{"dp_shard": "dp"}``).
         stage_dim: the layout dim of pipeline stages (see ``local_weights``).
+        options: a ``MeshOptions`` for the transfer groups and the waits, instead of
+            ``device_type``, ``backend`` and ``timeout`` (giving both is a ``TypeError``).
 
     Attributes:
         plan: this rank's part of the current plan (``plan.mapping``: the links).
@@ -125,6 +135,7 @@ class WeightSync:
         backend: str | None = None,
         dims: Mapping[str, str] | None = None,
         stage_dim: str | None = "pp",
+        options: MeshOptions | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -136,8 +147,11 @@ class WeightSync:
         self.cast, self.allow_unused, self.quantize = cast, allow_unused, quantize
         self.rollout_weights = None if rollout_weights is None else list(rollout_weights)
         self.topology, self.bucket_bytes = topology, bucket_bytes
-        self.timeout, self.progress = timeout, progress
-        self.job, self.device_type, self.backend = job, device_type, backend
+        # one options value (or the loose keywords; both: a TypeError inside the first call)
+        keywords = MeshOptions(device_type=device_type, backend=backend, timeout=timeout)
+        self.options, self._refusal = merge_options(options, keywords)
+        self.timeout, self.progress = self.options.timeout, progress
+        self.job, self.device_type, self.backend = job, self.options.device_type, self.options.backend
         self.dims, self.stage_dim = dims, stage_dim
         self.plan: TransferPlan | None = None
         self.groups: TransferGroups | None = None
@@ -147,7 +161,6 @@ class WeightSync:
         self._slices: list[tuple[str, str, tuple[slice, ...] | None, str, tuple[slice, ...] | None, Any]] = []
         self._quant: dict[str, tuple[tuple[int, int], str]] = {}  # value link -> (block, scale link)
         self._packs = PackBuffers()  # packed messages' buffers, kept across sync() calls
-        self._closed = False
         self._build()
 
     # ------------------------------------------------------------------ state
@@ -177,6 +190,8 @@ class WeightSync:
         self.plan, self.groups, self._planned = None, None, None
         me = dist.get_rank()
         with collective_call("WeightSync") as call:
+            if self._refusal is not None:
+                raise TypeError(self._refusal)
             state, _, rollout_local = self._read()
             call.compare(
                 layouts=state[0],
@@ -275,6 +290,7 @@ class WeightSync:
                 device_type=self.device_type,
                 backend=self.backend,
                 timeout=self.timeout,
+                strategy=self.options.strategy,  # type: ignore[arg-type]
             )
         self.group_builds += 1
 
@@ -338,10 +354,9 @@ class WeightSync:
             TransferError: on every rank alike (see ``execute``); after one in stage
                 ``"transfer"`` the broken groups are closed and the next call rebuilds them.
             LayoutError, MismatchError: a re-plan refused (every rank alike).
-            RuntimeError: the sync was closed.
+            ClosedError: the sync was closed (a ``RuntimeError``).
         """
-        if self._closed:
-            raise RuntimeError("this WeightSync was closed")
+        self._check_open("sync()")
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise MeshConfigError(f"retries={retries!r} must be an int >= 0")
         try:
@@ -381,18 +396,14 @@ class WeightSync:
         raise RuntimeError("meshgroups internal error: the retry loop ended without a report or an error")
 
     # ------------------------------------------------------------------ lifetime
-    def close(self) -> int:
-        """Destroy the transfer groups (local, idempotent). Returns the groups destroyed."""
-        self._closed = True
+    def _release(self) -> int:
+        # close(): the transfer groups
         destroyed = self.groups.close() if self.groups is not None else 0
         self.groups = None
         return destroyed
 
     def __enter__(self) -> WeightSync:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         links = 0 if self.plan is None or self.plan.mapping is None else len(self.plan.mapping.links)
