@@ -11,7 +11,11 @@ once) and two trainer jobs (``tests/test_engines_vllm_serve_job.py``):
 2. a new trainer job (a trainer restart): its sync objects start at the version the servers
    serve (3), the next step makes 4 on both; then an engine worker of server A is SIGKILLed
    mid-sync — every trainer rank gets one error within the timeout, server B still serves
-   version 4 (its tokens those of version 4) and takes the next sync (5, its tokens exact).
+   version 4 (its tokens those of version 4) and takes the next sync (5, its tokens exact),
+   while server A refuses to serve rather than serve half-written weights.
+
+After each sync every worker of each server received exactly its shard's bytes, and the sum of
+what the workers committed equals the trainer's weights' (their commit reports).
 
 Skipped where vLLM is not importable; ``.ci/vllm.sh`` runs it.
 """
@@ -62,14 +66,17 @@ def make_served_model(where: Path) -> str:
 
 
 def start_server(model: str, tp: int, bind: str, log: Path) -> tuple[subprocess.Popen, str]:
-    """``vllm serve`` with the meshgroups backend, as a user starts it."""
+    """``vllm serve`` with the meshgroups backend, as a user starts it (its module: see below)."""
     port = free_port()
     env = dict(
         os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND=bind, VLLM_CPU_KVCACHE_SPACE="1",
         PYTHONPATH=str(ROOT),
     )  # fmt: skip
+    # what `vllm serve MODEL` runs: vllm-cpu 0.32.0's `vllm` command itself dies at start, looking up
+    # the version of a distribution named "vllm" (PackageNotFoundError: this one is "vllm-cpu")
     cmd = [
-        str(Path(sys.executable).with_name("vllm")), "serve", model, "--host", "127.0.0.1", "--port", str(port),
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+        "--port", str(port),
         "--tensor-parallel-size", str(tp), "--dtype", "float32", "--enforce-eager", "--max-model-len", "128",
         "--max-num-seqs", "4", "--weight-transfer-config", '{"backend": "meshgroups"}',
     ]  # fmt: skip
@@ -130,6 +137,13 @@ def run_job(urls: list[str], model: str, out: Path, *args: str) -> dict:
 def check_row(row: dict, version: int) -> None:
     assert row["served"] == str(version), row
     assert row["tokens_equal"] and row["max_logprob_diff"] <= 1e-4, row
+    if "reports" in row:  # each worker committed exactly its shard; the sums are the trainer's
+        assert sorted(row["reports"]) == [str(r) for r in range(len(row["reports"]))], row["reports"]
+        for rep in row["reports"].values():
+            assert rep["version"] == version, rep
+            assert rep["bytes_received"] == row["expected_worker_bytes"] == rep["shard_bytes"], (rep, row)
+        total = sum(rep["checksum"] for rep in row["reports"].values())
+        assert abs(total - row["expected_checksum"]) <= 1e-6 * max(1.0, abs(row["expected_checksum"])), row
 
 
 def test_vllm_serve_three_steps_a_restart_and_a_dead_worker(tmp_path: Path) -> None:
@@ -148,6 +162,7 @@ def test_vllm_serve_three_steps_a_restart_and_a_dead_worker(tmp_path: Path) -> N
         assert first["init_versions"] == [[0, 0]] * 4, first["init_versions"]
         for i, step in enumerate(first["steps"], 1):
             assert step["versions"] == [i, i], step
+            assert [len(row["reports"]) for row in step["servers"]] == [2, 1], step  # tp=2, tp=1
             for row in step["servers"]:
                 check_row(row, i)
         # a trainer restart: a new torchrun world, new sync objects, the versions the servers serve
@@ -159,6 +174,7 @@ def test_vllm_serve_three_steps_a_restart_and_a_dead_worker(tmp_path: Path) -> N
         fault = second["fault"]
         assert len(set(fault["outcomes"])) == 1 and fault["outcomes"][0].startswith("TransferError"), fault
         assert max(fault["after_s"]) < 4 * scaled(30), fault  # within the timeout's bound, no hang
+        assert fault["dead_serves"].startswith("refused"), fault  # never half-written weights
         check_row(fault["other_before"], 4)  # server B: the last complete version, untouched
         assert fault["other_version"] == 5, fault
         check_row(fault["other_after"], 5)

@@ -25,7 +25,15 @@ import urllib.request
 from datetime import timedelta
 from typing import Any
 
-from tests.test_engines_vllm_job import NEW_TOKENS, PROMPTS, compare, reference_outputs, shard_trainer
+from tests.test_engines_vllm_job import (
+    NEW_TOKENS,
+    PROMPTS,
+    compare,
+    is_replicated,
+    reference_outputs,
+    shard_bytes,
+    shard_trainer,
+)
 
 
 def http_outputs(url: str, model: str) -> list[tuple[list[int], list[float]]]:
@@ -123,9 +131,15 @@ def main() -> None:
         took = time.monotonic() - t
         state = full_state()
         if rank == 0:
-            result["steps"].append(
-                {"versions": versions, "sync_s": took, "servers": [check(url, state) for url in urls]}
-            )
+            rows = [check(url, state) for url in urls]
+            for row, s in zip(rows, syncs):  # what each worker of each server committed
+                tp = s.engine_size
+                row["reports"] = {str(r): rep for r, rep in s.engine_reports().items()}
+                row["expected_worker_bytes"] = shard_bytes(state, tp, is_replicated)
+                row["expected_checksum"] = sum(
+                    float(v.double().sum()) * (tp if is_replicated(k) else 1) for k, v in state.items()
+                )
+            result["steps"].append({"versions": versions, "sync_s": took, "servers": rows})
     last = full_state()
     if args.kill >= 0:
         dead, alive = syncs[args.kill], syncs[1 - args.kill]
@@ -147,6 +161,11 @@ def main() -> None:
         fault: dict[str, Any] = {"outcomes": every_rank(outcome), "after_s": every_rank(time.monotonic() - t)}
         if rank == 0:  # the other engine: still the last complete version, and its tokens
             fault["other_before"] = check(urls[1 - args.kill], last)
+            try:  # the engine that lost a worker: vLLM refuses to serve rather than serve half-written weights
+                http_outputs(urls[args.kill], args.model)
+                fault["dead_serves"] = "it served"
+            except Exception as exc:
+                fault["dead_serves"] = f"refused: {type(exc).__name__}: {str(exc)[:200]}"
         version = alive.sync()
         state = full_state()
         if rank == 0:

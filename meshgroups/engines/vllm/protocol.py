@@ -44,6 +44,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from meshgroups import errors
 from meshgroups.errors import LayoutError, MeshConfigError, MismatchError, StoreConnectionError
 from meshgroups.transfer.status import TransferError
 
@@ -81,7 +82,8 @@ class TrainerOffer:
     front_version: int = -1
 
 
-#: Error classes an outcome is rebuilt as on every rank (name -> class); others become RuntimeError.
+#: Error classes an outcome is rebuilt as on every rank (name -> class), besides those of
+#: ``meshgroups.errors``; others become ``RuntimeError`` naming the class.
 KINDS: dict[str, type[BaseException]] = {
     cls.__name__: cls
     for cls in (
@@ -116,10 +118,13 @@ def rebuild(kind: str, message: str, stage: str = "commit") -> BaseException:
     """
     if kind == "TransferError":
         return TransferError(message, (), -1, stage, ())
-    cls = KINDS.get(kind)
-    if cls is None:
+    cls = KINDS.get(kind) or getattr(errors, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
         return RuntimeError(f"{kind}: {message}")
-    return cls(message)
+    try:
+        return cls(message)
+    except TypeError:  # a constructor of other arguments
+        return RuntimeError(f"{kind}: {message}")
 
 
 def first_refusal(offers: Sequence[Any]) -> tuple[int, tuple[str, str]] | None:
