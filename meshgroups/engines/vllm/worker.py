@@ -124,10 +124,11 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
         self.refused: str | None = None
 
     # ------------------------------------------------------------------ the guard
-    def _guarded(self, call: str, fn: Callable[[], None]) -> None:
+    def _guarded(self, call: str, fn: Callable[[], None], keep: bool = True) -> None:
         """Run one of vLLM's calls; a refusal or failure is logged in one line and recorded,
         never raised (see the module docstring). An error that is no refusal of meshgroups (a
-        bug) keeps its traceback in the log."""
+        bug) keeps its traceback in the log. ``keep``: a refused update (a version, a re-plan)
+        keeps the transfer world and the plan for the next one; a failed init never does."""
         try:
             fn()
         except Exception as exc:
@@ -144,8 +145,8 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
                 logger.exception(
                     "meshgroups: %s failed; the engine keeps serving version %d", call, self.version
                 )
-            if not isinstance(exc, KEEPS_WORLD) or _transfer_broken(exc):
-                self._broken()
+            if not keep or not isinstance(exc, KEEPS_WORLD) or _transfer_broken(exc):
+                self._broken()  # the transfer world is closed on every failure path but a refused update
 
     # ------------------------------------------------------------------ init
     def init_transfer_engine(self, init_info: MeshgroupsInitInfo) -> None:
@@ -153,11 +154,7 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
         Never raises for a refusal: the trainer's ranks raise it (see ``refused``)."""
         self.shutdown()
         self.refused = None
-        self._guarded("init_weight_transfer_engine", lambda: self._init(init_info))
-
-    def parse_init_info(self, init_dict: dict[str, Any]) -> MeshgroupsInitInfo:
-        """vLLM's parse, which raises ``ValueError`` on a bad dict (the trainer builds it)."""
-        return super().parse_init_info(init_dict)
+        self._guarded("init_weight_transfer_engine", lambda: self._init(init_info), keep=False)
 
     def _init(self, init_info: MeshgroupsInitInfo) -> None:
         refusal: tuple[str, str] | None = None
