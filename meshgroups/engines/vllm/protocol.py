@@ -44,7 +44,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshgroups import errors
+import meshgroups.errors as errors
 from meshgroups.errors import LayoutError, MeshConfigError, MismatchError, StoreConnectionError
 from meshgroups.transfer.status import TransferError
 
