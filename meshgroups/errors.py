@@ -143,6 +143,13 @@ class StepAbortedError(RuntimeError):
     be applied; ``Elastic.step()`` turns it into the verdict."""
 
 
+class VersionError(ValueError):
+    """A sync was asked for a version that is not newer than the one the engine serves, or
+    trainer ranks asked for different versions; raised on every trainer rank alike, before
+    any byte moves. The engine keeps serving what it served, and the sync object stays usable.
+    """
+
+
 class ClosedError(RuntimeError):
     """An object that holds process groups (``MeshGroups``, ``Elastic``, ``Job``,
     ``TransferGroups``, ``WeightSync``, ...) was used after ``close()``; build a new one."""
@@ -232,6 +239,7 @@ __all__ = [
     "TorchInternalsError",
     "TransferError",
     "UnknownDimError",
+    "VersionError",
     "WorldSizeError",
     "torch_says",
 ]

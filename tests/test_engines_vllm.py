@@ -16,11 +16,13 @@ fp32) — ``tests/test_engines_vllm_job.py`` — and puts many checks in that on
   (stacked experts; first a sync of the unchanged weights that must give vLLM's own outputs
   exactly), DeepSeek-V3 (MLA, shared experts; what vLLM CPU lets be checked, see its test);
   Qwen3-MoE with expert parallelism is skipped with vLLM CPU's measured reason;
+- Llama: after version 1, the refusals on the same engine (a trainer lacking a weight, a
+  head-tying map, a stale ``sync(version=)``), each the same error on every trainer rank, the
+  engine's log one line per refusal and worker, then versions 2 and 3 from a new sync object;
 - then the fault: a trainer rank that exits mid-transfer (Llama) — every other trainer rank
   gets a ``TransferError`` within the timeout and the engine keeps serving the last complete
-  version (tokens equal to that version's reference); or an engine worker killed mid-transfer
-  (Qwen2, q/k/v biases) — every trainer rank gets a ``TransferError`` within the timeout, and the
-  engine refuses to serve rather than serve a half-written model.
+  version (tokens equal to that version's reference). An engine worker killed mid-transfer is
+  ``tests/test_engines_vllm_serve.py``'s fault (two ``vllm serve`` engines).
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ def make_model(kind: str, where: Path) -> str:
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
         "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
     }
+    if kind == "llama":  # an untied head: a tied-head map is refused (test_llama_...)
+        sizes.update(tie_word_embeddings=False)
     if kind == "qwen3_moe":  # every layer MoE: 4 experts of 128, top 2; an untied head
         sizes.update(
             moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False
@@ -164,13 +168,43 @@ def check_steps(result: dict, steps: int, tol: float, tokens: bool = True, first
             assert rep["bytes_received"] == row["expected_worker_bytes"] == rep["shard_bytes"], (r, rep, row)
         total = row["reports"]["0"]["checksum"] + row["reports"]["1"]["checksum"]
         assert abs(total - row["expected_checksum"]) <= 1e-6 * max(1.0, abs(row["expected_checksum"])), row
-        assert row["counters"] == [1, 1, i], row  # one plan, one group build
+        assert row["counters"][:2] == [1, 1] and row["counters"][2] >= 1, row  # one plan, one group build
     assert rows[-1]["engine_tokens"] != before  # the weights did change what it generates
 
 
+def check_refusals(result: dict, log: str) -> None:
+    """After version 1, on the same engine: each refusal the same error on every trainer rank,
+    pointing at the right fix; the engine's log holds one line per refusal and worker, no
+    traceback; a new sync object starts at the engine's version and refuses a stale one."""
+    ref = result["refusals"]
+    for key in ("missing", "tied_head", "stale"):
+        assert len(set(ref[key])) == 1, (key, ref[key])  # the same error on all 4 trainer ranks
+    missing = ref["missing"][0]
+    assert missing.startswith("LayoutError") and "model.layers.1.mlp.gate_up_proj.weight" in missing, missing
+    assert "up_proj.weight" in missing and "which the trainer lacks" in missing, missing
+    tied = ref["tied_head"][0]
+    assert tied.startswith("LayoutError") and "'lm_head.weight'" in tied and "tied_head=False" in tied, tied
+    assert "would serve the other weight" in tied, tied  # allow_unused is named as the wrong fix
+    assert ref["recovered_version"] == ["1"] * 4, ref  # taken from the engine, not restarted at 0
+    stale = ref["stale"][0]
+    assert stale.startswith("VersionError") and "not newer than version 1" in stale, stale
+    assert ref["version_after_stale"] == ["1"] * 4, ref
+    begin, end = log.index("MESHGROUPS-REFUSALS-BEGIN"), log.index("MESHGROUPS-REFUSALS-END")
+    window = log[begin:end]
+    assert "Traceback" not in window and "ERROR" not in window, window[-3000:]
+    assert window.count("init_weight_transfer_engine refused") == 4, window[-3000:]  # 2 refusals x 2 workers
+    assert window.count("update_weights refused") == 2, window[-3000:]  # the stale version x 2 workers
+
+
 def test_llama_three_syncs_then_a_trainer_rank_dies(tmp_path: Path) -> None:
-    result = run_job(make_model("llama", tmp_path), tmp_path / "llama.json", "--fault", "trainer")
+    """Llama (an untied head): version 1; then, on the same engine, the refusals
+    (:func:`check_refusals`) and a new sync object that makes versions 2 and 3 (every check of
+    each step); then a trainer rank exits mid-transfer."""
+    result = run_job(
+        make_model("llama", tmp_path), tmp_path / "llama.json", "--fault", "trainer", "--refusals"
+    )
     check_steps(result, 3, 1e-4)
+    check_refusals(result, (tmp_path / "llama.log").read_text())
     fault = result["fault"]
     for r in ("0", "1", "2"):  # every surviving trainer rank: a clear error, within the timeout
         assert fault[r]["outcome"].startswith("TransferError"), fault[r]
@@ -179,17 +213,6 @@ def test_llama_three_syncs_then_a_trainer_rank_dies(tmp_path: Path) -> None:
     assert "refused" not in after, after
     assert after["engine_version"] == "3" and after["row"]["tokens_equal"], after  # the last complete version
     assert after["row"]["max_logprob_diff"] <= 1e-4, after
-
-
-def test_qwen2_three_syncs_then_a_worker_dies(tmp_path: Path) -> None:
-    result = run_job(make_model("qwen2", tmp_path), tmp_path / "qwen2.json", "--fault", "worker")
-    check_steps(result, 3, 1e-4)
-    fault = result["fault"]
-    for r in ("0", "1", "2", "3"):
-        assert fault[r]["outcome"].startswith("TransferError"), fault[r]
-        assert fault[r]["error_after_s"] < 4 * scaled(30) + scaled(30), fault[r]
-    # a dead worker: the engine refuses to serve (vLLM shuts the engine down) — never half-written weights
-    assert "refused" in fault["0"]["after"], fault["0"]["after"]
 
 
 def test_qwen3_q_k_norms(tmp_path: Path) -> None:

@@ -56,6 +56,8 @@ from meshgroups.mesh import (
 #: transfer world's sequential names (``new_group``) must never equal a name of the process's
 #: own world, whose counter starts at 0 (the same offset on every member, so names agree).
 NAME_BASE = 1 << 40
+#: Group names per transfer world (one range per store port, below ``NAME_BASE``).
+PORT_RANGE = 1 << 24
 
 _lock = threading.Lock()
 
@@ -158,7 +160,10 @@ class TransferWorld(Closeable):
                 "with its own rank and the same size"
             ) from exc
         self._store = prefix
-        self._count = NAME_BASE * (generation + 1)  # torch's group-name counter, inside this world
+        # torch's group-name counter inside this world: the same on every member, and a range of
+        # its own per (generation, store port), so two worlds in one process (a trainer syncing
+        # into two engines) never name two groups alike
+        self._count = NAME_BASE * (generation + 1) + store.port * PORT_RANGE
         self._collective = call_numbering(fresh=True)
         self._registered = False
 
@@ -276,4 +281,4 @@ class TransferWorld(Closeable):
         )
 
 
-__all__ = ["NAME_BASE", "TransferWorld", "parse_address"]
+__all__ = ["NAME_BASE", "PORT_RANGE", "TransferWorld", "parse_address"]

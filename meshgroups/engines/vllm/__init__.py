@@ -9,8 +9,16 @@
   vLLM when called).
 - :mod:`~meshgroups.engines.vllm.worker` — the worker side, a ``WeightTransferEngine``
   (imports vLLM; vLLM imports it in its workers).
-- :mod:`~meshgroups.engines.vllm.trainer` — the trainer side, ``VLLMWeightSync`` and
-  ``LLMClient`` (imports no vLLM).
+- :mod:`~meshgroups.engines.vllm.trainer` — the trainer side, ``VLLMWeightSync`` (imports no
+  vLLM).
+- :mod:`~meshgroups.engines.vllm.protocol` — the protocol between trainer ranks and workers:
+  init offers, the version preflight, commit reports; versions (vLLM-free).
+- :mod:`~meshgroups.engines.vllm.clients` — ``LLMClient`` (an in-process ``LLM``) and
+  ``HTTPClient`` (a ``vllm serve``) (imports no vLLM).
+- :mod:`~meshgroups.engines.vllm.api` — the one adapter over vLLM's weight-transfer API,
+  release by release (imports vLLM's ``weight_transfer`` package).
+- :mod:`~meshgroups.engines.vllm.trainer_engine` — the trainer side as vLLM's
+  ``TrainerWeightTransferEngine`` (imports vLLM).
 
 Importing this package imports none of them::
 

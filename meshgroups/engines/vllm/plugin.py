@@ -15,21 +15,23 @@ BACKEND = "meshgroups"
 
 
 def register() -> None:
-    """Register the ``meshgroups`` weight-transfer engine with vLLM (idempotent; a no-op when
-    vLLM is not importable, so the entry point never breaks a process without it).
+    """Register the ``meshgroups`` weight-transfer engines with vLLM — the worker side and,
+    where vLLM has a trainer factory, the trainer side (idempotent; a no-op when vLLM is not
+    importable, so the entry point never breaks a process without it).
 
     Returns:
         None.
     """
     try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+        from vllm.distributed.weight_transfer import factory
     except ImportError:
         return
-    if BACKEND in getattr(WeightTransferEngineFactory, "_registry", {}):
-        return
-    WeightTransferEngineFactory.register_engine(
-        BACKEND, "meshgroups.engines.vllm.worker", "MeshgroupsWeightTransferEngine"
-    )
+    engines = factory.WeightTransferEngineFactory
+    if BACKEND not in getattr(engines, "_registry", {}):
+        engines.register_engine(BACKEND, "meshgroups.engines.vllm.worker", "MeshgroupsWeightTransferEngine")
+    trainers = getattr(factory, "WeightTransferTrainerFactory", None)
+    if trainers is not None and BACKEND not in getattr(trainers, "_registry", {}):
+        trainers.register_engine(BACKEND, "meshgroups.engines.vllm.trainer_engine", "MeshgroupsTrainerEngine")
 
 
 __all__ = ["BACKEND", "register"]

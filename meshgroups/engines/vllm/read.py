@@ -31,6 +31,10 @@ from meshgroups.errors import LayoutError
 #: Post-load processing this backend knows how to run again after a commit (unquantized only:
 #: a quantized layer's processing is not idempotent and needs its scales from the sender).
 REPROCESSABLE = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod")
+#: vLLM's attention layers keep their KV cache's quantization scales as persistent buffers
+#: (1.0 for an unquantized cache; a quantized cache's come from calibration, not from training):
+#: no destinations.
+KV_CACHE_SCALES = frozenset({"_k_scale", "_v_scale", "_q_scale", "_prob_scale"})
 #: The stacked expert parameters this backend writes (no expert biases, no scales).
 EXPERT_LEAVES = ("w13_weight", "w2_weight")
 
@@ -95,7 +99,7 @@ def _experts(name: str, leaf: str, module: Any, tp: int) -> tuple[int | None, tu
 
 def read_params(model: torch.nn.Module) -> tuple[list[Param], int, int]:
     """Every parameter of this worker's model as a :class:`Param` (tied ones once, as
-    ``named_parameters`` lists them), from vLLM's own layers.
+    ``named_parameters`` lists them), from vLLM's own layers, then its persistent buffers.
 
     Args:
         model: the worker's model (what vLLM hands the engine).
@@ -180,7 +184,28 @@ def read_params(model: torch.nn.Module) -> tuple[list[Param], int, int]:
         if layer_tp == 1:  # disable_tp layers: whole on every rank
             axis, parts = None, None if parts is None else tuple((s, v, v) for s, _, v in parts)
         params.append(Param(name, tuple(shape), _dtype_name(dtype), axis, parts, experts=experts))
+    params.extend(_buffers(model, tp))
     return params, tp_rank, tp
+
+
+def _buffers(model: torch.nn.Module, tp: int) -> list[Param]:
+    """The model's persistent buffers, destinations like its parameters (a checkpoint holds
+    them; vLLM's own caches and expert maps are non-persistent, derived at load), except the
+    attention layers' KV-cache scales (:data:`KV_CACHE_SCALES`). Whole on every rank; a buffer
+    of a tensor-parallel layer would be sharded in a way no layer says: refused."""
+    out = []
+    for owner, module in model.named_modules():
+        for leaf, buf in module._buffers.items():
+            if buf is None or leaf in module._non_persistent_buffers_set or leaf in KV_CACHE_SCALES:
+                continue
+            name = f"{owner}.{leaf}" if owner else leaf
+            if tp > 1 and getattr(module, "tp_size", 1) > 1:
+                raise LayoutError(
+                    f"vLLM buffer {name!r}: a persistent buffer of tensor-parallel layer {type(module).__name__}; this "
+                    "backend writes buffers whole on every rank (the rule: persistent buffers of replicated layers)"
+                )
+            out.append(Param(name, tuple(buf.shape), _dtype_name(buf.dtype)))
+    return out
 
 
 def _fused(name: str, packed: dict) -> list[str]:
@@ -229,4 +254,4 @@ def reprocess(model: torch.nn.Module, written: Iterable[int], act_dtype: torch.d
             layer.process_weights_after_loading(act_dtype)
 
 
-__all__ = ["EXPERT_LEAVES", "REPROCESSABLE", "read_params", "reprocess"]
+__all__ = ["EXPERT_LEAVES", "KV_CACHE_SCALES", "REPROCESSABLE", "read_params", "reprocess"]

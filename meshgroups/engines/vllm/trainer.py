@@ -1,23 +1,26 @@
 """The trainer side: one object in the trainer's own world, one call per step.
 
 ``VLLMWeightSync`` is built on every rank of the trainer's torchrun world (its module: FSDP2 ×
-TP DTensors, read as ``WeightSync`` reads them). Its rank 0 holds a *client* of the engine: the
-``LLM`` itself (wrapped by :class:`LLMClient`) or any object with vLLM's four weight-sync calls
-(``VLLMWeightSyncClient``: ``init_weight_transfer_engine``, ``start_weight_update``,
-``update_weights``, ``finish_weight_update``), e.g. vLLM's ``HTTPVLLMWeightSyncClient`` for a
-``vllm serve`` with its RL routes. It imports no vLLM itself.
+TP DTensors and persistent buffers, read as ``WeightSync`` reads them). Its rank 0 holds a
+*client* of the engine (:mod:`~meshgroups.engines.vllm.clients`): the ``LLM`` itself
+(:class:`LLMClient`), a ``vllm serve`` process (:class:`HTTPClient`), or any object with vLLM's
+four weight-sync calls (``VLLMWeightSyncClient``). It imports no vLLM itself.
 
-Construction (collective over the trainer's world): rank 0 hosts the transfer world's store and
-publishes its address to the other trainer ranks (one broadcast over the trainer's default
-group) and to the engine (``init_weight_transfer_engine``, in a thread: the workers block in the
-rendezvous like the trainer's ranks); then every trainer rank and worker joins the transfer world
-and builds its ``WeightSync`` — one plan, one group build.
+Construction (collective over the trainer's world): the arguments are checked on every rank and
+agreed; rank 0 hosts the transfer world's store and publishes its address to the other trainer
+ranks (one broadcast over the trainer's group) and to the engine (``init_weight_transfer_engine``,
+in a thread: the workers block in the rendezvous like the trainer's ranks); then every trainer
+rank and worker joins the transfer world, exchanges offers (the protocol:
+:mod:`~meshgroups.engines.vllm.protocol`) and builds its ``WeightSync`` — one plan, one group
+build. The object's ``version`` starts at the version the engine serves.
 
 ``sync()`` (collective over the trainer's world): rank 0 calls ``start_weight_update`` and
-``update_weights({"version": n})`` in a thread while every trainer rank runs
+``update_weights({"version": ...})`` in a thread while every trainer rank runs the preflight
+(the version agreed with the workers, or refused before any byte moves) and
 ``WeightSync.sync()`` in the transfer world; then rank 0 calls
-``finish_weight_update(weight_version=str(n))`` (the workers commit) and tells the other ranks
-the outcome through the store. Every rank returns the same version, or raises the same error::
+``finish_weight_update(weight_version=str(n))`` (the workers commit), checks every worker's
+commit report, and tells the other ranks the outcome through the store. Every rank returns the
+same version, or raises the same error — a refusal on either side included::
 
     >>> sync = VLLMWeightSync(model, Layout(dp=2, tp=2), LLMClient(llm) if rank == 0 else None,  # doctest: +SKIP
     ...                       engine_size=2)
@@ -29,91 +32,33 @@ the outcome through the store. Every rank returns the same version, or raises th
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from meshgroups.engines import TransferWorld
+from meshgroups.engines.vllm.clients import Call, HTTPClient, LLMClient, WeightSyncClient, front_version
 from meshgroups.engines.vllm.destination import engine_destinations
-from meshgroups.errors import LayoutError, MeshConfigError, StoreConnectionError
+from meshgroups.engines.vllm.protocol import (
+    TrainerOffer,
+    VersionError,
+    WorkerOffer,
+    agree,
+    describe,
+    first_refusal,
+    gather,
+    pid_key,
+    preflight,
+    rebuild,
+    report_key,
+)
+from meshgroups.errors import LayoutError, MeshConfigError
 from meshgroups.layout import Layout
 from meshgroups.transfer import NameMap, Progress, Report, TransferError, WeightSync
-
-
-class WeightSyncClient(Protocol):
-    """vLLM's ``VLLMWeightSyncClient`` (structural): the engine's four weight-sync calls."""
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
-
-    def start_weight_update(self) -> None: ...
-
-    def update_weights(self, update_info: dict[str, Any]) -> None: ...
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
-
-
-class LLMClient:
-    """An in-process ``vllm.LLM`` as a ``VLLMWeightSyncClient``: the LLM's calls take
-    ``{"init_info": ...}`` / ``{"update_info": ...}`` requests, the protocol plain dicts.
-
-    Args:
-        llm: the ``vllm.LLM``.
-
-    >>> client = LLMClient(llm)                                 # doctest: +SKIP
-    >>> client.engine_size                                      # doctest: +SKIP
-    2
-    """
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-
-    @property
-    def engine_size(self) -> int:
-        """The engine's workers (its tensor-parallel size times pipeline stages)."""
-        return int(self.llm.llm_engine.vllm_config.parallel_config.world_size)
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version=weight_version)
-
-    def get_weight_version(self) -> str:
-        """The engine's last committed version (vLLM's own record)."""
-        return str(self.llm.get_weight_version())
-
-
-class _Call:
-    """A blocking client call in a thread: the engine's workers only return from it once the
-    trainer's ranks have moved the bytes, which this thread's caller does meanwhile."""
-
-    def __init__(self, fn: Callable[[], object]) -> None:
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True, name="meshgroups-vllm-call")
-        self.thread.start()
-
-    def _run(self, fn: Callable[[], object]) -> None:
-        try:
-            fn()
-        except BaseException as exc:  # handed to the caller by join()
-            self.error = exc
-
-    def join(self, timeout: float) -> BaseException | None:
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            return TimeoutError(f"the engine did not answer within {timeout:g} s")
-        return self.error
 
 
 class VLLMWeightSync:
@@ -141,17 +86,22 @@ class VLLMWeightSync:
             placement), every name must be a vLLM parameter. Given on every rank (rank 0's is used).
 
     Attributes:
-        version: the last version the engine committed (0 before the first ``sync()``).
+        version: the version the engine serves, as this object last saw it: at construction
+            the engine's (``0``: the weights vLLM loaded), then each ``sync()``'s.
         sync_state: the ``WeightSync`` (its counters: ``plans``, ``group_builds``, ``syncs``).
         name_map: the name map the plan uses (vLLM's names; the family map's stacks and renames,
             the fused rules read from vLLM's layers).
         world: the transfer world.
         last_report: this rank's ``Report`` of the last ``sync()``.
 
-    Raises:
+    Raises (on every trainer rank alike, before any rank returns; the engine keeps serving and
+    the next ``VLLMWeightSync`` on it works):
         MeshConfigError: no client on rank 0, a client elsewhere, no engine size.
-        LayoutError, MismatchError: as ``WeightSync`` (a weight nothing writes, ...), on every rank.
-        StoreConnectionError: the engine did not join within ``timeout``.
+        LayoutError, MismatchError: as ``WeightSync`` (a vLLM tensor nothing writes, a trainer
+            weight nothing reads, a dtype change without ``cast``, ...) or an engine worker's
+            refusal (a layer this backend cannot describe), naming the tensor and the rule.
+        StoreConnectionError: the engine did not join within ``timeout`` (with the engine's
+            own error when it has one).
 
     A MoE model (Qwen3-MoE; Transformers 5's packed experts)::
 
@@ -178,66 +128,99 @@ class VLLMWeightSync:
         if not dist.is_initialized():
             raise RuntimeError("VLLMWeightSync needs the trainer's world (dist.init_process_group)")
         rank = dist.get_rank()
-        if (client is None) == (rank == 0):
-            raise MeshConfigError(
-                f"client={client!r} on rank {rank}: trainer rank 0 holds the engine's client (an LLMClient or a "
-                "VLLMWeightSyncClient), the other ranks pass None"
-            )
-        self._ranks = int(layout.grid.size)
-        if self._ranks != dist.get_world_size(group) or sorted(layout.grid.ravel().tolist()) != list(
-            range(self._ranks)
-        ):
-            raise LayoutError(
-                f"layout {layout!r} must hold the trainer's ranks 0..{dist.get_world_size(group) - 1} (its world), "
-                f"each once; it holds {self._ranks} ranks"
-            )
-        self.model, self.layout, self.client = model, layout, client
+        self.model, self.layout, self.client, self.group = model, layout, client, group
         self.timeout = float(timeout)
         self.version = 0
         self.last_report: Report | None = None
         self._broken: str | None = None
-        if rank == 0:
-            size = engine_size if engine_size is not None else getattr(client, "engine_size", None)
-            if size is None:
+        self._round = 0
+        self.world: TransferWorld | None = None
+        self._ranks = int(layout.grid.size)
+        error: BaseException | None = None
+        size: int | None = None
+        try:  # local checks, agreed below: a rank never waits for a rank that refused alone
+            if (client is None) == (rank == 0):
                 raise MeshConfigError(
-                    "engine_size is needed: the client does not say how many workers the engine has"
+                    f"client={client!r} on rank {rank}: trainer rank 0 holds the engine's client (an LLMClient, "
+                    "an HTTPClient or a VLLMWeightSyncClient), the other ranks pass None"
                 )
+            if self._ranks != dist.get_world_size(group) or sorted(layout.grid.ravel().tolist()) != list(
+                range(self._ranks)
+            ):
+                raise LayoutError(
+                    f"layout {layout!r} must hold the trainer's ranks 0..{dist.get_world_size(group) - 1} (its "
+                    f"world), each once; it holds {self._ranks} ranks"
+                )
+            if rank == 0:
+                size = engine_size if engine_size is not None else getattr(client, "engine_size", None)
+                if size is None:
+                    raise MeshConfigError(
+                        "engine_size is needed: the client does not say how many workers the engine has"
+                    )
+        except Exception as exc:
+            error = exc
+        agree(error, group)
+        front = front_version(client) if rank == 0 else -1  # before the init call: one call at a time
+        if rank == 0:
             store = TransferWorld.serve(host=host, timeout=self.timeout)
-            box: list[Any] = [f"{store.host}:{store.port}", int(size)]
+            box: list[Any] = [f"{store.host}:{store.port}", int(size or 0)]
         else:
             box = [None, None]
         dist.broadcast_object_list(box, src=0, group=group)
         address, self.engine_size = box
+        self._key = f"meshgroups/trainer/{address}"
+        try:
+            self._connect(rank, address, store if rank == 0 else None, front, model, layout, cast, allow_unused,
+                          bucket_bytes, name_map)  # fmt: skip
+            error = None
+        except Exception as exc:
+            error = exc
+        try:
+            agree(error, group)
+        except BaseException:
+            if error is None:  # refused on another rank: this rank's world goes too
+                self._close("construction failed on another trainer rank")
+            raise
+
+    def _connect(self, rank: int, address: str, store: Any, front: int, model: Any, layout: Layout, cast: Any,
+                 allow_unused: Any, bucket_bytes: int, name_map: Any) -> None:  # fmt: skip
+        """Join the transfer world, exchange offers, plan; the engine's init call runs in a
+        thread on rank 0. Closes the world on every failure path."""
         total = self._ranks + self.engine_size
         call = None
         if rank == 0:
-            if client is None:  # an invariant of this module, not a check of user input
-                raise RuntimeError("meshgroups internal error: no engine client on trainer rank 0")
+            client = self.client
             info = {"address": address, "trainer_size": self._ranks, "timeout": self.timeout}
-            call = _Call(lambda: client.init_weight_transfer_engine(info))
-            try:
-                self.world = TransferWorld(store, 0, total, timeout=self.timeout)
-            except StoreConnectionError as exc:  # the engine's own error says why, when it has one
-                error = call.join(1.0)
-                if error is None or isinstance(error, TimeoutError):
-                    raise
-                raise StoreConnectionError(
-                    f"{exc}; the engine failed: {type(error).__name__}: {error}"
-                ) from error
-        else:
-            self.world = TransferWorld.join(address, rank, total, timeout=self.timeout)
-        settings = {"cast": cast, "allow_unused": allow_unused, "bucket_bytes": bucket_bytes}
-        family = None if name_map is None else NameMap.of(name_map).dumps()
-        failed = True
+            call = Call(lambda: client.init_weight_transfer_engine(info))  # type: ignore[union-attr]
         try:
+            try:
+                if rank == 0:
+                    self.world = TransferWorld(store, 0, total, timeout=self.timeout)
+                else:
+                    self.world = TransferWorld.join(address, rank, total, timeout=self.timeout)
+            except Exception as exc:  # the engine's own error says why, when it has one
+                engine = call.join(1.0) if call is not None else None
+                if engine is None or isinstance(engine, TimeoutError):
+                    raise
+                raise type(exc)(f"{exc}; the engine failed: {type(engine).__name__}: {engine}") from engine
+            settings = {"cast": cast, "allow_unused": allow_unused, "bucket_bytes": bucket_bytes}
+            family = None if name_map is None else NameMap.of(name_map).dumps()
             with self.world.active():
-                gathered: list[Any] = [None] * total
-                dist.all_gather_object(gathered, ("trainer", layout, settings, family) if rank == 0 else None)
-                family = gathered[0][3]
+                offer = TrainerOffer(layout, settings, family, front) if rank == 0 else None
+                gathered = gather(offer, total)
+                trainer, offers = gathered[0], gathered[self._ranks :]
+                if not all(isinstance(o, WorkerOffer) for o in offers):
+                    raise LayoutError(
+                        f"transfer ranks {self._ranks}.. are not all engine workers: {offers!r}"
+                    )
+                first = first_refusal(offers)
+                if first is not None:
+                    raise rebuild(first[1][0], f"engine worker {first[0]}: {first[1][1]}")
+                self.version = max([trainer.front_version, *(o.version for o in offers)])
                 weights, self.name_map = engine_destinations(
-                    [g[1] for g in gathered[self._ranks :]],
+                    [o.params for o in offers],
                     self.engine_size,
-                    None if family is None else NameMap.loads(family),
+                    None if trainer.family is None else NameMap.loads(trainer.family),
                 )
                 self.sync_state = WeightSync(
                     model,
@@ -249,96 +232,152 @@ class VLLMWeightSync:
                     timeout=self.timeout,
                     **settings,
                 )
-            failed = False
-        finally:
-            if failed:
+        except BaseException:
+            if self.world is not None:
                 self.world.close()
+            self._broken = "construction failed"
             if call is not None:
-                error = call.join(self.timeout)
-                if error is not None and not failed:  # a failure of ours is the same error, said here
-                    raise error
-        self._key = f"meshgroups/trainer/{address}"
+                call.join(self.timeout)  # the engine's side of the same refusal (it returns normally)
+            raise
+        if call is not None:
+            engine = call.join(self.timeout)
+            if engine is not None:
+                self._close(f"the engine's init failed: {engine}")
+                raise engine
 
     # ------------------------------------------------------------------ one step
-    def sync(self, *, progress: Callable[[Progress], object] | None = None) -> int:
+    def sync(
+        self, *, version: int | None = None, progress: Callable[[Progress], object] | None = None
+    ) -> int:
         """Move the trainer's current weights into the engine and commit them there (collective
         over the trainer's world). Returns the version the engine now serves.
 
         Args:
+            version: the version to make (every rank the same; an int newer than what the engine
+                serves), or ``None``: one more than the newest the engine or this object knows.
             progress: as for ``WeightSync.sync`` (called on this rank after each bucket).
 
         Returns:
-            The new version (1, 2, ...); the engine reports it as ``str(version)``
-            (``llm.get_weight_version()``).
+            The new version; the engine reports it as ``str(version)``
+            (``llm.get_weight_version()``, each output's ``weight_versions``).
 
-        Raises:
-            TransferError: on every trainer rank alike: the transfer failed (an engine worker or
-                a trainer rank gone, a timeout: stage ``"transfer"`` / ``"check"``) or the engine
-                refused or did not commit (stage ``"commit"``). The engine then serves its last
-                committed version or nothing (a dead engine); this object is closed — build a
-                new one to go on.
+        Raises (on every trainer rank alike, before any rank returns):
+            VersionError: ``version`` is not newer than what the engine serves, or ranks passed
+                different ones — before any byte moves; the engine keeps its version and this
+                object stays usable.
+            LayoutError, MismatchError: a re-plan refused (the trainer's weights changed); this
+                object stays usable once they are right again.
+            TransferError: the transfer failed (an engine worker or a trainer rank gone, a
+                timeout: stage ``"transfer"`` / ``"check"``; this object is then closed — build a
+                new one) or the engine did not commit (stage ``"commit"``). The engine serves its
+                last complete version, or nothing (a dead engine).
         """
         if self._broken:
             raise RuntimeError(f"this VLLMWeightSync cannot sync any more: {self._broken}; build a new one")
-        version = self.version + 1
+        if self.world is None:
+            raise RuntimeError("meshgroups internal error: no transfer world")
+        self._round += 1
         rank = dist.get_rank()
         client = self.client
         call = None
         if rank == 0:
-            if client is None:  # an invariant of this module, not a check of user input
-                raise RuntimeError("meshgroups internal error: no engine client on trainer rank 0")
 
             def start_and_update() -> None:
-                client.start_weight_update()
-                client.update_weights({"version": version})
+                client.start_weight_update()  # type: ignore[union-attr]
+                client.update_weights({"version": version})  # type: ignore[union-attr]
 
-            call = _Call(start_and_update)
+            call = Call(start_and_update)
+        error: BaseException | None = None
+        agreed = -1
+        report = None
         try:
             with self.world.active():
+                agreed = preflight(rank, self.world.size, self._ranks, version, self.version)
                 report = self.sync_state.sync(progress=progress)
-        except TransferError as exc:
-            if call is not None:
-                call.join(self.timeout)  # the engine's side of the same failure
-            self._close(f"version {version} failed: {exc}")
-            raise
-        outcome = "ok"
+        except Exception as exc:
+            error = exc
         if call is not None:
-            if client is None:  # an invariant of this module, not a check of user input
-                raise RuntimeError("meshgroups internal error: no engine client on trainer rank 0")
-            error = call.join(self.timeout)
-            if error is None:
-                try:
-                    client.finish_weight_update(weight_version=str(version))
-                except Exception as exc:
-                    error = exc
-            if error is not None:
-                outcome = f"{type(error).__name__}: {error}"
-            self.world.store.set(f"{self._key}/outcome/{version}", outcome)
+            outcome = self._finish(call, error, agreed)
+            self.world.store.set(f"{self._key}/outcome/{self._round}", json.dumps(outcome))
         else:
-            outcome = self._wait_outcome(version)
-        if outcome != "ok":
-            self._close(f"version {version} was not committed: {outcome}")
-            raise TransferError(
-                f"weight sync into vLLM: version {version} was not committed by the engine ({outcome}); the engine "
-                f"serves version {self.version} or nothing",
+            outcome = self._wait_outcome()
+        if "error" in outcome:
+            kind, message, stage = outcome["error"]
+            raised = (
+                error
+                if error is not None and describe(error) == (kind, message)
+                else rebuild(kind, message, stage)
+            )
+            if kind == "TransferError" and stage in ("transfer", "check"):
+                self._close(f"version {agreed} failed: {message}")
+            raise raised
+        self.version, self.last_report = int(outcome["version"]), report
+        return self.version
+
+    def _finish(self, call: Call, error: BaseException | None, version: int) -> dict[str, Any]:
+        """Rank 0: the engine's side of the update, its commit and its reports -> the outcome."""
+        client = self.client
+        # One bound for the engine's two answers; after a failed transfer a short one (the
+        # workers return at once after a refusal; a dead engine's front end may never answer).
+        deadline = time.monotonic() + (self.timeout if error is None else min(self.timeout, 5.0))
+        engine = call.join(self.timeout if error is None else max(deadline - time.monotonic(), 0.0))
+        if error is not None and call.thread.is_alive():
+            return {"error": [*describe(error), str(getattr(error, "stage", "commit"))]}
+        if error is None and engine is not None:
+            error = TransferError(
+                f"weight sync into vLLM: the engine's update call failed ({type(engine).__name__}: {engine}); "
+                f"the engine serves version {self.version} or nothing",
                 (),
                 -1,
                 "commit",
                 (),
             )
-        self.version, self.last_report = version, report
-        return version
+        # Always closes vLLM's update session; names the version only once the bytes are all in.
+        # In a thread, bounded: a dead engine's front end may never answer.
+        named = None if error is not None else str(version)
+        finish = Call(lambda: client.finish_weight_update(weight_version=named))  # type: ignore[union-attr]
+        exc = finish.join(self.timeout if error is None else max(deadline - time.monotonic(), 1.0))
+        if exc is not None:
+            if error is None:
+                error = TransferError(
+                    f"weight sync into vLLM: version {version} was not committed by the engine "
+                    f"({type(exc).__name__}: {exc}); the engine serves version {self.version} or nothing",
+                    (),
+                    -1,
+                    "commit",
+                    (),
+                )
+        if error is None:
+            reports = self.engine_reports()
+            missing = [r for r in range(self.engine_size) if reports.get(r, {}).get("version") != version]
+            if missing:
+                error = TransferError(
+                    f"weight sync into vLLM: workers {missing} did not commit version {version} (their reports: "
+                    f"{[reports.get(r) for r in missing]})",
+                    (),
+                    -1,
+                    "commit",
+                    (),
+                )
+        if error is not None:
+            return {"error": [*describe(error), str(getattr(error, "stage", "commit"))]}
+        return {"version": version}
 
-    def _wait_outcome(self, version: int) -> str:
-        key = f"{self._key}/outcome/{version}"
-        deadline = time.monotonic() + 2 * self.timeout  # rank 0 waits up to timeout for the engine, twice
+    def _wait_outcome(self) -> dict[str, Any]:
+        key = f"{self._key}/outcome/{self._round}"
+        deadline = time.monotonic() + 3 * self.timeout  # rank 0 waits up to timeout for the engine, thrice
+        store = self.world.store  # type: ignore[union-attr]
         while True:
             try:
-                self.world.store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 0.1)))
-                return self.world.store.get(key).decode()
+                store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 0.1)))
+                return dict(json.loads(store.get(key)))
             except (RuntimeError, dist.DistError) as exc:
                 if time.monotonic() >= deadline:
-                    return f"no word from trainer rank 0 within {2 * self.timeout:g} s ({type(exc).__name__})"
+                    message = (
+                        f"weight sync into vLLM: no word from trainer rank 0 within {3 * self.timeout:g} s "
+                        f"({type(exc).__name__}); it is gone or stuck"
+                    )
+                    return {"error": ["TransferError", message, "check"]}
 
     def engine_reports(self) -> dict[int, dict[str, float]]:
         """What each engine worker reported at its last commit: ``{tp rank: {"version",
@@ -346,13 +385,13 @@ class VLLMWeightSync:
         trainer rank). ``checksum``: the float64 sum of every element the worker committed.
 
         Returns:
-            The reports of the workers that committed at least once.
+            The reports of the workers that committed at least once through this object.
         """
         out: dict[int, dict[str, float]] = {}
+        store = self.world.store  # type: ignore[union-attr]
         for r in range(self.engine_size):
-            key = f"meshgroups/engine/{r}/report"
-            if self.world.store.check([key]):
-                out[r] = json.loads(self.world.store.get(key))
+            if store.check([report_key(r)]):
+                out[r] = json.loads(store.get(report_key(r)))
         return out
 
     def engine_pids(self) -> dict[int, int]:
@@ -361,16 +400,21 @@ class VLLMWeightSync:
         Returns:
             ``{tp rank: pid}``.
         """
-        return {r: int(self.world.store.get(f"meshgroups/engine/{r}/pid")) for r in range(self.engine_size)}
+        store = self.world.store  # type: ignore[union-attr]
+        return {r: int(store.get(pid_key(r))) for r in range(self.engine_size)}
 
     # ------------------------------------------------------------------ lifetime
     def _close(self, why: str) -> None:
         self._broken = why
+        world, sync_state = self.world, getattr(self, "sync_state", None)
+        if world is None or world.group is None:
+            return
         try:
-            with self.world.active():
-                self.sync_state.close()
+            if sync_state is not None:
+                with world.active():
+                    sync_state.close()
         finally:
-            self.world.close()
+            world.close()
 
     def close(self) -> None:
         """Leave the transfer world (local, idempotent). The engine keeps its last version."""
@@ -389,4 +433,4 @@ class VLLMWeightSync:
         )
 
 
-__all__ = ["LLMClient", "VLLMWeightSync", "WeightSyncClient"]
+__all__ = ["HTTPClient", "LLMClient", "VLLMWeightSync", "VersionError", "WeightSyncClient"]

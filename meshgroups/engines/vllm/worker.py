@@ -2,22 +2,30 @@
 
 vLLM constructs one per worker (``weight_transfer_config={"backend": "meshgroups"}``; the name
 is registered by ``meshgroups.engines.vllm.plugin.register``, vLLM's ``vllm.general_plugins``
-entry point) with the worker's own model. Its life, driven by the trainer
-(``meshgroups.engines.vllm.trainer.VLLMWeightSync``) through vLLM's front-end calls:
+entry point) with the worker's own model, once per worker life: the version it serves survives
+every trainer that connects to it. Its life, driven by the trainer
+(``meshgroups.engines.vllm.trainer.VLLMWeightSync``) through vLLM's front-end calls, follows
+the backend's protocol (:mod:`~meshgroups.engines.vllm.protocol`):
 
 - ``init_weight_transfer_engine({"address": ..., "trainer_size": ..., ...})``: read the
-  destination from the model (:func:`read_params`: names, local shards, tp sharding, fused
-  parts, kv replicas), allocate one receive buffer per parameter (its local shard, in the layout
-  the checkpoint loads), join the transfer world at ``address`` as rank ``trainer_size + tp
-  rank``, exchange the destination with the trainer, and build the ``WeightSync`` (one plan, one
-  group build) — the same object and checks as in one world.
-- ``start_weight_update()`` / ``update_weights({"version": n})``: one ``WeightSync.sync()`` into
+  destination from the model (:func:`read_params`: parameters and persistent buffers, local
+  shards, tp sharding, fused parts, kv replicas), allocate one receive buffer per tensor (its
+  local shard, in the layout the checkpoint loads), join the transfer world at ``address`` as
+  rank ``trainer_size + tp rank``, exchange offers with the trainer (the version it serves, or
+  its refusal), and build the ``WeightSync`` (one plan, one group build).
+- ``start_weight_update()`` / ``update_weights({"version": n})``: the preflight (the version
+  agreed on every rank, or refused before any byte moves), then one ``WeightSync.sync()`` into
   the receive buffers: this worker receives its shard's bytes, nothing else.
 - ``finish_weight_update()``: only after a complete sync, the buffers are committed into vLLM's
   parameters (copied in place; a layer whose post-load processing repacked its weight — vLLM's
   CPU linear layers keep only a packed copy — gets its weight back from the buffer and the
-  processing again), and the version becomes ``n``. A failed or partial update commits nothing:
-  the model keeps serving the last complete version.
+  processing again), the version becomes ``n`` and the commit report goes to the store. A
+  failed, refused or partial update commits nothing: the model keeps serving the last complete
+  version.
+
+None of these calls raises for a refusal or a failed transfer: it logs one line, records it
+(``refused``) and returns, so vLLM's RPC channel is left clean and the next init or update on
+the same engine works; the trainer's ranks raise it (they see it in the protocol's exchanges).
 
     >>> # vLLM does this in each worker:                                # doctest: +SKIP
     >>> engine = MeshgroupsWeightTransferEngine(config, vllm_config, device, model)
@@ -28,21 +36,29 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
 
 from meshgroups.engines import TransferWorld
+from meshgroups.engines.vllm.api import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from meshgroups.engines.vllm.destination import engine_destinations
+from meshgroups.engines.vllm.protocol import (
+    TrainerOffer,
+    VersionError,
+    WorkerOffer,
+    describe,
+    first_refusal,
+    gather,
+    pid_key,
+    preflight,
+    rebuild,
+    report_key,
+)
 from meshgroups.engines.vllm.read import read_params, reprocess
-from meshgroups.errors import LayoutError
+from meshgroups.errors import LayoutError, MeshConfigError, MismatchError, StoreConnectionError
 from meshgroups.layout import Layout
 from meshgroups.transfer import NameMap, TransferError, WeightSync
 
@@ -69,25 +85,29 @@ class MeshgroupsInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class MeshgroupsUpdateInfo(WeightTransferUpdateInfo):
-    """``update_weights``'s ``update_info``: the version this update makes (an int, from the trainer)."""
+    """``update_weights``'s ``update_info``: the version the trainer asked for (``None``: the
+    next one). The version the update makes is agreed by every rank in the preflight
+    (:mod:`~meshgroups.engines.vllm.protocol`)."""
 
-    version: int
+    version: int | None = None
 
 
 class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, MeshgroupsUpdateInfo]):
     """vLLM worker side of the ``meshgroups`` backend (see the module docstring).
 
     Attributes:
-        version: the last committed version (0: the weights vLLM loaded).
-        sync: the ``WeightSync`` (``None`` before init and after a failure).
+        version: the last committed version (0: the weights vLLM loaded); kept for the worker's
+            life, whichever trainer connects.
+        sync: the ``WeightSync`` (``None`` before init and after a failed transfer).
         last_report: the last complete sync's ``Report`` (``bytes_received``: this worker's shard).
-        refused: why the last init was refused (a family map that disagrees with vLLM's layers:
-            every rank computes the same ``LayoutError``, the trainer's ranks raise it, the engine
-            stays up), else ``None``.
+        refused: ``"Class: message"`` of the last refused or failed call, else ``None``; the
+            trainer's ranks raise the same error.
     """
 
     init_info_cls = MeshgroupsInitInfo
     update_info_cls = MeshgroupsUpdateInfo
+    # vLLM's draft-model sessions (start_draft_weight_update) retarget the engine at another
+    # model, which needs a plan of its own: not supported (the draft is no destination yet).
     supports_draft_weight_update = False
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
@@ -98,130 +118,161 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
         self.buffers: dict[str, torch.Tensor] = {}
         self.last_report: Any = None
         self._pending: tuple[int, Any] | None = None
-        self._rank = self._tp_rank = 0
+        self._rank = self._tp_rank = self._trainer_size = 0
         self.refused: str | None = None
+
+    # ------------------------------------------------------------------ the guard
+    def _guarded(self, call: str, fn: Callable[[], None], keep: bool = True) -> None:
+        """Run one of vLLM's calls; a refusal or failure is logged in one line and recorded,
+        never raised (see the module docstring). An error that is no refusal of meshgroups (a
+        bug) keeps its traceback in the log. ``keep``: a refused update (a version, a re-plan)
+        keeps the transfer world and the plan for the next one; a failed init never does."""
+        try:
+            fn()
+        except Exception as exc:
+            self.refused = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, HANDLED):
+                logger.warning(
+                    "meshgroups: %s refused, the engine keeps serving version %d (the trainer raises it): %s: %s",
+                    call,
+                    self.version,
+                    type(exc).__name__,
+                    exc,
+                )
+            else:
+                logger.exception(
+                    "meshgroups: %s failed; the engine keeps serving version %d", call, self.version
+                )
+            if not keep or not isinstance(exc, KEEPS_WORLD) or _transfer_broken(exc):
+                self._broken()  # the transfer world is closed on every failure path but a refused update
 
     # ------------------------------------------------------------------ init
     def init_transfer_engine(self, init_info: MeshgroupsInitInfo) -> None:
         """Join the transfer world and plan (collective with every trainer rank and worker).
-
-        Raises:
-            LayoutError: the model has a layer this backend cannot describe (also raised on the
-                trainer's ranks, by the plan, for what does not match). A family map that
-                disagrees with vLLM's layers is not raised here (see ``refused``).
-            StoreConnectionError: no rendezvous within the timeout.
-        """
+        Never raises for a refusal: the trainer's ranks raise it (see ``refused``)."""
         self.shutdown()
         self.refused = None
-        params, tp_rank, tp = read_params(self.model)
-        if self.parallel_config.pipeline_parallel_size != 1 or self.parallel_config.data_parallel_size != 1:
-            raise LayoutError(
-                "the meshgroups backend runs engines with pipeline_parallel_size=1 and data_parallel_size=1 "
-                f"(got pp={self.parallel_config.pipeline_parallel_size}, dp={self.parallel_config.data_parallel_size})"
-            )
-        device = next(iter(self.model.parameters())).device
-        self.buffers = {
-            p.name: torch.empty(p.local_shape, dtype=getattr(torch, p.dtype), device=device) for p in params
-        }
+        self._guarded("init_weight_transfer_engine", lambda: self._init(init_info), keep=False)
+
+    def _init(self, init_info: MeshgroupsInitInfo) -> None:
+        refusal: tuple[str, str] | None = None
+        params: Any = None
+        tp = int(self.parallel_config.tensor_parallel_size)
+        tp_rank = 0
+        try:
+            params, tp_rank, tp = read_params(self.model)
+            if (
+                self.parallel_config.pipeline_parallel_size != 1
+                or self.parallel_config.data_parallel_size != 1
+            ):
+                raise LayoutError(
+                    "the meshgroups backend runs engines with pipeline_parallel_size=1 and data_parallel_size=1 "
+                    f"(got pp={self.parallel_config.pipeline_parallel_size}, "
+                    f"dp={self.parallel_config.data_parallel_size})"
+                )
+        except LayoutError as exc:  # told to every rank in the exchange, not raised alone
+            refusal, params = describe(exc), None
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_rank = get_tensor_model_parallel_rank()
+        device = self.device if params is None else next(iter(self.model.parameters())).device
+        self.buffers = (
+            {}
+            if params is None
+            else {
+                p.name: torch.empty(p.local_shape, dtype=getattr(torch, p.dtype), device=device)
+                for p in params
+            }
+        )
         trainer_size = int(init_info.trainer_size)
-        self._rank, self._tp_rank = trainer_size + tp_rank, tp_rank
+        self._rank, self._tp_rank, self._trainer_size = trainer_size + tp_rank, tp_rank, trainer_size
         size = trainer_size + tp
         world = TransferWorld.join(init_info.address, self._rank, size, timeout=init_info.timeout)
         self.world = world
-        world.store.set(f"meshgroups/engine/{tp_rank}/pid", str(os.getpid()))
-        try:
-            with world.active():
-                # One exchange over the transfer world: the trainer has no vLLM, so the workers
-                # tell it what they hold (their Params); the trainer's rank 0 tells the workers its
-                # layout, WeightSync settings and family map. Every rank then derives the same
-                # destination (engine_destinations) — or raises the same LayoutError.
-                gathered: list[Any] = [None] * size
-                dist.all_gather_object(gathered, ("engine", params))
-                trainer = gathered[0]
-                if not (isinstance(trainer, tuple) and trainer[0] == "trainer"):
-                    raise LayoutError(
-                        f"transfer rank 0 is not the trainer's rank 0 (it sent {type(trainer).__name__})"
-                    )
-                _, trainer_layout, settings, family = trainer
-                try:
-                    weights, name_map = engine_destinations(
-                        [g[1] for g in gathered[trainer_size:]],
-                        tp,
-                        None if family is None else NameMap.loads(family),
-                    )
-                except LayoutError as exc:
-                    # Every rank computed this refusal from the same data: the trainer's ranks
-                    # raise it. Raised here too it would shut the engine down (vLLM treats a
-                    # worker's failed RPC as fatal): the engine stays up, uninitialised, serving
-                    # its last version, and a later init with a right map works.
-                    logger.warning("meshgroups: init refused (the trainer raises it): %s", exc)
-                    self.refused = str(exc)
-                    self._broken()
-                    return
-                self.sync = WeightSync(
-                    None,
-                    trainer_layout,
-                    self.buffers,
-                    Layout(tp=tp, rank_offset=trainer_size),
-                    rollout_weights=weights,
-                    name_map=name_map,
-                    timeout=init_info.timeout,
-                    **settings,
+        world.store.set(pid_key(tp_rank), str(os.getpid()))
+        with world.active():
+            # One exchange: the trainer has no vLLM, so the workers tell it what they hold, the
+            # version they serve, or why they refuse; trainer rank 0 tells the workers its
+            # layout, WeightSync settings and family map. Every rank then derives the same
+            # destination (engine_destinations) — or the same refusal.
+            gathered = gather(WorkerOffer(params, self.version, refusal), size)
+            trainer = gathered[0]
+            if not isinstance(trainer, TrainerOffer):
+                raise LayoutError(
+                    f"transfer rank 0 is not the trainer's rank 0 (it sent {type(trainer).__name__})"
                 )
-        except BaseException:
-            self._broken()
-            raise
+            offers = gathered[trainer_size:]
+            first = first_refusal(offers)
+            if first is not None:
+                raise rebuild(first[1][0], f"engine worker {first[0]}: {first[1][1]}")
+            weights, name_map = engine_destinations(
+                [o.params for o in offers],
+                tp,
+                None if trainer.family is None else NameMap.loads(trainer.family),
+            )
+            self.sync = WeightSync(
+                None,
+                trainer.layout,
+                self.buffers,
+                Layout(tp=tp, rank_offset=trainer_size),
+                rollout_weights=weights,
+                name_map=name_map,
+                timeout=init_info.timeout,
+                **trainer.settings,
+            )
 
     # ------------------------------------------------------------------ updates
     def start_weight_update(self) -> None:
-        """Nothing to prepare: the receive buffers were allocated at init."""
-        if self.sync is None:
-            raise RuntimeError(
-                "the meshgroups weight-transfer engine is not initialised (or its last update failed): "
-                "the trainer calls init_weight_transfer_engine first"
-            )
+        """Nothing to prepare (the receive buffers were allocated at init); forgets a pending
+        update that was never finished."""
         self._pending = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """vLLM's entry: parse, receive (no device synchronisation on CPU)."""
-        self.receive_weights(self.parse_update_info(update_info))
-        if self.device.type != "cpu" and torch.accelerator.is_available():
-            torch.accelerator.synchronize()
+        """vLLM's entry: parse, preflight, receive (no device synchronisation on CPU)."""
+
+        def run() -> None:
+            self.receive_weights(self.parse_update_info(update_info))
+            if self.device.type != "cpu" and torch.accelerator.is_available():
+                torch.accelerator.synchronize()
+
+        self.refused = None
+        self._guarded("update_weights", run)
 
     def receive_weights(self, update_info: MeshgroupsUpdateInfo) -> None:
-        """One ``WeightSync.sync()`` into the receive buffers (collective with the trainer).
+        """The preflight (the version, agreed on every rank of the transfer world, or refused
+        there before any byte moves), then one ``WeightSync.sync()`` into the receive buffers.
 
         Raises:
-            TransferError: the sync failed (a trainer rank gone, a timeout); nothing is
+            RuntimeError: not initialised (the trainer's preflight then times out).
+            VersionError: the version agreed is refused (see the protocol).
+            TransferError: the sync failed (a trainer rank gone, a timeout): nothing is
                 committed, the model keeps its weights, and this engine needs a new init.
         """
         if self.sync is None or self.world is None:
-            raise RuntimeError("the meshgroups weight-transfer engine is not initialised")
-        try:
-            with self.world.active():
-                report = self.sync.sync()
-        except TransferError:
-            self._broken()
-            raise
-        self._pending = (int(update_info.version), report)
+            raise RuntimeError(
+                "the meshgroups weight-transfer engine is not initialised (or its last transfer failed): the "
+                "trainer calls init_weight_transfer_engine (a new VLLMWeightSync) first"
+            )
+        with self.world.active():
+            version = preflight(self._rank, self.world.size, self._trainer_size, None, self.version)
+            report = self.sync.sync()
+        self._pending = (version, report)
 
     def finish_weight_update(self) -> None:
-        """Commit a complete update into vLLM's parameters (local), then record its version.
+        """Commit a complete update into vLLM's parameters (local), record its version and
+        write the commit report; without a complete update, nothing (the trainer knows why)."""
+        self._guarded("finish_weight_update", self._finish)
 
-        Raises:
-            RuntimeError: no complete update since ``start_weight_update`` (nothing committed).
-        """
+    def _finish(self) -> None:
         if self._pending is None:
-            raise RuntimeError(
-                "finish_weight_update: no complete update was received since start_weight_update; the model "
-                f"keeps version {self.version}"
-            )
+            return  # a refused or failed update: nothing to commit, the trainer raises why
         version, report = self._pending
+        self._pending = None
         self._commit()  # local: every worker's sync completed (execute's last agreement)
-        self.version, self.last_report, self._pending = version, report, None
+        self.version, self.last_report = version, report
         if self.world is not None:
             self.world.store.set(
-                f"meshgroups/engine/{self._tp_rank}/report",
+                report_key(self._tp_rank),
                 json.dumps(
                     {
                         "version": version,
@@ -236,10 +287,10 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
 
     @torch.no_grad()
     def _commit(self) -> None:
-        """Buffers -> the model. A parameter still in its loaded layout is copied in place; one
-        that post-load processing replaced (an empty CPU linear weight, its packed copy held by
-        the layer) gets a fresh copy of the buffer, and every layer touched — also a layer
-        sharing a written parameter (a tied head) — runs its processing again."""
+        """Buffers -> the model. A tensor still in its loaded layout is copied in place; a
+        parameter that post-load processing replaced (an empty CPU linear weight, its packed
+        copy held by the layer) gets a fresh copy of the buffer, and every layer touched — also
+        a layer sharing a written parameter (a tied head) — runs its processing again."""
         modules = dict(self.model.named_modules())
         written: set[int] = set()
         for name, buf in self.buffers.items():
@@ -248,11 +299,17 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
             param = getattr(module, leaf)
             if tuple(param.shape) == tuple(buf.shape):
                 param.data.copy_(buf)
-            else:
+            elif leaf in module._parameters:
                 module.register_parameter(leaf, torch.nn.Parameter(buf.clone(), requires_grad=False))
+                param = getattr(module, leaf)
+            else:  # a buffer of another shape than it loaded in: replaced like the parameter
+                module.register_buffer(leaf, buf.clone(), persistent=True)
                 param = getattr(module, leaf)
             written.add(id(param))
         reprocess(self.model, written, self.vllm_config.model_config.dtype)
+
+    def drain_pending(self) -> None:
+        """Nothing is deferred: ``finish_weight_update`` commits before it returns."""
 
     def _broken(self) -> None:
         if self.sync is not None:
@@ -262,11 +319,35 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
         self.sync, self.world, self._pending = None, None, None
 
     def shutdown(self) -> None:
-        """Leave the transfer world (local); the model keeps its weights."""
-        if self.sync is not None and self.world is not None:
-            with self.world.active():
-                self.sync.close()
-        self._broken()
+        """Leave the transfer world (local); the model keeps its weights and its version."""
+        try:
+            if self.sync is not None and self.world is not None:
+                with self.world.active():
+                    self.sync.close()
+        finally:
+            self._broken()
+
+
+#: Errors a worker reports in one log line (refusals and failed transfers, meshgroups' own);
+#: anything else is logged with its traceback (a bug), and recorded all the same.
+HANDLED: tuple[type[BaseException], ...] = (
+    LayoutError,
+    MeshConfigError,
+    MismatchError,
+    StoreConnectionError,
+    TransferError,
+    VersionError,
+    TypeError,
+    ValueError,
+    RuntimeError,
+)
+#: Errors after which the transfer world and the plan are kept (the next update uses them).
+KEEPS_WORLD: tuple[type[BaseException], ...] = (VersionError, MismatchError, LayoutError, TransferError)
+
+
+def _transfer_broken(exc: BaseException) -> bool:
+    """A transfer that broke its groups or lost a peer: the world is no use any more."""
+    return isinstance(exc, TransferError) and exc.stage in ("transfer", "check")
 
 
 __all__ = ["MeshgroupsInitInfo", "MeshgroupsUpdateInfo", "MeshgroupsWeightTransferEngine", "read_params"]

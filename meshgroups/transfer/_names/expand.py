@@ -137,7 +137,9 @@ def map_weights(
     for link in links:
         if link.name != link.rollout and link.name in rollout_names:
             raise LayoutError(f"link name {link.name!r} is also a rollout weight's name; rename that weight")
-    return Mapped(links, _unused(src_weights, used, allowed_unused, allow_unused))
+    return Mapped(
+        links, _unused(src_weights, used, allowed_unused, allow_unused, _redirected(dst_weights, nm))
+    )
 
 
 def _seg(
@@ -237,11 +239,24 @@ def _allow_patterns(allow: bool | Sequence[str]) -> tuple[str, ...]:
     return tuple(allow)
 
 
+def _redirected(dst_weights: Sequence[Weight], nm: NameMap) -> dict[str, tuple[str, ...]]:
+    """Rollout weights the map makes read trainer weights of *other* names: ``{name: sources}``
+    (a tied head reading the embedding)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for rw in dst_weights:
+        if rw.name in nm:
+            sources = nm.rule(rw.name).sources
+            if rw.name not in sources:
+                out[rw.name] = tuple(sources)
+    return out
+
+
 def _unused(
     src_weights: Sequence[Weight],
     used: Used,
     allowed: tuple[str, ...],
     allow: object,
+    redirected: Mapping[str, tuple[str, ...]] | None = None,
 ) -> tuple[str, ...]:
     """Trainer weights (or ranges of one) no link reads; an error unless ``allowed``. A weight
     read expert by expert (segments with ``index``) is checked per expert."""
@@ -264,6 +279,15 @@ def _unused(
             else:
                 out.extend(_range_gaps(f"{tw.name}[index {i}]", tw.shape, mine))
     refused = [u for u in out if not any(fnmatch.fnmatchcase(u.split("[")[0], p) for p in allowed)]
+    shadowed = [u for u in refused if u in (redirected or {})]
+    if shadowed:  # allow_unused would hide the trainer's own weight behind another one
+        name = shadowed[0]
+        raise LayoutError(
+            f"trainer weight {name!r} is unused because the name map makes rollout weight {name!r} read "
+            f"{list((redirected or {})[name])} instead (a tie the trainer does not have): drop that rule so {name!r} "
+            "reads the trainer's own weight (for hf_to_vllm: tied_head=False when config.tie_word_embeddings is "
+            "False); allow_unused=True would serve the other weight in its place"
+        )
     if refused:
         more = f" and {len(refused) - 8} more" if len(refused) > 8 else ""
         raise LayoutError(

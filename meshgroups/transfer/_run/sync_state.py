@@ -17,15 +17,33 @@ from torch.distributed.tensor import DTensor
 from meshgroups.errors import LayoutError
 from meshgroups.transfer._spec import Box, Weight
 
-#: A module (its ``named_parameters``), a ``{name: tensor}`` mapping, or ``None`` (no part here).
+#: A module (its parameters and persistent buffers), a ``{name: tensor}`` mapping, or ``None`` (no part here).
 Tensors = torch.nn.Module | Mapping[str, Any] | None
+
+
+def module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's tensors a checkpoint holds: its parameters (``named_parameters``: a tied one
+    once) and then its *persistent* buffers (a router's correction bias, a running statistic):
+    coverage that read parameters only would miss them. Non-persistent buffers (a rotary cache)
+    are derived, not state.
+
+    >>> m = torch.nn.BatchNorm1d(2)
+    >>> [n for n, _ in module_tensors(m)]
+    ['weight', 'bias', 'running_mean', 'running_var', 'num_batches_tracked']
+    """
+    out: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
+    for owner, mod in module.named_modules():
+        for leaf, buf in mod._buffers.items():
+            if buf is not None and leaf not in mod._non_persistent_buffers_set:
+                out.append((f"{owner}.{leaf}" if owner else leaf, buf))
+    return out
 
 
 def _items(obj: Tensors) -> list[tuple[str, Any]]:
     if obj is None:
         return []
     if isinstance(obj, torch.nn.Module):
-        return list(obj.named_parameters())
+        return module_tensors(obj)
     if isinstance(obj, Mapping):
         return list(obj.items())
     raise TypeError(f"expected an nn.Module, a mapping name -> tensor or None, got {type(obj).__name__}")
@@ -88,4 +106,4 @@ def merge(parts: Sequence[Sequence[Weight]], side: str = "") -> list[Weight]:
     return list(merged.values())
 
 
-__all__ = ["Tensors", "describe", "local_tensors", "merge", "read", "slices"]
+__all__ = ["Tensors", "describe", "local_tensors", "merge", "module_tensors", "read", "slices"]

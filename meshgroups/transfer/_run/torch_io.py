@@ -31,7 +31,7 @@ from torch.distributed.tensor import Shard as TorchShard
 from meshgroups.errors import LayoutError
 from meshgroups.layout import Layout
 from meshgroups.mesh import StridedShard as _StridedShard
-from meshgroups.transfer._run.sync_state import merge
+from meshgroups.transfer._run.sync_state import merge, module_tensors
 from meshgroups.transfer._spec import Placement, Replicate, Shard, Weight
 
 
@@ -117,7 +117,7 @@ def local_weights(
 ) -> tuple[list[Weight], dict[str, torch.Tensor]]:
     """This rank's weights and local shards (no collective).
 
-    ``module``: an ``nn.Module`` (its ``named_parameters``) or a ``{name: tensor}`` mapping such
+    ``module``: an ``nn.Module`` (its parameters and persistent buffers) or a ``{name: tensor}`` mapping such
     as a state dict; ``None`` on a rank that holds none. ``dims`` renames mesh dims to layout dims
     (``{"dp_shard": "dp"}``). When ``stage_dim`` is a layout dim the DTensor meshes do not
     cover, each weight lives on this rank's stage only (``stage=("pp", k)``).
@@ -135,7 +135,7 @@ def local_weights(
     rank = dist.get_rank()
     if rank not in layout:
         raise LayoutError(f"rank {rank} passed a module but is not in the layout {layout!r}; pass None there")
-    items = module.named_parameters() if isinstance(module, torch.nn.Module) else module.items()
+    items = module_tensors(module) if isinstance(module, torch.nn.Module) else module.items()
     rename = dict(dims or {})
     coords = layout.coords(rank)
     weights: list[Weight] = []
