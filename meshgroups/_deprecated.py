@@ -98,6 +98,21 @@ MODULES: dict[str, str] = {
         ["elastic_mesh", "heal", "owners", "plans", "recover", "recovery_plan", "verdict"],
     ),
     **_private("meshgroups.render", ["figure", "formats", "spans", "widgets", "window"]),
+    "meshgroups.engines.worlds": "meshgroups.engines._worlds",
+    **_private(
+        "meshgroups.engines.vllm",
+        [
+            "api",
+            "clients",
+            "destination",
+            "plugin",
+            "protocol",
+            "read",
+            "trainer",
+            "trainer_engine",
+            "worker",
+        ],
+    ),
     **_private("meshgroups.cli", ["app", "args", "cost", "demo", "elastic", "transfer"]),
     "meshgroups.transfer.spec": "meshgroups.transfer._spec",
     **_private(

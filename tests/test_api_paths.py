@@ -139,7 +139,12 @@ def test_a_path_the_previous_release_showed_gives_the_same_object_with_one_warni
 @pytest.mark.parametrize("old", sorted(_deprecated.MODULES), ids=sorted(_deprecated.MODULES))
 def test_every_old_module_path_warns_once_and_answers_with_its_new_homes_objects(old):
     _forget_aliases()
-    new = importlib.import_module(_deprecated.MODULES[old])
+    try:
+        new = importlib.import_module(_deprecated.MODULES[old])
+    except ImportError as exc:
+        if exc.name and not exc.name.startswith("meshgroups"):
+            pytest.skip(f"{old} needs the optional {exc.name}")
+        raise
     names = getattr(new, "__all__", None) or [n for n in vars(new) if not n.startswith("_")]
     assert names
     with warnings.catch_warnings(record=True) as caught:

@@ -11,7 +11,7 @@ init that returns instead of raising), the trainer engine (``TrainerWeightTransf
 ``TrainerInitInfo``: backend, keyword-only ``rank``), the clients (``VLLMWeightSyncClient``,
 ``finish_weight_update(weight_version)``), the plugin's registration in both factories, and
 ``WeightSource`` / ``ParamMeta`` (``Replicate`` / ``Shard`` placements since 0.33) read through
-the adapter (``meshgroups.engines.vllm.api``).
+the adapter (``meshgroups.engines.vllm._api``).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def family_check(family, used) -> dict[str, Any]:
     """How the plan's name map (vLLM's names) relates to the family map: its stacks are the
     family's (vLLM 0.32 names routed experts ``experts.routed_experts.*``), its fused rules
     read the same trainer weights."""
-    from meshgroups.engines.vllm.destination import family_names
+    from meshgroups.engines.vllm._destination import family_names
 
     names = {alias: name for name in used for alias in family_names(name)}
     return {
@@ -201,7 +201,7 @@ def refusals(args, model, llm, rank: int, result: dict[str, Any], new_sync):
     the trainer's untied head refutes — each refused on every trainer rank; then a new sync object
     (its version taken from the engine) refused a stale ``version=``; it is returned, usable."""
     from meshgroups import Layout
-    from meshgroups.engines.vllm.trainer import LLMClient, VLLMWeightSync
+    from meshgroups.engines.vllm._trainer import LLMClient, VLLMWeightSync
     from meshgroups.transfer._names.families import hf_to_vllm
 
     if rank == 0:
@@ -252,7 +252,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from meshgroups import Layout
-    from meshgroups.engines.vllm.trainer import LLMClient, VLLMWeightSync
+    from meshgroups.engines.vllm._trainer import LLMClient, VLLMWeightSync
     from meshgroups.transfer._run.status import TransferError
 
     torch.set_num_threads(1)

@@ -83,8 +83,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from meshgroups import Layout
-    from meshgroups.engines.vllm.clients import HTTPClient
-    from meshgroups.engines.vllm.trainer import VLLMWeightSync
+    from meshgroups.engines.vllm._clients import HTTPClient
+    from meshgroups.engines.vllm._trainer import VLLMWeightSync
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=900))

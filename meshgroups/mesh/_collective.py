@@ -67,7 +67,7 @@ _state: dict[str, Any] = {"group": None, "n": 0, "active": None, "thread": None,
 def call_numbering(fresh: bool = False) -> dict[str, Any]:
     """This process's collective-call numbering (the group it numbers on, the last number, the
     cohort's namespace), to set aside while another world is the default one
-    (``meshgroups.engines.worlds``); ``fresh``: the numbering of a world that made no call yet."""
+    (``meshgroups.engines._worlds``); ``fresh``: the numbering of a world that made no call yet."""
     if fresh:
         return {"group": None, "n": 0, "cohort": ""}
     return {key: _state[key] for key in ("group", "n", "cohort")}

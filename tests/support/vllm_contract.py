@@ -53,10 +53,11 @@ def main() -> None:
     import vllm
     from vllm.distributed.weight_transfer import base, factory
 
-    from meshgroups.engines.vllm import api, plugin
-    from meshgroups.engines.vllm.clients import HTTPClient, LLMClient
-    from meshgroups.engines.vllm.trainer_engine import MeshgroupsTrainerEngine, MeshgroupsTrainerInitInfo
-    from meshgroups.engines.vllm.worker import (
+    from meshgroups.engines.vllm import _api as api
+    from meshgroups.engines.vllm import _plugin as plugin
+    from meshgroups.engines.vllm._clients import HTTPClient, LLMClient
+    from meshgroups.engines.vllm._trainer_engine import MeshgroupsTrainerEngine, MeshgroupsTrainerInitInfo
+    from meshgroups.engines.vllm._worker import (
         MeshgroupsInitInfo,
         MeshgroupsUpdateInfo,
         MeshgroupsWeightTransferEngine,

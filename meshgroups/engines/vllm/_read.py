@@ -1,4 +1,4 @@
-"""A vLLM worker's model read as data (:class:`~meshgroups.engines.vllm.destination.Param` s),
+"""A vLLM worker's model read as data (:class:`~meshgroups.engines.vllm._destination.Param` s),
 and its post-load processing run again after a commit. Imports vLLM (the worker side only).
 
 Each parameter's layer says how it is sharded: ``QKVParallelLinear`` (q/k/v parts, each
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from meshgroups.engines.vllm.destination import Param, fused_parts
+from meshgroups.engines.vllm._destination import Param, fused_parts
 from meshgroups.errors import LayoutError
 
 #: Post-load processing this backend knows how to run again after a commit (unquantized only:

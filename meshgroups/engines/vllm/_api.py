@@ -14,7 +14,7 @@ vLLM 0.34.0's ``weight_transfer`` package is checked by ``tests/test_engines_vll
 Everything else of the backend imports vLLM's names from here. Importing this module imports
 vLLM's ``weight_transfer`` package (nothing of the engine)::
 
-    >>> from meshgroups.engines.vllm import api                       # doctest: +SKIP
+    >>> from meshgroups.engines.vllm import _api as api               # doctest: +SKIP
     >>> api.VLLM_VERSION, api.SOURCE_MODES                            # doctest: +SKIP
     ('0.32.0', False)
 """

@@ -28,10 +28,12 @@ def register() -> None:
         return
     engines = factory.WeightTransferEngineFactory
     if BACKEND not in getattr(engines, "_registry", {}):
-        engines.register_engine(BACKEND, "meshgroups.engines.vllm.worker", "MeshgroupsWeightTransferEngine")
+        engines.register_engine(BACKEND, "meshgroups.engines.vllm._worker", "MeshgroupsWeightTransferEngine")
     trainers = getattr(factory, "WeightTransferTrainerFactory", None)
     if trainers is not None and BACKEND not in getattr(trainers, "_registry", {}):
-        trainers.register_engine(BACKEND, "meshgroups.engines.vllm.trainer_engine", "MeshgroupsTrainerEngine")
+        trainers.register_engine(
+            BACKEND, "meshgroups.engines.vllm._trainer_engine", "MeshgroupsTrainerEngine"
+        )
 
 
 __all__ = ["BACKEND", "register"]

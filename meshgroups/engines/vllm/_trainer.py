@@ -2,7 +2,7 @@
 
 ``VLLMWeightSync`` is built on every rank of the trainer's torchrun world (its module: FSDP2 ×
 TP DTensors and persistent buffers, read as ``WeightSync`` reads them). Its rank 0 holds a
-*client* of the engine (:mod:`~meshgroups.engines.vllm.clients`): the ``LLM`` itself
+*client* of the engine (:mod:`~meshgroups.engines.vllm._clients`): the ``LLM`` itself
 (:class:`LLMClient`), a ``vllm serve`` process (:class:`HTTPClient`), or any object with vLLM's
 four weight-sync calls (``VLLMWeightSyncClient``). It imports no vLLM itself.
 
@@ -11,7 +11,7 @@ agreed; rank 0 hosts the transfer world's store and publishes its address to the
 ranks (one broadcast over the trainer's group) and to the engine (``init_weight_transfer_engine``,
 in a thread: the workers block in the rendezvous like the trainer's ranks); then every trainer
 rank and worker joins the transfer world, exchanges offers (the protocol:
-:mod:`~meshgroups.engines.vllm.protocol`) and builds its ``WeightSync`` — one plan, one group
+:mod:`~meshgroups.engines.vllm._protocol`) and builds its ``WeightSync`` — one plan, one group
 build. The object's ``version`` starts at the version the engine serves.
 
 ``sync()`` (collective over the trainer's world): rank 0 calls ``start_weight_update`` and
@@ -41,9 +41,9 @@ import torch
 import torch.distributed as dist
 
 from meshgroups.engines import TransferWorld
-from meshgroups.engines.vllm.clients import Call, HTTPClient, LLMClient, WeightSyncClient, front_version
-from meshgroups.engines.vllm.destination import engine_destinations
-from meshgroups.engines.vllm.protocol import (
+from meshgroups.engines.vllm._clients import Call, HTTPClient, LLMClient, WeightSyncClient, front_version
+from meshgroups.engines.vllm._destination import engine_destinations
+from meshgroups.engines.vllm._protocol import (
     TrainerOffer,
     VersionError,
     WorkerOffer,

@@ -1,11 +1,11 @@
 """The worker side: a vLLM ``WeightTransferEngine`` that joins the trainer's transfer world.
 
 vLLM constructs one per worker (``weight_transfer_config={"backend": "meshgroups"}``; the name
-is registered by ``meshgroups.engines.vllm.plugin.register``, vLLM's ``vllm.general_plugins``
+is registered by ``meshgroups.engines.vllm._plugin.register``, vLLM's ``vllm.general_plugins``
 entry point) with the worker's own model, once per worker life: the version it serves survives
 every trainer that connects to it. Its life, driven by the trainer
-(``meshgroups.engines.vllm.trainer.VLLMWeightSync``) through vLLM's front-end calls, follows
-the backend's protocol (:mod:`~meshgroups.engines.vllm.protocol`):
+(``meshgroups.engines.vllm._trainer.VLLMWeightSync``) through vLLM's front-end calls, follows
+the backend's protocol (:mod:`~meshgroups.engines.vllm._protocol`):
 
 - ``init_weight_transfer_engine({"address": ..., "trainer_size": ..., ...})``: read the
   destination from the model (:func:`read_params`: parameters and persistent buffers, local
@@ -43,9 +43,13 @@ from typing import Any
 import torch
 
 from meshgroups.engines import TransferWorld
-from meshgroups.engines.vllm.api import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
-from meshgroups.engines.vllm.destination import engine_destinations
-from meshgroups.engines.vllm.protocol import (
+from meshgroups.engines.vllm._api import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from meshgroups.engines.vllm._destination import engine_destinations
+from meshgroups.engines.vllm._protocol import (
     TrainerOffer,
     VersionError,
     WorkerOffer,
@@ -57,7 +61,7 @@ from meshgroups.engines.vllm.protocol import (
     rebuild,
     report_key,
 )
-from meshgroups.engines.vllm.read import read_params, reprocess
+from meshgroups.engines.vllm._read import read_params, reprocess
 from meshgroups.errors import LayoutError, MeshConfigError, MismatchError, StoreConnectionError
 from meshgroups.layout import Layout
 from meshgroups.transfer import NameMap, TransferError, WeightSync
@@ -87,7 +91,7 @@ class MeshgroupsInitInfo(WeightTransferInitInfo):
 class MeshgroupsUpdateInfo(WeightTransferUpdateInfo):
     """``update_weights``'s ``update_info``: the version the trainer asked for (``None``: the
     next one). The version the update makes is agreed by every rank in the preflight
-    (:mod:`~meshgroups.engines.vllm.protocol`)."""
+    (:mod:`~meshgroups.engines.vllm._protocol`)."""
 
     version: int | None = None
 

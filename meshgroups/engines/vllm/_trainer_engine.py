@@ -2,7 +2,7 @@
 
 Frameworks that drive vLLM's weight transfer through its trainer factory (TRL, SkyRL) select
 the backend by its init info and hand it a ``WeightSource``; this class is that entry, a thin
-shell over :class:`~meshgroups.engines.vllm.trainer.VLLMWeightSync` (registered by the plugin
+shell over :class:`~meshgroups.engines.vllm._trainer.VLLMWeightSync` (registered by the plugin
 under ``"meshgroups"``)::
 
     >>> from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory  # doctest: +SKIP
@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from meshgroups.engines.vllm import api
-from meshgroups.engines.vllm.plugin import BACKEND
-from meshgroups.engines.vllm.trainer import VLLMWeightSync
+from meshgroups.engines.vllm import _api as api
+from meshgroups.engines.vllm._plugin import BACKEND
+from meshgroups.engines.vllm._trainer import VLLMWeightSync
 from meshgroups.layout import Layout
 
 
