@@ -353,3 +353,22 @@ def test_no_assert_statements_in_the_package():
         if isinstance(node, ast.Assert)
     ]
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_design_pages_picture_of_the_packages_is_what_the_imports_say():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import package_graph
+
+    text = (ROOT / "docs" / "design.md").read_text()
+    assert package_graph.shown(text) == package_graph.block(), "run: python tools/package_graph.py --write"
+
+
+def test_no_module_is_over_450_lines():
+    long = [
+        f"{path.relative_to(ROOT)}: {len(path.read_text().splitlines())} lines"
+        for _, path, _ in SOURCES
+        if len(path.read_text().splitlines()) > 450
+    ]
+    assert not long, long
