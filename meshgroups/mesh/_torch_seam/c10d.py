@@ -1,5 +1,6 @@
 """Process-group internals of ``torch.distributed.distributed_c10d``: the default store, group
-counts and names, default timeout and backend, the bound device, a live group's timeout."""
+counts and names, whether a group is still alive, default timeout and backend, the bound device,
+a live group's timeout."""
 
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ def held_group_count() -> int:
     ``use_local_synchronization=True`` by hashing their ranks *and this count*, so every member
     of such a group must have the same count when it is created (pytorch#173608)."""
     return len(_c10d._world.pg_names)
+
+
+def group_is_live(group: dist.ProcessGroup) -> bool:
+    """Whether torch still holds ``group``. Others can destroy a group meshgroups created: the
+    user's ``dist.destroy_process_group(group)``, torch >= 2.15's ``DeviceMesh.abort()`` (every
+    group of the mesh and its flattened dims), or the default group's destruction (which takes
+    every group with it); ``destroy_process_group`` on such a group raises ``ValueError``."""
+    return _c10d._world.pg_map.get(group) is not None
 
 
 def group_count() -> int:
