@@ -11,7 +11,7 @@ budget, ordered by the bytes over the slowest level they cross (not a predicted 
     >>> from meshgroups.cost import peak_memory, preset, traffic
     >>> lay = Layout(dp_shard=4, tp=2)
     >>> peak_memory(preset("tiny"), lay).params
-    37152
+    45344
     >>> traffic(preset("tiny"), lay, Topology(node=2)).slowest_level
     'world'
 """

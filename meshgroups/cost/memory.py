@@ -307,7 +307,7 @@ def rank_memory(model: Model, layout: Layout, rank: int, plan: Parallelism | Non
             (:func:`meshgroups.cost.rules.problems`).
 
     >>> rank_memory(preset("tiny"), Layout(dp_shard=2, tp=2), 0).params   # bf16; norms are not cut by tp
-    74304
+    90688
     """
     plan = plan or Parallelism()
     sizes = plan.sizes(layout)
