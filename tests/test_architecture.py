@@ -23,7 +23,12 @@ ALLOWED = {
     "meshgroups.mesh": {"meshgroups.layout"},
     "meshgroups.transfer": {"meshgroups.layout", "meshgroups.mesh", "meshgroups.models"},
     "meshgroups.elastic": {"meshgroups.layout", "meshgroups.mesh", "meshgroups.transfer"},
-    "meshgroups.engines": {"meshgroups.layout", "meshgroups.mesh", "meshgroups.transfer", "meshgroups.models"},
+    "meshgroups.engines": {
+        "meshgroups.layout",
+        "meshgroups.mesh",
+        "meshgroups.transfer",
+        "meshgroups.models",
+    },
     "meshgroups.cli": {
         "meshgroups.layout",
         "meshgroups.models",
@@ -100,7 +105,12 @@ def test_imports_only_go_down_the_layers():
 def test_the_layout_core_and_the_renderer_import_no_torch_when_they_load():
     offenders = []
     for name, path, tree in SOURCES:
-        if _subsystem(name) not in ("meshgroups.layout", "meshgroups.models", "meshgroups.render", "meshgroups.cost"):
+        if _subsystem(name) not in (
+            "meshgroups.layout",
+            "meshgroups.models",
+            "meshgroups.render",
+            "meshgroups.cost",
+        ):
             if name != "meshgroups.errors":
                 continue
         offenders += [

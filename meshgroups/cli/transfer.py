@@ -33,7 +33,7 @@ from meshgroups.layout.core import Layout
 from meshgroups.layout.topology import Topology
 from meshgroups.transfer import NameMap, Weight, plan_transfer
 from meshgroups.transfer.conventions import PRESET_MAPS, preset_map
-from meshgroups.transfer.presets import MODELS, model_config, model_weights
+from meshgroups.transfer.presets import ALIASES, MODELS, model_config, model_weights
 
 #: Per ready-made map: the conventions of the trainer's and the rollout's names.
 MAP_NAMES = {
@@ -283,7 +283,12 @@ def register(sub: Any) -> argparse.ArgumentParser:
         default=1 << 16,
         help="cut pieces on multiples of this many bytes to balance senders (default 65536)",
     )
-    p.add_argument("--model", default="small", choices=sorted(MODELS), help="a preset model (default small)")
+    p.add_argument(
+        "--model",
+        default="small",
+        choices=[*MODELS, *ALIASES],
+        help="a preset model, the package's one set (meshgroups.models.PRESETS; default small)",
+    )
     p.add_argument("--weights", metavar="FILE", help='JSON {"src": [...], "dst": [...]} instead of --model')
     p.add_argument(
         "--name-map",

@@ -18,31 +18,38 @@ budget, ordered by the bytes over the slowest level they cross (not a predicted 
 
 from __future__ import annotations
 
+from .activations import activation_bytes_per_layer, korthikanti_bytes_per_layer
 from .calls import Collective, collectives
 from .enumerate import Candidate, enumerate_layouts
-from .memory import RankMemory, activation_bytes_per_layer, peak_memory, rank_memory
 from .model import PRESETS, Model, preset
+from .peak import Fit, RankMemory, fit, peak_memory, rank_memory
 from .report import cost_report, table
 from .roles import Parallelism, Precision, bubble_fraction
+from .states import States, rank_states
 from .traffic import Traffic, traffic
 
 __all__ = [
     "PRESETS",
     "Candidate",
     "Collective",
+    "Fit",
     "Model",
     "Parallelism",
     "Precision",
     "RankMemory",
+    "States",
     "Traffic",
     "activation_bytes_per_layer",
     "bubble_fraction",
     "collectives",
     "cost_report",
     "enumerate_layouts",
+    "fit",
+    "korthikanti_bytes_per_layer",
     "peak_memory",
     "preset",
     "rank_memory",
+    "rank_states",
     "table",
     "traffic",
 ]

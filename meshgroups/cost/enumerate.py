@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from meshgroups.errors import LayoutError
 from meshgroups.layout import Layout, Topology
 
-from .memory import RankMemory, peak_memory
 from .model import Model
+from .peak import RankMemory, fit, peak_memory
 from .roles import ROLES, Parallelism
 from .rules import problems
 from .traffic import Traffic, traffic
@@ -46,6 +46,8 @@ class Candidate:
         memory: its peak per-rank memory (:func:`meshgroups.cost.memory.peak_memory`).
         traffic: its traffic (:func:`meshgroups.cost.traffic.traffic`).
         budget: the per-rank budget in bytes it was checked against (``None``: none).
+        allocator_overhead: the factor the peak (allocated bytes) is multiplied by before the
+            comparison (:func:`meshgroups.cost.peak.fit`; 1.0: allocated as it is).
 
     >>> c = enumerate_layouts(preset("tiny"), 2)[0]
     >>> c.fits, c.sizes["dp_shard"] * c.sizes["tp"] * c.sizes["pp"]
@@ -56,6 +58,7 @@ class Candidate:
     memory: RankMemory
     traffic: Traffic
     budget: float | None = None
+    allocator_overhead: float = 1.0
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -64,8 +67,9 @@ class Candidate:
 
     @property
     def fits(self) -> bool:
-        """Whether the peak memory is within the budget (``True`` without one)."""
-        return self.budget is None or self.memory.total <= self.budget
+        """Whether the peak memory (× the allocator overhead) is within the budget (``True``
+        without one)."""
+        return self.budget is None or fit(self.memory, self.budget, self.allocator_overhead).fits
 
     @property
     def slowest_level(self) -> str | None:
@@ -96,6 +100,7 @@ class Candidate:
             "sizes": self.sizes,
             "memory": self.memory.to_dict(),
             "fits": self.fits,
+            "fit_basis": fit(self.memory, 0.0, self.allocator_overhead).basis,
             "slowest_level": self.slowest_level,
             "slow_bytes": self.slow_bytes,
             "by_level": self.traffic.by_level,
@@ -146,6 +151,7 @@ def enumerate_layouts(
     *,
     roles: Sequence[str] | None = None,
     budget: float | None = None,
+    allocator_overhead: float = 1.0,
 ) -> list[Candidate]:
     """Every layout of ``world`` ranks over ``roles`` that ``model`` admits (see the module
     docstring), ordered by :meth:`meshgroups.cost.traffic.Traffic.order_key`, then memory.
@@ -155,13 +161,14 @@ def enumerate_layouts(
         plan: schedule and dtypes (its ``roles`` mapping must be empty: the layouts' dims are
             named after their roles). roles: the roles to factor the world into (default
             :func:`default_roles`). budget: bytes per rank; each candidate says whether it fits.
+        allocator_overhead: reserved/allocated assumed by the fit (:func:`meshgroups.cost.fit`).
 
     Returns:
         the candidates.
 
     Raises:
         LayoutError: a world below 1 or above :data:`MAX_WORLD`, an unknown or repeated role,
-            a negative budget, or a plan that maps dims.
+            a negative budget, an allocator overhead below 1, or a plan that maps dims.
 
     >>> [c.label() for c in enumerate_layouts(preset("tiny"), 2, roles=("dp_shard", "tp"))]
     ['tp=2', 'dp_shard=2']
@@ -181,17 +188,15 @@ def enumerate_layouts(
         raise LayoutError(f"roles must be distinct and not empty, got {list(chosen)}")
     if budget is not None and not budget >= 0:
         raise LayoutError(f"budget={budget!r} must be a number of bytes >= 0")
+    fit(0.0, 0.0, allocator_overhead)  # checks the overhead
     ordered = [r for r in CANONICAL if r in chosen]
     out = []
     for sizes in factorizations(world, len(ordered)):
         named = dict(zip(ordered, sizes))
-        if problems(model, named, plan.virtual_stages):
+        if problems(model, named, plan.virtual_stages, plan.layers_per_stage):
             continue
         layout = Layout(**named)
-        out.append(
-            Candidate(
-                layout, peak_memory(model, layout, plan), traffic(model, layout, topology, plan), budget
-            )
-        )
+        mem, moved = peak_memory(model, layout, plan), traffic(model, layout, topology, plan)
+        out.append(Candidate(layout, mem, moved, budget, allocator_overhead))
     out.sort(key=lambda c: (c.traffic.order_key(), c.memory.total))
     return out

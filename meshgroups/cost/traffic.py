@@ -33,6 +33,15 @@ __all__ = ["FamilyTraffic", "Traffic", "traffic"]
 WORLD = "world"
 
 
+def _coordinates(layout: Layout, dim: str) -> np.ndarray:
+    """Each rank's coordinate along ``dim``, indexed by rank."""
+    out = np.zeros(layout.max_rank + 1, dtype=np.int64)
+    grid = layout.grid
+    axis = layout.names.index(dim)
+    out[grid] = np.indices(grid.shape)[axis]
+    return out
+
+
 def _edges(
     c: Collective, layout: Layout, stage: np.ndarray, pp_dim: str | None
 ) -> tuple[np.ndarray, np.ndarray, float]:
@@ -42,7 +51,10 @@ def _edges(
         cols = list(c.stages)
         peers = [(k + c.peer) % g for k in cols]
         return groups[:, cols].ravel(), groups[:, peers].ravel(), float(c.payload * c.calls)
-    rows = groups[np.isin(stage[groups[:, 0]], c.stages)]
+    keep = np.isin(stage[groups[:, 0]], c.stages)
+    for dim, k in c.where:  # every member of a group shares these coordinates
+        keep &= _coordinates(layout, dim)[groups[:, 0]] == k
+    rows = groups[keep]
     if c.op == "send":
         return rows.ravel(), np.roll(rows, -c.peer, axis=1).ravel(), float(c.payload * c.calls)
     if c.op == "all_to_all":

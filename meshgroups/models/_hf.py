@@ -28,14 +28,14 @@ __all__ = ["EXPERT_KEYS", "from_hf_config", "hf_value"]
 #: The keys families give their routed-expert count under (Mixtral, Qwen-MoE, DeepSeek).
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 # Model field -> the config keys that give it, first found wins
-_REQUIRED = {
+_REQUIRED: dict[str, tuple[str, ...]] = {
     "layers": ("num_hidden_layers",),
     "hidden": ("hidden_size",),
     "heads": ("num_attention_heads",),
     "ffn": ("intermediate_size",),
     "vocab": ("vocab_size",),
 }
-_OPTIONAL = {
+_OPTIONAL: dict[str, tuple[str, ...]] = {
     "kv_heads": ("num_key_value_heads",),
     "head_dim": ("head_dim",),
     "experts": EXPERT_KEYS,

@@ -77,6 +77,11 @@ class Model:
             otherwise). top_k: experts each token visits. expert_ffn: ``None``: ``ffn``.
         gated_mlp: a gated MLP (SwiGLU: the first projection is ``2 × ffn`` wide, fused).
         tied_embeddings: the output head is the embedding matrix.
+        fused_projections: q, k and v one matrix (``qkv``) and the gated MLP's gate and up one
+            (``fc1``), as Megatron-Core holds them; ``False``: separate matrices (``q``, ``k``,
+            ``v``, ``gate``, ``up``), as Hugging Face and torchtitan do. It changes which
+            tensors FSDP2 pads and what a layer keeps for backward (a fused ``qkv``'s output is
+            kept whole while attention keeps ``v``, a view of it).
         seq_len: tokens per sample s. micro_batch: samples per micro-batch b.
         dtype: the dtype its weights are kept in (a checkpoint's ``torch_dtype``; what the
             transfer presets list). Training dtypes are the cost model's
@@ -106,6 +111,7 @@ class Model:
     expert_ffn: int | None = None
     gated_mlp: bool = False
     tied_embeddings: bool = False
+    fused_projections: bool = True
     seq_len: int = 2048
     micro_batch: int = 1
     dtype: str = "bfloat16"
@@ -171,12 +177,16 @@ class Model:
         if hd is None or self.kv_heads is None or self.expert_ffn is None:  # filled in __post_init__
             raise RuntimeError("meshgroups internal error: a Model without head_dim, kv_heads or expert_ffn")
         gate = 2 if self.gated_mlp else 1
-        layer = [
-            ParamTensor("attn_norm", (h,), None),
-            ParamTensor("qkv", ((self.heads + 2 * self.kv_heads) * hd, h), 0),
-            ParamTensor("o", (h, self.heads * hd), 1),
-            ParamTensor("mlp_norm", (h,), None),
-        ]
+        layer = [ParamTensor("attn_norm", (h,), None)]
+        if self.fused_projections:
+            layer.append(ParamTensor("qkv", ((self.heads + 2 * self.kv_heads) * hd, h), 0))
+        else:
+            layer += [
+                ParamTensor("q", (self.heads * hd, h), 0),
+                ParamTensor("k", (self.kv_heads * hd, h), 0),
+                ParamTensor("v", (self.kv_heads * hd, h), 0),
+            ]
+        layer += [ParamTensor("o", (h, self.heads * hd), 1), ParamTensor("mlp_norm", (h,), None)]
         if self.is_moe:
             e, f = self.experts, self.expert_ffn
             layer += [
@@ -184,8 +194,14 @@ class Model:
                 ParamTensor("experts_fc1", (e, gate * f, h), 1, expert=True),
                 ParamTensor("experts_fc2", (e, h, f), 2, expert=True),
             ]
-        else:
+        elif self.fused_projections or not self.gated_mlp:
             layer += [ParamTensor("fc1", (gate * self.ffn, h), 0), ParamTensor("fc2", (h, self.ffn), 1)]
+        else:
+            layer += [
+                ParamTensor("gate", (self.ffn, h), 0),
+                ParamTensor("up", (self.ffn, h), 0),
+                ParamTensor("fc2", (h, self.ffn), 1),
+            ]
         ends = [
             ParamTensor("embedding", (self.vocab, h), 0, where="embedding"),
             ParamTensor("final_norm", (h,), None, where="final_norm"),

@@ -45,7 +45,7 @@ from meshgroups.transfer.spec import Placement, Shard, Weight
 #: name: (hidden, ffn, kv width, vocab, layers, experts (0: dense), dtype), read from the package's
 #: one set of presets (:data:`meshgroups.models.PRESETS`); older names are :data:`ALIASES`.
 MODELS: dict[str, tuple[int, int, int, int, int, int, str]] = {
-    name: (m.hidden, m.expert_ffn if m.is_moe else m.ffn, (m.kv_heads or 0) * (m.head_dim or 0), m.vocab,
+    name: (m.hidden, (m.expert_ffn or m.ffn) if m.is_moe else m.ffn, (m.kv_heads or 0) * (m.head_dim or 0), m.vocab,
            m.layers, m.experts, m.dtype)
     for name, m in PRESETS.items()
 }  # fmt: skip
