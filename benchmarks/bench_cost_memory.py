@@ -32,7 +32,12 @@ def configs() -> list[tuple[str, dict[str, Any]]]:
     for policy in POLICIES:
         out.append((f"FSDP2 {policy}", {"sizes": {"dp_shard": 4}, "recompute": policy}))
         out.append((f"TP+SP {policy}", {"sizes": {"dp_shard": 2, "tp": 2}, "sp": True, "recompute": policy}))
-        out.append((f"CP {policy}", {"sizes": {"dp_shard": 2, "cp": 2}, "recompute": policy, "spec": {"seq_len": 512}}))
+        out.append(
+            (
+                f"CP {policy}",
+                {"sizes": {"dp_shard": 2, "cp": 2}, "recompute": policy, "spec": {"seq_len": 512}},
+            )
+        )
     out += [
         ("HSDP, 2 micro-batches", {"sizes": {"dp_replicate": 2, "dp_shard": 2}, "micro_batches": 2}),
         ("eager", {"sizes": {"dp_shard": 4}, "attention": "eager"}),
@@ -43,7 +48,9 @@ def configs() -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def worker(rank: int, world: int, spec: Model, cfgs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+def worker(
+    rank: int, world: int, spec: Model, cfgs: list[tuple[str, dict[str, Any]]]
+) -> list[dict[str, Any]]:
     from tests.support.mem_harness import measure
 
     return [measure(spec.with_(**cfg.get("spec", {})), cfg, rank) for _, cfg in cfgs]
@@ -71,11 +78,15 @@ def main() -> None:
             measured = results[rank][i]
             predicted = rank_memory(model, Layout(**cfg["sizes"]), rank, plan_of(cfg))
             got = dict(measured["breakdown"])
-            got["activations"] = got.get("activations", 0) + got.pop("other", 0) + got.pop("pipeline buffers", 0)
+            got["activations"] = (
+                got.get("activations", 0) + got.pop("other", 0) + got.pop("pipeline buffers", 0)
+            )
             worst = max(abs(getattr(predicted, k) - got.get(k, 0)) for k in CATEGORIES)
             rows.append((measured["peak"], predicted.total, worst / measured["peak"], predicted.phase))
         peak, pred, worst, phase = max(rows)
-        print(f"| {label} | {peak / 2**20:.2f} | {pred / 2**20:.2f} | {pred / peak:.4f} | {worst:.2%} | {phase} |")
+        print(
+            f"| {label} | {peak / 2**20:.2f} | {pred / 2**20:.2f} | {pred / peak:.4f} | {worst:.2%} | {phase} |"
+        )
 
 
 if __name__ == "__main__":
