@@ -31,6 +31,7 @@ import numpy as np
 
 from meshgroups.layout import Layout, Topology
 from meshgroups.transfer import (
+    ALIASES,
     MODELS,
     PRESET_MAPS,
     NameMap,
@@ -289,7 +290,12 @@ def register(sub: Any) -> argparse.ArgumentParser:
         default=1 << 16,
         help="cut pieces on multiples of this many bytes to balance senders (default 65536)",
     )
-    p.add_argument("--model", default="small", choices=sorted(MODELS), help="a preset model (default small)")
+    p.add_argument(
+        "--model",
+        default="small",
+        choices=[*MODELS, *ALIASES],
+        help="a preset model, the package's one set (meshgroups.models.PRESETS; default small)",
+    )
     p.add_argument("--weights", metavar="FILE", help='JSON {"src": [...], "dst": [...]} instead of --model')
     p.add_argument(
         "--name-map",

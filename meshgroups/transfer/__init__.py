@@ -37,7 +37,7 @@ from meshgroups.transfer._names.expand import map_weights
 from meshgroups.transfer._names.families import hf_to_vllm, moe_layers
 from meshgroups.transfer._names.families_megatron import hf_to_megatron_family, megatron_to_hf_family
 from meshgroups.transfer._names.names import NameMap, Rule, Segment
-from meshgroups.transfer._names.presets import FSDP_DIMS, HEADS, MODELS, model_config, model_weights
+from meshgroups.transfer._names.presets import ALIASES, FSDP_DIMS, HEADS, MODELS, model_config, model_weights
 from meshgroups.transfer._names.quant import BlockFP8
 from meshgroups.transfer._names.stacking import Stack, expert_order, stack_experts
 from meshgroups.transfer._plan.plan import Message, TransferPlan, plan_transfer

@@ -23,10 +23,10 @@ its loader, and the ``meshgroups`` vLLM backend, read this map's ``mlp.experts.w
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from meshgroups.errors import LayoutError
+from meshgroups.models import EXPERT_KEYS, hf_value
 from meshgroups.transfer._names.names import NameMap
 from meshgroups.transfer._names.stacking import expert_order, stack_experts
 
@@ -37,9 +37,8 @@ EXPERT_FORMS = ("packed", "per_expert")
 
 
 def _get(config: object, key: str, default: Any = None) -> Any:
-    if isinstance(config, Mapping):
-        return config.get(key, default)
-    return getattr(config, key, default)
+    # the package's one config reader (a dict or a config object; unset or None: default)
+    return hf_value(config, key, default=default)
 
 
 def moe_layers(config: object) -> list[int]:
@@ -68,7 +67,7 @@ def moe_layers(config: object) -> list[int]:
 
 
 def _experts(config: object) -> int:
-    return int(_get(config, "num_experts", None) or _get(config, "n_routed_experts", None) or 0)
+    return int(hf_value(config, *EXPERT_KEYS, default=0))
 
 
 def hf_to_vllm(

@@ -50,7 +50,13 @@ DTYPE_BYTES = {
 }
 
 Schedule = Literal["1f1b", "interleaved"]
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "op", "layer", "full"]
+Attention = Literal["flash", "eager"]
+#: Recomputation policies (see :class:`Parallelism`).
+RECOMPUTE = ("none", "selective", "op", "layer", "full")
+#: Attention kernels: ``flash`` (FlashAttention / SDPA's fused kernels: no s² matrix kept) or
+#: ``eager`` (an explicit softmax, whose s² probabilities backward keeps).
+ATTENTION = ("flash", "eager")
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -77,20 +83,32 @@ def dtype_bytes(dtype: str) -> int:
 class Precision:
     """The dtypes of what a rank stores and sends.
 
+    Two common settings, as classmethods: :meth:`megatron` (this default: bf16 parameters, an
+    fp32 main-gradient buffer, an fp32 master copy, fp32 moments: 18 bytes per parameter) and
+    :meth:`fsdp2` (torchtitan's FSDP2 ``MixedPrecisionPolicy``: fp32 parameters stored and
+    sharded, all-gathered and computed in bf16, gradients reduced and kept in fp32, no separate
+    master: 16 bytes per parameter).
+
     Args:
-        params: the (sharded) parameters, and what FSDP all-gathers.
-        grads: the gradients, and what is reduce-scattered or all-reduced.
+        params: the parameters as stored (FSDP2: the sharded fp32 parameters).
+        grads: the gradients as kept (the ``.grad`` of a parameter, Megatron's main-grad buffer).
         master: an extra master copy of the parameters (``None``: none, the parameters are
             the master copy).
         moments: each of Adam's two moments.
-        activations: what flows between layers (tp, cp, pp and ep traffic). The activation
-            *memory* formulas are Korthikanti et al.'s, which assume 16-bit activations.
+        activations: the dtype layers compute and keep activations in, and what flows between
+            them (tp, cp, pp and ep traffic).
+        compute: the dtype parameters are all-gathered and computed in (FSDP2's
+            ``param_dtype``); ``None``: ``params``.
+        reduce: the dtype gradients are reduce-scattered / all-reduced in (FSDP2's
+            ``reduce_dtype``); ``None``: ``grads``.
 
     Raises:
         LayoutError: an unknown dtype.
 
     >>> Precision().bytes_per_param()   # bf16 + fp32 grads + fp32 master + 2 × fp32 moments
     18
+    >>> Precision.fsdp2().bytes_per_param(), Precision.fsdp2().gather
+    (16, 'bfloat16')
     """
 
     params: str = "bfloat16"
@@ -98,12 +116,58 @@ class Precision:
     master: str | None = "float32"
     moments: str = "float32"
     activations: str = "bfloat16"
+    compute: str | None = None
+    reduce: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("params", "grads", "moments", "activations"):
             dtype_bytes(getattr(self, name))
-        if self.master is not None:
-            dtype_bytes(self.master)
+        for name in ("master", "compute", "reduce"):
+            if getattr(self, name) is not None:
+                dtype_bytes(getattr(self, name))
+
+    @classmethod
+    def megatron(cls) -> Precision:
+        """Megatron-Core's bf16 training: bf16 parameters, fp32 main gradients, an fp32 master
+        copy and fp32 moments (the default).
+
+        Returns:
+            the precision.
+
+        >>> Precision.megatron() == Precision()
+        True
+        """
+        return cls()
+
+    @classmethod
+    def fsdp2(cls, compute: str = "bfloat16") -> Precision:
+        """FSDP2's mixed precision as torchtitan sets it: fp32 parameters stored (and updated in
+        place: no master copy), all-gathered and computed in ``compute``, gradients reduced and
+        kept in fp32, fp32 moments.
+
+        Args:
+            compute: ``MixedPrecisionPolicy.param_dtype``.
+
+        Returns:
+            the precision.
+
+        >>> Precision.fsdp2().params
+        'float32'
+        """
+        return cls(
+            params="float32", grads="float32", master=None, moments="float32", activations=compute,
+            compute=compute, reduce="float32",
+        )  # fmt: skip
+
+    @property
+    def gather(self) -> str:
+        """The dtype parameters are all-gathered and computed in (``compute``, else ``params``)."""
+        return self.compute or self.params
+
+    @property
+    def reduction(self) -> str:
+        """The dtype gradients are reduced in (``reduce``, else ``grads``)."""
+        return self.reduce or self.grads
 
     def bytes_per_param(self) -> int:
         """Bytes of parameter, gradient, master copy and optimizer moments per element.
@@ -155,14 +219,33 @@ class Parallelism:
         schedule: ``"1f1b"`` or ``"interleaved"``. virtual_stages: chunks per stage
             (interleaved only; 1 for 1F1B).
         micro_batches: micro-batches per step (gradient accumulation; the pipeline's m).
-        recompute: ``"none"``, ``"selective"`` (attention's softmax/dropout recomputed) or
-            ``"full"`` (each layer recomputed from its input).
+        recompute: what each layer keeps for backward (:mod:`meshgroups.cost._activations`):
+            ``"none"``; ``"selective"``, Megatron's (the attention core recomputed; Korthikanti
+            et al. 2022); ``"op"``, torchtitan's op-level policy (the attention kernel's outputs
+            and every other matmul's output saved, the rest recomputed); ``"layer"``,
+            torchtitan's per-layer policy (every ``recompute_every``-th layer recomputed
+            whole); ``"full"`` (each layer recomputed from its input).
+        recompute_every: the ``"layer"`` policy's k (layers k, 2k, ... counted from 1).
+        attention: ``"flash"`` (FlashAttention, SDPA's fused kernels) or ``"eager"`` (an
+            explicit softmax whose probabilities are kept: the s² term).
         precision: the dtypes.
         vocab_parallel: the embedding and output head cut over tp along the vocabulary (with
-            the loss computed on vocabulary shards); ``False``: replicated over tp.
+            the loss computed on vocabulary shards, torch's ``loss_parallel``); ``False``:
+            replicated over tp.
+        zero: optimizer sharding over the data-parallel dims FSDP does not shard
+            (``dp_replicate``, or every data-parallel dim without ``dp_shard``): 0 none, 1 the
+            master copy and the moments sharded (ZeRO-1, Megatron's distributed optimizer),
+            2 the gradients too (ZeRO-2).
+        reshard_after_forward: FSDP2 frees a block's gathered parameters after its forward
+            (and gathers them again for backward); ``False`` keeps them (torchtitan with
+            pipelines).
+        layers_per_stage: layers of each model chunk in pipeline order (``pp × virtual_stages``
+            entries; chunk ``c`` on stage ``c % pp``; the embedding on the first chunk, the
+            head and the loss on the last). ``None``: as even as the layers allow.
 
     Raises:
-        LayoutError: an unknown role, an unknown schedule or recompute, virtual stages with 1F1B.
+        LayoutError: an unknown role, schedule, recompute policy or attention kernel, virtual
+            stages with 1F1B, a ``zero`` outside 0..2.
 
     >>> Parallelism(roles={"dp": "dp_shard"}).dims(Layout(dp=4, tp=2))
     {'dp_shard': 'dp', 'tp': 'tp'}
@@ -176,6 +259,11 @@ class Parallelism:
     recompute: Recompute = "none"
     precision: Precision = field(default_factory=Precision)
     vocab_parallel: bool = True
+    recompute_every: int = 2
+    attention: Attention = "flash"
+    zero: int = 0
+    reshard_after_forward: bool = True
+    layers_per_stage: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "roles", dict(self.roles))
@@ -184,9 +272,20 @@ class Parallelism:
                 raise LayoutError(f"dim {dim!r}: unknown role {role!r}; roles are {', '.join(ROLES)}")
         if self.schedule not in ("1f1b", "interleaved"):
             raise LayoutError(f"schedule={self.schedule!r} must be '1f1b' or 'interleaved'")
-        if self.recompute not in ("none", "selective", "full"):
-            raise LayoutError(f"recompute={self.recompute!r} must be 'none', 'selective' or 'full'")
-        for what in ("virtual_stages", "micro_batches"):
+        if self.recompute not in RECOMPUTE:
+            raise LayoutError(f"recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE)}")
+        if self.attention not in ATTENTION:
+            raise LayoutError(f"attention={self.attention!r} must be one of {', '.join(ATTENTION)}")
+        if self.zero not in (0, 1, 2) or isinstance(self.zero, bool):
+            raise LayoutError(f"zero={self.zero!r} must be 0, 1 or 2 (the ZeRO stage of the optimizer)")
+        if self.layers_per_stage is not None:
+            object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
+            for n in self.layers_per_stage:
+                if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                    raise LayoutError(
+                        f"layers_per_stage={list(self.layers_per_stage)}: each entry is a layer count >= 0"
+                    )
+        for what in ("virtual_stages", "micro_batches", "recompute_every"):
             value = getattr(self, what)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{what}={value!r} must be a positive int")

@@ -1,6 +1,6 @@
 """Bytes a training step moves: every collective, on which group family, and over which level.
 
-What a step calls (:func:`meshgroups.cost.calls.collectives`: op, family, payload, calls)
+What a step calls (:func:`meshgroups.cost._calls.collectives`: op, family, payload, calls)
 becomes bytes on links here.
 
 :func:`traffic` turns it into bytes on links, with the usual algorithms stated, not guessed:
@@ -10,7 +10,7 @@ order), ring all-gather and reduce-scatter (``(g-1)/g``), an all-to-all with uni
 topology level holding both ends (``"world"`` above all), so a family's bytes per level add up to
 its total, and the bytes *leaving* a level are those of the levels above it::
 
-    >>> from meshgroups.cost.model import preset
+    >>> from meshgroups.cost._model import preset
     >>> t = traffic(preset("tiny"), Layout(dp_shard=4, tp=2), Topology(node=4))
     >>> sorted(t.families), t.slowest_level
     (['dp_shard', 'tp'], 'world')
@@ -22,15 +22,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from meshgroups.cost._calls import Collective, collectives, stage_of
+from meshgroups.cost._model import Model
+from meshgroups.cost._roles import Parallelism
 from meshgroups.layout import Layout, Topology
-
-from .calls import Collective, collectives, stage_of
-from .model import Model
-from .roles import Parallelism
 
 __all__ = ["FamilyTraffic", "Traffic", "traffic"]
 
 WORLD = "world"
+
+
+def _coordinates(layout: Layout, dim: str) -> np.ndarray:
+    """Each rank's coordinate along ``dim``, indexed by rank."""
+    out = np.zeros(layout.max_rank + 1, dtype=np.int64)
+    grid = layout.grid
+    axis = layout.names.index(dim)
+    out[grid] = np.indices(grid.shape)[axis]
+    return out
 
 
 def _edges(
@@ -42,7 +50,10 @@ def _edges(
         cols = list(c.stages)
         peers = [(k + c.peer) % g for k in cols]
         return groups[:, cols].ravel(), groups[:, peers].ravel(), float(c.payload * c.calls)
-    rows = groups[np.isin(stage[groups[:, 0]], c.stages)]
+    keep = np.isin(stage[groups[:, 0]], c.stages)
+    for dim, k in c.where:  # every member of a group shares these coordinates
+        keep &= _coordinates(layout, dim)[groups[:, 0]] == k
+    rows = groups[keep]
     if c.op == "send":
         return rows.ravel(), np.roll(rows, -c.peer, axis=1).ravel(), float(c.payload * c.calls)
     if c.op == "all_to_all":

@@ -1,7 +1,7 @@
 """Every layout of a world that a model admits, with its memory and traffic.
 
 :func:`enumerate_layouts` factors the world into role sizes (every ordered factorisation into
-the roles asked for), keeps those the model admits (:func:`meshgroups.cost.rules.problems`:
+the roles asked for), keeps those the model admits (:func:`meshgroups.cost._rules.problems`:
 heads and kv heads over tp, layers over the pipeline's chunks, experts over ep, the sequence over
 cp), lays each out in the canonical order (``pp`` outermost, then ``dp_replicate``,
 ``dp_shard``, ``ep``, ``cp``, ``tp`` innermost: the fast dims on consecutive ranks) and gives
@@ -9,7 +9,7 @@ each its peak memory per rank, whether it fits a budget, and its traffic per top
 They come ordered by the bytes over the slowest level crossed (then the next level, then
 memory) — an order of bytes on slow links, **not** a predicted step time::
 
-    >>> from meshgroups.cost.model import preset
+    >>> from meshgroups.cost._model import preset
     >>> best = enumerate_layouts(preset("tiny"), 8, Topology(node=8))[0]
     >>> best.slowest_level, best.label()
     ('node', 'pp=4 tp=2')
@@ -20,14 +20,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from meshgroups.cost._model import Model
+from meshgroups.cost._peak import RankMemory, fit, peak_memory
+from meshgroups.cost._roles import ROLES, Parallelism
+from meshgroups.cost._rules import problems
+from meshgroups.cost._traffic import Traffic, traffic
 from meshgroups.errors import LayoutError
 from meshgroups.layout import Layout, Topology
-
-from .memory import RankMemory, peak_memory
-from .model import Model
-from .roles import ROLES, Parallelism
-from .rules import problems
-from .traffic import Traffic, traffic
 
 __all__ = ["CANONICAL", "Candidate", "default_roles", "enumerate_layouts", "factorizations"]
 
@@ -43,9 +42,11 @@ class Candidate:
 
     Args:
         layout: the layout (every role asked for, size-1 dims included).
-        memory: its peak per-rank memory (:func:`meshgroups.cost.memory.peak_memory`).
-        traffic: its traffic (:func:`meshgroups.cost.traffic.traffic`).
+        memory: its peak per-rank memory (:func:`meshgroups.cost._memory.peak_memory`).
+        traffic: its traffic (:func:`meshgroups.cost._traffic.traffic`).
         budget: the per-rank budget in bytes it was checked against (``None``: none).
+        allocator_overhead: the factor the peak (allocated bytes) is multiplied by before the
+            comparison (:func:`meshgroups.cost._peak.fit`; 1.0: allocated as it is).
 
     >>> c = enumerate_layouts(preset("tiny"), 2)[0]
     >>> c.fits, c.sizes["dp_shard"] * c.sizes["tp"] * c.sizes["pp"]
@@ -56,6 +57,7 @@ class Candidate:
     memory: RankMemory
     traffic: Traffic
     budget: float | None = None
+    allocator_overhead: float = 1.0
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -64,8 +66,9 @@ class Candidate:
 
     @property
     def fits(self) -> bool:
-        """Whether the peak memory is within the budget (``True`` without one)."""
-        return self.budget is None or self.memory.total <= self.budget
+        """Whether the peak memory (× the allocator overhead) is within the budget (``True``
+        without one)."""
+        return self.budget is None or fit(self.memory, self.budget, self.allocator_overhead).fits
 
     @property
     def slowest_level(self) -> str | None:
@@ -96,6 +99,7 @@ class Candidate:
             "sizes": self.sizes,
             "memory": self.memory.to_dict(),
             "fits": self.fits,
+            "fit_basis": fit(self.memory, 0.0, self.allocator_overhead).basis,
             "slowest_level": self.slowest_level,
             "slow_bytes": self.slow_bytes,
             "by_level": self.traffic.by_level,
@@ -146,22 +150,24 @@ def enumerate_layouts(
     *,
     roles: Sequence[str] | None = None,
     budget: float | None = None,
+    allocator_overhead: float = 1.0,
 ) -> list[Candidate]:
     """Every layout of ``world`` ranks over ``roles`` that ``model`` admits (see the module
-    docstring), ordered by :meth:`meshgroups.cost.traffic.Traffic.order_key`, then memory.
+    docstring), ordered by :meth:`meshgroups.cost._traffic.Traffic.order_key`, then memory.
 
     Args:
         model: the model. world: ranks. topology: the machine (``None``: one level).
         plan: schedule and dtypes (its ``roles`` mapping must be empty: the layouts' dims are
             named after their roles). roles: the roles to factor the world into (default
             :func:`default_roles`). budget: bytes per rank; each candidate says whether it fits.
+        allocator_overhead: reserved/allocated assumed by the fit (:func:`meshgroups.cost.fit`).
 
     Returns:
         the candidates.
 
     Raises:
         LayoutError: a world below 1 or above :data:`MAX_WORLD`, an unknown or repeated role,
-            a negative budget, or a plan that maps dims.
+            a negative budget, an allocator overhead below 1, or a plan that maps dims.
 
     >>> [c.label() for c in enumerate_layouts(preset("tiny"), 2, roles=("dp_shard", "tp"))]
     ['tp=2', 'dp_shard=2']
@@ -181,17 +187,15 @@ def enumerate_layouts(
         raise LayoutError(f"roles must be distinct and not empty, got {list(chosen)}")
     if budget is not None and not budget >= 0:
         raise LayoutError(f"budget={budget!r} must be a number of bytes >= 0")
+    fit(0.0, 0.0, allocator_overhead)  # checks the overhead
     ordered = [r for r in CANONICAL if r in chosen]
     out = []
     for sizes in factorizations(world, len(ordered)):
         named = dict(zip(ordered, sizes))
-        if problems(model, named, plan.virtual_stages):
+        if problems(model, named, plan.virtual_stages, plan.layers_per_stage):
             continue
         layout = Layout(**named)
-        out.append(
-            Candidate(
-                layout, peak_memory(model, layout, plan), traffic(model, layout, topology, plan), budget
-            )
-        )
+        mem, moved = peak_memory(model, layout, plan), traffic(model, layout, topology, plan)
+        out.append(Candidate(layout, mem, moved, budget, allocator_overhead))
     out.sort(key=lambda c: (c.traffic.order_key(), c.memory.total))
     return out

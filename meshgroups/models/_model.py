@@ -1,11 +1,7 @@
-"""What a transformer is, for the cost model: its dims, and the parameter tensors they make.
-
-A :class:`Model` is a frozen value (layers, hidden size, heads, key/value heads, head dim, FFN
-size, vocabulary, experts and top-k, sequence length, micro-batch), from keywords, a preset
-(:data:`PRESETS`) or a Hugging Face ``config.json`` dict (:meth:`Model.from_hf_config`). Its
-:meth:`Model.tensors` lists the parameter tensors one layer and the ends of the network hold,
-with the axis tensor parallelism cuts and, for experts, the expert axis: the memory and traffic
-accounting works on these shapes, the way FSDP2 and DTensor cut them (``torch.chunk`` rows)::
+"""A transformer, described once for the whole package: :class:`Model` (its dims) and the
+parameter tensors they make (:class:`ParamTensor`), the way tensor parallelism and FSDP2 cut
+them. The cost model (:mod:`meshgroups.cost`), the transfer presets
+(:mod:`meshgroups.transfer._names.presets`) and the CLI read this one description::
 
     >>> m = Model(layers=2, hidden=64, heads=8, ffn=128, vocab=256)
     >>> m.head_dim, m.kv_heads, m.parameters()
@@ -14,13 +10,15 @@ accounting works on these shapes, the way FSDP2 and DTensor cut them (``torch.ch
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from meshgroups.errors import LayoutError
 
-__all__ = ["PRESETS", "Model", "ParamTensor", "preset"]
+__all__ = ["DTYPES", "Model", "ParamTensor"]
+
+#: The dtypes a model's weights may be stored in (``Model.dtype``).
+DTYPES = ("float32", "bfloat16", "float16")
 
 Where = Literal["layer", "embedding", "final_norm", "head"]
 
@@ -79,7 +77,15 @@ class Model:
             otherwise). top_k: experts each token visits. expert_ffn: ``None``: ``ffn``.
         gated_mlp: a gated MLP (SwiGLU: the first projection is ``2 × ffn`` wide, fused).
         tied_embeddings: the output head is the embedding matrix.
+        fused_projections: q, k and v one matrix (``qkv``) and the gated MLP's gate and up one
+            (``fc1``), as Megatron-Core holds them; ``False``: separate matrices (``q``, ``k``,
+            ``v``, ``gate``, ``up``), as Hugging Face and torchtitan do. It changes which
+            tensors FSDP2 pads and what a layer keeps for backward (a fused ``qkv``'s output is
+            kept whole while attention keeps ``v``, a view of it).
         seq_len: tokens per sample s. micro_batch: samples per micro-batch b.
+        dtype: the dtype its weights are kept in (a checkpoint's ``torch_dtype``; what the
+            transfer presets list). Training dtypes are the cost model's
+            (:class:`meshgroups.cost.Precision`).
         name: a label.
 
     Raises:
@@ -105,8 +111,10 @@ class Model:
     expert_ffn: int | None = None
     gated_mlp: bool = False
     tied_embeddings: bool = False
+    fused_projections: bool = True
     seq_len: int = 2048
     micro_batch: int = 1
+    dtype: str = "bfloat16"
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -138,6 +146,8 @@ class Model:
         if self.expert_ffn is None:
             object.__setattr__(self, "expert_ffn", self.ffn)
         _positive(self.expert_ffn, "expert_ffn")
+        if self.dtype not in DTYPES:
+            raise LayoutError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
 
     @property
     def is_moe(self) -> bool:
@@ -147,7 +157,7 @@ class Model:
     def with_(self, **changes: Any) -> Model:
         """A copy with some fields changed (validated again)::
 
-        >>> preset("tiny").with_(seq_len=64).seq_len
+        >>> Model(layers=2, hidden=64, heads=8, ffn=128, vocab=256).with_(seq_len=64).seq_len
         64
         """
         return replace(self, **changes)
@@ -155,24 +165,28 @@ class Model:
     def tensors(self) -> tuple[ParamTensor, ...]:
         """The parameter tensors: one layer's (``where="layer"``), then the embedding, the final
         norm and the output head (absent when ``tied_embeddings`` and one stage holds both ends:
-        see :func:`meshgroups.cost.memory.stage_tensors`).
+        see :func:`meshgroups.cost._memory.stage_tensors`).
 
         Returns:
             the tensors, biases-free (as Llama-style models are), norms as RMSNorm weights.
 
-        >>> [t.name for t in preset("tiny").tensors()]
+        >>> [t.name for t in Model(layers=2, hidden=64, heads=8, ffn=128, vocab=256).tensors()]
         ['attn_norm', 'qkv', 'o', 'mlp_norm', 'fc1', 'fc2', 'embedding', 'final_norm', 'head']
         """
         h, hd = self.hidden, self.head_dim
         if hd is None or self.kv_heads is None or self.expert_ffn is None:  # filled in __post_init__
             raise RuntimeError("meshgroups internal error: a Model without head_dim, kv_heads or expert_ffn")
         gate = 2 if self.gated_mlp else 1
-        layer = [
-            ParamTensor("attn_norm", (h,), None),
-            ParamTensor("qkv", ((self.heads + 2 * self.kv_heads) * hd, h), 0),
-            ParamTensor("o", (h, self.heads * hd), 1),
-            ParamTensor("mlp_norm", (h,), None),
-        ]
+        layer = [ParamTensor("attn_norm", (h,), None)]
+        if self.fused_projections:
+            layer.append(ParamTensor("qkv", ((self.heads + 2 * self.kv_heads) * hd, h), 0))
+        else:
+            layer += [
+                ParamTensor("q", (self.heads * hd, h), 0),
+                ParamTensor("k", (self.kv_heads * hd, h), 0),
+                ParamTensor("v", (self.kv_heads * hd, h), 0),
+            ]
+        layer += [ParamTensor("o", (h, self.heads * hd), 1), ParamTensor("mlp_norm", (h,), None)]
         if self.is_moe:
             e, f = self.experts, self.expert_ffn
             layer += [
@@ -180,8 +194,14 @@ class Model:
                 ParamTensor("experts_fc1", (e, gate * f, h), 1, expert=True),
                 ParamTensor("experts_fc2", (e, h, f), 2, expert=True),
             ]
-        else:
+        elif self.fused_projections or not self.gated_mlp:
             layer += [ParamTensor("fc1", (gate * self.ffn, h), 0), ParamTensor("fc2", (h, self.ffn), 1)]
+        else:
+            layer += [
+                ParamTensor("gate", (self.ffn, h), 0),
+                ParamTensor("up", (self.ffn, h), 0),
+                ParamTensor("fc2", (h, self.ffn), 1),
+            ]
         ends = [
             ParamTensor("embedding", (self.vocab, h), 0, where="embedding"),
             ParamTensor("final_norm", (h,), None, where="final_norm"),
@@ -195,7 +215,7 @@ class Model:
         Returns:
             the count.
 
-        >>> preset("llama3-8b").parameters()
+        >>> Model(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, gated_mlp=True).parameters()
         8030261248
         """
         total = 0
@@ -207,141 +227,21 @@ class Model:
         return total
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any], /, **overrides: Any) -> Model:
-        """A model from a Hugging Face ``config.json`` dict (Llama, Mistral, Mixtral, Qwen,
-        DeepSeek-style keys); ``overrides`` set fields the config does not hold (``seq_len``,
-        ``micro_batch``) or replace what it says.
+    def from_hf_config(cls, config: Any, /, **overrides: Any) -> Model:
+        """A model from a Hugging Face config (a ``config.json`` dict or a ``transformers``
+        config object): :func:`meshgroups.models.from_hf_config`, the package's one reader.
 
         Args:
-            config: the dict (``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``,
-                ``intermediate_size``, ``vocab_size``; optional ``num_key_value_heads``,
-                ``head_dim``, ``num_local_experts``/``num_experts``/``n_routed_experts``,
-                ``num_experts_per_tok``, ``moe_intermediate_size``, ``tie_word_embeddings``,
-                ``hidden_act``: ``silu`` makes a gated MLP).
-            overrides: fields of :class:`Model` set after reading the config.
+            config: the config. overrides: fields of :class:`Model` set after reading it
+                (``seq_len``, ``micro_batch``, or any it says).
 
         Returns:
             the model.
-
-        Raises:
-            TypeError: ``config`` is not a mapping.
-            LayoutError: a required key is missing, or a value breaks a rule of :class:`Model`.
 
         >>> Model.from_hf_config({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
         ...                       "intermediate_size": 128, "vocab_size": 256}, seq_len=32).seq_len
         32
         """
-        if not isinstance(config, Mapping):
-            raise TypeError(f"a Hugging Face config is a dict, got {type(config).__name__}")
-        required = {
-            "layers": "num_hidden_layers",
-            "hidden": "hidden_size",
-            "heads": "num_attention_heads",
-            "ffn": "intermediate_size",
-            "vocab": "vocab_size",
-        }
-        values: dict[str, Any] = {}
-        for f, key in required.items():
-            if key not in config:
-                raise LayoutError(f"the config has no {key!r} (needed for {f})")
-            values[f] = config[key]
-        optional = {
-            "kv_heads": ("num_key_value_heads",),
-            "head_dim": ("head_dim",),
-            "experts": ("num_local_experts", "num_experts", "n_routed_experts"),
-            "top_k": ("num_experts_per_tok",),
-            "expert_ffn": ("moe_intermediate_size",),
-            "tied_embeddings": ("tie_word_embeddings",),
-        }
-        for f, keys in optional.items():
-            for key in keys:
-                if config.get(key) is not None:
-                    values[f] = config[key]
-                    break
-        values["gated_mlp"] = str(config.get("hidden_act", "silu")).lower() in ("silu", "swiglu", "swish")
-        values["name"] = str(config.get("_name_or_path", config.get("model_type", "")))
-        if not values.get("experts"):
-            values.pop("top_k", None)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise LayoutError(f"unknown Model field {unknown[0]!r}; fields are {', '.join(sorted(known))}")
-        return cls(**{**values, **overrides})
+        from ._hf import from_hf_config
 
-
-#: Published model dims (from each model's paper or released config), keyed by name.
-PRESETS: dict[str, Model] = {
-    "tiny": Model(layers=4, hidden=64, heads=8, kv_heads=4, ffn=128, vocab=256, seq_len=32, name="tiny"),
-    "tiny-moe": Model(
-        layers=4,
-        hidden=64,
-        heads=8,
-        kv_heads=4,
-        ffn=128,
-        vocab=256,
-        experts=8,
-        top_k=2,
-        seq_len=32,
-        gated_mlp=True,
-        name="tiny-moe",
-    ),
-    "llama3-8b": Model(
-        layers=32,
-        hidden=4096,
-        heads=32,
-        kv_heads=8,
-        ffn=14336,
-        vocab=128256,
-        gated_mlp=True,
-        seq_len=8192,
-        name="llama3-8b",
-    ),
-    "llama3-70b": Model(
-        layers=80,
-        hidden=8192,
-        heads=64,
-        kv_heads=8,
-        ffn=28672,
-        vocab=128256,
-        gated_mlp=True,
-        seq_len=8192,
-        name="llama3-70b",
-    ),
-    # GPT-3 175B as Korthikanti et al. 2022 (Table 3) train it: a=96, h=12288, L=96, s=2048
-    "gpt3-175b": Model(
-        layers=96, hidden=12288, heads=96, ffn=4 * 12288, vocab=51200, seq_len=2048, name="gpt3-175b"
-    ),
-    "mixtral-8x7b": Model(
-        layers=32,
-        hidden=4096,
-        heads=32,
-        kv_heads=8,
-        ffn=14336,
-        vocab=32000,
-        experts=8,
-        top_k=2,
-        gated_mlp=True,
-        seq_len=4096,
-        name="mixtral-8x7b",
-    ),
-}
-
-
-def preset(name: str) -> Model:
-    """The preset model ``name`` (a key of :data:`PRESETS`).
-
-    Args:
-        name: e.g. ``"llama3-8b"``.
-
-    Returns:
-        the model.
-
-    Raises:
-        LayoutError: an unknown name (the message lists the presets).
-
-    >>> preset("gpt3-175b").heads
-    96
-    """
-    if name not in PRESETS:
-        raise LayoutError(f"unknown model preset {name!r}; presets are {', '.join(PRESETS)}")
-    return PRESETS[name]
+        return from_hf_config(config, **overrides)

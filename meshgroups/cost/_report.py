@@ -1,7 +1,7 @@
 """The costs shown: a text table of candidates, an HTML table for notebooks, and one layout's
 full report as a JSON-ready dict::
 
-    >>> from meshgroups.cost.model import preset
+    >>> from meshgroups.cost._model import preset
     >>> print(table(enumerate_layouts(preset("tiny"), 2), limit=1).splitlines()[0])
     layout  fits  memory/rank  slowest level  bytes there  world
 """
@@ -11,15 +11,26 @@ from __future__ import annotations
 import html as html_mod
 from collections.abc import Sequence
 
+from meshgroups.cost._enumerate import Candidate
+from meshgroups.cost._model import Model
+from meshgroups.cost._peak import RankMemory, fit, peak_memory, rank_memory
+from meshgroups.cost._roles import Parallelism, bubble_fraction
+from meshgroups.cost._traffic import traffic
 from meshgroups.layout import Layout, Topology
 
-from .enumerate import Candidate
-from .memory import peak_memory, rank_memory
-from .model import Model
-from .roles import Parallelism, bubble_fraction
-from .traffic import traffic
+__all__ = [
+    "SORT_KEYS",
+    "breakdown",
+    "breakdown_html",
+    "cost_report",
+    "format_bytes",
+    "html_table",
+    "sort_candidates",
+    "table",
+]
 
-__all__ = ["SORT_KEYS", "cost_report", "format_bytes", "html_table", "sort_candidates", "table"]
+#: The categories of a peak, in the order they are shown.
+CATEGORIES = ("params", "grads", "master", "optimizer", "activations", "loss", "transient")
 
 #: How :func:`sort_candidates` can order: bytes over the slowest level crossed, memory, label.
 SORT_KEYS = ("slow", "memory", "layout")
@@ -41,6 +52,68 @@ def format_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+def breakdown(memory: RankMemory, budget: float | None = None, allocator_overhead: float = 1.0) -> str:
+    """A peak in words: the total, where it is, each category, and against ``budget`` the fit
+    verdict with the basis it used (:func:`meshgroups.cost._peak.fit`).
+
+    Args:
+        memory: a rank's peak. budget: bytes per rank (``None``: no verdict).
+        allocator_overhead: reserved/allocated assumed by the verdict.
+
+    Returns:
+        the text (two or three lines).
+
+    >>> print(breakdown(RankMemory(0, 2**30, 0, 0, 2**31, 2**31, 2**30, 0, "loss backward"), 8 * 2**30, 1.2))
+    peak 6.00 GiB per rank (rank 0, at the loss backward)
+      params 1.00 GiB, grads 0 B, master 0 B, optimizer 2.00 GiB, activations 2.00 GiB, loss 1.00 GiB, transient 0 B
+      fits 8.00 GiB: yes (reserved (allocated × 1.20): 7.20 GiB)
+    """
+    parts = ", ".join(f"{k} {format_bytes(getattr(memory, k))}" for k in CATEGORIES)
+    lines = [
+        f"peak {format_bytes(memory.total)} per rank (rank {memory.rank}, at the {memory.phase or 'step'})",
+        f"  {parts}",
+    ]
+    if budget is not None:
+        f = fit(memory, budget, allocator_overhead)
+        lines.append(
+            f"  fits {format_bytes(budget)}: {'yes' if f.fits else 'no'} ({f.basis}: {format_bytes(f.needed)})"
+        )
+    return "\n".join(lines)
+
+
+def breakdown_html(memory: RankMemory, budget: float | None = None, allocator_overhead: float = 1.0) -> str:
+    """:func:`breakdown` as an HTML bar and table (notebooks): each category's share of the
+    peak, and the verdict.
+
+    Args:
+        memory, budget, allocator_overhead: as :func:`breakdown`.
+
+    Returns:
+        the HTML.
+
+    >>> "transient" in breakdown_html(RankMemory(0, 1, 0, 0, 2, 3, 4, 5, "loss backward"))
+    True
+    """
+    colours = dict(
+        zip(CATEGORIES, ("#4c78a8", "#72b7b2", "#9ecae9", "#54a24b", "#f58518", "#e45756", "#b279a2"))
+    )
+    total = memory.total or 1
+    bar = "".join(
+        f'<div title="{k}" style="display:inline-block;height:14px;width:{100 * getattr(memory, k) / total:.2f}%;'
+        f'background:{colours[k]}"></div>'
+        for k in CATEGORIES
+    )
+    rows = "".join(
+        f'<tr><td><span style="color:{colours[k]}">&#9632;</span> {k}</td><td>{format_bytes(getattr(memory, k))}</td></tr>'
+        for k in CATEGORIES
+    )
+    head = html_mod.escape(breakdown(memory, budget, allocator_overhead).splitlines()[0])
+    verdict = ""
+    if budget is not None:
+        verdict = f"<p>{html_mod.escape(breakdown(memory, budget, allocator_overhead).splitlines()[-1].strip())}</p>"
+    return f'<p>{head}</p><div style="width:420px;border:1px solid #999">{bar}</div><table>{rows}</table>{verdict}'
 
 
 def sort_candidates(candidates: Sequence[Candidate], by: str = "slow") -> list[Candidate]:
@@ -134,20 +207,27 @@ def html_table(
 
 
 def cost_report(
-    model: Model, layout: Layout, topology: Topology | None = None, plan: Parallelism | None = None
+    model: Model,
+    layout: Layout,
+    topology: Topology | None = None,
+    plan: Parallelism | None = None,
+    budget: float | None = None,
+    allocator_overhead: float = 1.0,
 ) -> dict[str, object]:
     """Everything the cost model says about one layout, as a JSON-ready dict: the role sizes,
-    each pipeline stage's peak memory, the bubble fraction, every collective and the traffic
-    per family and per level.
+    the peak memory by category and each pipeline stage's, the fit verdict (with a budget),
+    the bubble fraction, every collective and the traffic per family and per level.
 
     Args:
         model: the model. layout: the layout. topology: the machine. plan: roles and dtypes.
+        budget: bytes per rank for the verdict (``None``: none). allocator_overhead:
+            reserved/allocated assumed by it (:func:`meshgroups.cost._peak.fit`).
 
     Returns:
         the dict.
 
     Raises:
-        LayoutError: as :func:`meshgroups.cost.calls.collectives`.
+        LayoutError: as :func:`meshgroups.cost._calls.collectives`.
 
     >>> cost_report(preset("tiny"), Layout(pp=2, dp_shard=4))["bubble_fraction"]
     0.5
@@ -161,12 +241,24 @@ def cost_report(
     for k in range(sizes["pp"]):
         rank = layout.rank_at(**{**zero, **({dims["pp"]: k} if "pp" in dims else {})})
         stages.append(rank_memory(model, layout, rank, plan).to_dict())
+    peak = peak_memory(model, layout, plan)
+    verdict = None
+    if budget is not None:
+        f = fit(peak, budget, allocator_overhead)
+        verdict = {
+            "fits": f.fits,
+            "needed": f.needed,
+            "budget": f.budget,
+            "overhead": f.overhead,
+            "basis": f.basis,
+        }
     return {
         "model": model.name or repr(model),
         "layout": repr(layout),
         "roles": dict(sizes),
         "topology": repr(topology) if topology is not None else None,
-        "peak_memory": peak_memory(model, layout, plan).to_dict(),
+        "peak_memory": peak.to_dict(),
+        "fit": verdict,
         "stage_memory": stages,
         "bubble_fraction": bubble_fraction(sizes["pp"], plan.micro_batches, plan.virtual_stages),
         "collectives": [c.to_dict() for c in t.collectives],
