@@ -57,6 +57,23 @@ def make_function(api_name: str, ps: ModuleType, module_name: str) -> Callable[.
                 return 0
             return int(ps.local_rank_of(name))
 
+    elif api.kind in ("size_or0", "rank_or0"):
+
+        def fn() -> int:
+            if not dist.is_available() or not dist.is_initialized():
+                return 0
+            group = ps.lookup(name, check_initialized=False)
+            if group is None:
+                return 0
+            return len(ps.ranks_of(name)) if api.kind == "size_or0" else int(ps.local_rank_of(name))
+
+    elif api.kind == "ranks":
+
+        def fn(check_initialized: bool = True) -> list[int] | None:
+            if ps.lookup(name, check_initialized) is None:
+                return None
+            return list(ps.ranks_of(name))
+
     elif api.kind == "src":
 
         def fn() -> int:

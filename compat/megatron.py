@@ -7,9 +7,10 @@
     from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(2, 2)         # checked, deduplicated groups
 
-``install`` makes ``megatron.core.parallel_state`` and ``megatron.core.process_groups_config``
-resolve to ``meshgroups.compat.parallel_state`` / ``process_groups_config``: a finder first on
-``sys.meta_path`` answers those two names with the compat modules, so Python still imports
+``install`` makes ``megatron.core.parallel_state``, ``megatron.core.process_groups_config`` and
+``megatron.core.hyper_comm_grid`` resolve to ``meshgroups.compat.parallel_state`` /
+``process_groups_config`` / ``hyper_comm_grid``: a finder first on
+``sys.meta_path`` answers those names with the compat modules, so Python still imports
 ``megatron`` and ``megatron.core`` first and binds the submodule attributes as usual, and every
 ``from megatron.core.parallel_state import ...`` in megatron-core's models, DDP, schedules and
 megatron_fsdp binds compat's functions. It also sets the group-creation strategy
@@ -26,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from meshgroups.compat import parallel_state, process_groups_config
+from meshgroups.compat import hyper_comm_grid, parallel_state, process_groups_config
 
 from meshgroups import Strategy
 
@@ -35,6 +36,7 @@ __all__ = ["install", "installed", "uninstall"]
 _ALIASES: dict[str, ModuleType] = {
     "megatron.core.parallel_state": parallel_state,
     "megatron.core.process_groups_config": process_groups_config,
+    "megatron.core.hyper_comm_grid": hyper_comm_grid,
 }
 # While installed: the sys.modules entries the aliases replaced, and the modules present before.
 _saved: dict[str, ModuleType | None] | None = None
