@@ -56,7 +56,7 @@ from meshgroups.compat.megatron_state import (
     set_override,
 )
 from meshgroups.compat.megatron_version import megatron_version, set_megatron_version
-from meshgroups.compat.parallel_state_versions import read_options_16, read_options_19
+from meshgroups.compat.parallel_state_versions import own_communicators, read_options_16, read_options_19
 
 from meshgroups import GroupCache, MeshGroups, Strategy, init_mesh
 from meshgroups.mesh import collective_entry
@@ -229,13 +229,9 @@ def _build(config: _Config) -> MegatronState:
     )
     all_gather = None
     if config.create_all_gather_group:
-        try:  # a second cache: the same ranks as dp×cp, but a communicator of its own
-            all_gather = init_mesh(
-                plan.layout,
-                only=[("dp", "cp")],
-                timeout=config.timeout,
-                cache=GroupCache(),
-                strategy=config.strategy,
+        try:  # the same ranks as dp×cp, but a communicator of its own
+            all_gather = own_communicators(
+                plan.layout, [("dp", "cp")], timeout=config.timeout, strategy=config.strategy
             )
         except BaseException:
             mesh_groups.close()

@@ -32,7 +32,7 @@ from meshgroups.compat.megatron_state import (
     ranks_of,
 )
 
-from meshgroups import GroupCache, Layout, LayoutError, init_mesh
+from meshgroups import GroupCache, Layout, LayoutError, MeshGroups, init_mesh
 
 __all__ = [
     "create_all_gather_groups",
@@ -297,7 +297,7 @@ def create_all_gather_groups(
     ep = _call("get_expert_model_parallel_world_size")
     dense = Layout.from_order(inject_gtp_remat("tp-cp-ep-dp-pp", "tp"), **sizes)
     _fits(dense, "tp × gtp_remat × cp × dp × pp", sizes)
-    built = [init_mesh(dense, only=[("dp", "cp")], cache=GroupCache(), timeout=timeout)]
+    built = [own_communicators(dense, [("dp", "cp")], timeout=timeout)]
     state.extra.append(built[0])
     expt = None
     if for_expert_parallelism and ep > 1:
@@ -311,7 +311,7 @@ def create_all_gather_groups(
         }
         expert = Layout.from_order(inject_gtp_remat("tp-cp-ep-dp-pp", "ep"), **expert_sizes)
         _fits(expert, "expert tp × ep × gtp_remat × dp × pp", expert_sizes)
-        mesh = init_mesh(expert, only=[("dp",)], cache=GroupCache(), timeout=timeout)
+        mesh = own_communicators(expert, [("dp",)], timeout=timeout)
         state.extra.append(mesh)
         expt = mesh.group("dp")
     return built[0].group("dp", "cp"), expt
@@ -328,3 +328,22 @@ def _fits(layout: Layout, what: str, sizes: dict[str, int]) -> None:
             f"world's {world}: megatron-core 0.19 takes dp from get_data_parallel_world_size(), which "
             "already spans gtp_remat, and multiplies by gtp_remat again (its new_group then fails the same way)"
         )
+
+
+def own_communicators(layout: Layout, dim_sets: list[tuple[str, ...]], **options: Any) -> MeshGroups:
+    """Groups over ``layout``'s ``dim_sets`` that are communicators of their own, even where their
+    ranks are another group's or the whole world's (megatron-core's all-gather groups exist to
+    progress apart from the dp×cp reduce-scatters): a cache of their own, and the default
+    backend named explicitly, so a world-spanning set is not the default group.
+
+    Args:
+        layout: the layout (its views too).
+        dim_sets: the dim sets to build.
+        options: ``init_mesh`` keywords (``timeout``, ``strategy``).
+
+    Returns:
+        The ``MeshGroups`` (close it to destroy them).
+    """
+    backend = str(dist.get_backend())
+    names = {"_".join(dims): backend for dims in dim_sets}
+    return init_mesh(layout, only=dim_sets, cache=GroupCache(), backend_override=names, **options)

@@ -105,13 +105,14 @@ def collection_from_layout(
         levels = [level for level in (layout.hcp_levels if isinstance(layout, MegatronPlan) else ())]
         values["hcp"] = [mg.group(*level) for level in levels] or None
     values["dp_cp_ag"] = values["expt_dp_ag"] = None
-    if all_gather:  # a cache of its own: the same ranks as dp×cp, other communicators
-        ag = init_mesh(
+    if all_gather:  # the same ranks as dp×cp (expert dp), communicators of their own
+        from meshgroups.compat.parallel_state_versions import own_communicators
+
+        ag = own_communicators(
             base,
-            only=[d for d in (("dp", "cp"), ("expt_dp",)) if _resolves(base, d)],
+            [d for d in (("dp", "cp"), ("expt_dp",)) if _resolves(base, d)],
             strategy=strategy,
             timeout=timeout,
-            cache=GroupCache(),
         )
         built.append(ag)
         values["dp_cp_ag"] = ag.group("dp", "cp") if _resolves(base, ("dp", "cp")) else None

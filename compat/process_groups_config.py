@@ -135,7 +135,7 @@ def _ranks(group: Any) -> list[int] | None:
 
 def _size(group: Any) -> str:
     if isinstance(group, list):
-        return str([_size(g) for g in group])
+        return f"[{', '.join(_size(g) for g in group)}]"
     try:
         return str(group.size())
     except Exception:  # a destroyed or foreign group: show what it is rather than fail

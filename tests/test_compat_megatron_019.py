@@ -85,8 +85,107 @@ def worker_answers(rank: int, world: int, names: list[str]) -> int:
             assert outcome == ANSWERS["answers"][f"refusal {name}"], (name, outcome)
             compared += 1
         compared += _positional_meanings(ps, dist, rank)
+        compared += _collections_from_layouts(names, rank)
+        compared += _hyper_comm_grid(rank)
     dist.barrier()
     return compared
+
+
+def _plan(world: int, kwargs: dict):
+    from meshgroups.compat.megatron_layout import megatron_plan
+
+    return megatron_plan(
+        world,
+        kwargs.get("tensor_model_parallel_size", 1),
+        kwargs.get("pipeline_model_parallel_size", 1),
+        context_parallel_size=kwargs.get("context_parallel_size", 1),
+        hierarchical_context_parallel_sizes=kwargs.get("hierarchical_context_parallel_sizes"),
+        expert_model_parallel_size=kwargs.get("expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=kwargs.get("expert_tensor_parallel_size"),
+        num_distributed_optimizer_instances=kwargs.get("num_distributed_optimizer_instances", 1),
+        order=kwargs.get("order", "tp-cp-ep-dp-pp"),
+        gtp_remat_size=kwargs.get("gtp_remat_size", 1),
+        expert_gtp_remat_size=kwargs.get("expert_gtp_remat_size", 1),
+        **({"rank_offset": kwargs["rank_offset"]} if "rank_offset" in kwargs else {}),
+    )
+
+
+def _collections_from_layouts(names: list[str], rank: int) -> int:
+    """Groups passed, not read: ``ProcessGroupCollection.from_layout`` equals megatron-core's
+    ``use_mpu_process_groups()`` field by field, with no parallel_state initialised; the
+    all-gather communicators are groups of their own over the dp×cp / expert dp ranks; a
+    two-module ``MultiModuleProcessGroupCollection`` keeps this rank's module."""
+    import torch
+    import torch.distributed as dist
+    from meshgroups.compat import parallel_state as ps
+    from meshgroups.compat.process_groups_config import (
+        MultiModuleProcessGroupCollection,
+        ProcessGroupCollection,
+    )
+
+    checks = 0
+    assert not ps.is_initialized()
+    for i, name in enumerate(names):
+        pgs = ProcessGroupCollection.from_layout(_plan(8, CONFIGS[name][1]), all_gather=i == 0)
+        want = ANSWERS["answers"][name][rank]["ProcessGroupCollection"]
+        for field, ranks in want.items():
+            got = getattr(pgs, field)
+            got = [dist.get_process_group_ranks(g) for g in got] if isinstance(got, list) else got
+            got = dist.get_process_group_ranks(got) if isinstance(got, dist.ProcessGroup) else got
+            if field in ("dp_cp_ag", "expt_dp_ag") and i == 0:  # megatron-core leaves them None
+                assert got == want[field.replace("_ag", "")] and getattr(pgs, field) is not pgs.dp_cp
+                continue
+            assert got == ranks, (name, field, got, ranks)
+            checks += 1
+        value = torch.tensor([1.0])
+        dist.all_reduce(value, group=pgs.dp_cp_gtp_remat)
+        assert value.item() == pgs.dp_cp_gtp_remat.size()
+        pgs.close()
+    encoder, llm = (
+        _plan(4, {"tensor_model_parallel_size": 2}),
+        _plan(4, {"pipeline_model_parallel_size": 2, "context_parallel_size": 2, "rank_offset": 4}),
+    )
+    multi = MultiModuleProcessGroupCollection.from_layouts(
+        {"encoder": encoder, "llm": llm}, language_model_module_name="llm"
+    )
+    if rank < 4:
+        assert list(multi.keys()) == ["encoder"] and not multi.has_language_model()
+        assert dist.get_process_group_ranks(multi["encoder"].tp) == [rank - rank % 2, rank - rank % 2 + 1]
+    else:
+        assert list(multi.keys()) == ["llm"] and multi.get_language_model_cp_size() == 2
+        assert dist.get_process_group_ranks(multi.get_module_collection("llm").pp) == [
+            rank % 2 + 4,
+            rank % 2 + 6,
+        ]
+    multi.close()
+    return checks + 2
+
+
+def _hyper_comm_grid(rank: int) -> int:
+    """megatron-core's HyperCommGrid on compat, real groups: views, a shared dim's group reused,
+    a view's private dims that enumerate an existing group's rank sets get that group."""
+    import torch
+    import torch.distributed as dist
+    from meshgroups.compat.hyper_comm_grid import HyperCommGrid
+
+    grid = HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"])
+    grid.register_view("expert", [2, 2, 2], ["expt_tp", "ep", "pp"], shared_dims=["pp"])
+    grid.register_view("flat", [4, 2], ["tp_dp", "pp"], shared_dims=["pp"])
+    tp, tp_dp, pp = grid.create_pg("tp"), grid.create_pg(["dp", "tp"]), grid.create_pg("pp")
+    assert grid.create_pg("tp_dp", view="flat") is tp_dp  # the same rank sets: one group
+    assert grid.get_pg("pp", view="expert") is pp and grid._cache.created == 3
+    ep = grid.create_pg(["ep", "expt_tp"], view="expert")
+    for group in (tp, tp_dp, pp, ep):
+        value = torch.tensor([rank + 1.0])
+        dist.all_reduce(value, group=group)
+        assert value.item() == sum(r + 1 for r in dist.get_process_group_ranks(group))
+    assert dist.get_process_group_ranks(tp_dp) == grid.get_rank_enum(["tp", "dp"])[rank // 4]
+    assert grid.is_current_rank_in_grid()
+    with pytest.raises(KeyError, match="has already been created"):
+        grid.create_pg("tp")
+    grid.destroy()
+    assert grid._pgs == {}
+    return 8
 
 
 def _positional_meanings(ps, dist, rank: int) -> int:
@@ -171,3 +270,38 @@ def test_the_committed_answers_are_megatron_core_0_19(tmp_path):
                 assert live[name] == ANSWERS["answers"][name][rank], (name, rank)
             for name in REFUSALS if world == 8 else ():
                 assert live[f"refusal {name}"] == ANSWERS["answers"][f"refusal {name}"], name
+
+
+def test_the_version_switch_and_collection_reads_without_processes():
+    from meshgroups.compat import parallel_state as ps
+    from meshgroups.compat.process_groups_config import ProcessGroupCollection
+
+    if INSTALLED is not None:
+        pytest.skip(f"megatron-core {INSTALLED} is installed, which decides the version")
+    assert ps.megatron_version() is None
+    with pytest.raises(ValueError, match="'0.18' is not served by meshgroups.compat; served: 0.16, 0.19"):
+        ps.set_megatron_version("0.18")
+    pgs = ProcessGroupCollection(tp=None)
+    with pytest.raises(ps.AmbiguousCallError, match="0.16 reports as a missing attribute"):
+        _ = pgs.dp  # unset: absent in 0.16, None in 0.19
+    assert not hasattr(pgs, "dp")  # hasattr reads the ambiguity as absent, as 0.16 code expects
+    try:
+        ps.set_megatron_version("0.19.1")
+        assert (
+            ps.megatron_version() == "0.19"
+            and pgs.dp is None
+            and repr(pgs) == "ProcessGroupCollection(empty)"
+        )
+        assert not ProcessGroupCollection.is_gtp_remat_active({"gtp_remat_group": None})
+        ps.set_megatron_version("0.16")
+        assert repr(pgs) == "ProcessGroupCollection(tp(None))"
+        with pytest.raises(AttributeError, match="ProcessGroupCollection.dp was not set"):
+            _ = pgs.dp
+        with pytest.raises(TypeError, match="gtp_remat"):
+            ps.RankGenerator(tp=1, ep=1, dp=2, pp=1, cp=1, order="tp-dp", gtp_remat=2)
+    finally:
+        ps.set_megatron_version(None)
+    generator = ps.RankGenerator(2, 1, 2, 1, 1, "tp-gtp_remat-dp", 0, 2)  # only 0.19 has the 8th argument
+    assert generator.get_gtp_ranks(2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    with pytest.raises(AssertionError, match=r"gtp_remat axis size \(2\) != requested gtp_remat_size \(4\)"):
+        generator.get_gtp_ranks(4)
