@@ -345,5 +345,5 @@ def own_communicators(layout: Layout, dim_sets: list[tuple[str, ...]], **options
         The ``MeshGroups`` (close it to destroy them).
     """
     backend = str(dist.get_backend())
-    names = {"_".join(dims): backend for dims in dim_sets}
+    names: dict[int | str, object] = {"_".join(dims): backend for dims in dim_sets}
     return init_mesh(layout, only=dim_sets, cache=GroupCache(), backend_override=names, **options)
