@@ -122,6 +122,13 @@ def versioned(
     def read(*args: Any, **kwargs: Any) -> Any:
         version = megatron_version()
         if version is not None:
+            try:
+                signatures[version].bind(*args, **kwargs)
+            except TypeError as exc:  # megatron-core's TypeError, saying which version's signature
+                raise TypeError(
+                    f"{shown}(): {exc} — megatron-core {version}'s signature {signatures[version]} "
+                    "(the version your code is read as: meshgroups.compat.parallel_state.megatron_version())"
+                ) from None
             return impls[version](*args, **kwargs)
         readings = {v: _binding(signatures[v], args, kwargs) for v in SERVED}
         fitting = [v for v in SERVED if readings[v] is not None]

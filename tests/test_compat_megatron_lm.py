@@ -21,7 +21,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from meshgroups.compat.megatron_version import installed_megatron_core
 
 from .support.timing import scaled
