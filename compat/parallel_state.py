@@ -265,8 +265,11 @@ def is_unitialized() -> bool:
 
 
 def model_parallel_is_initialized() -> bool:
-    """True between ``initialize_model_parallel`` and ``destroy_model_parallel``."""
-    return SLOTS.state is not None
+    """True between ``initialize_model_parallel`` and ``destroy_model_parallel`` on a rank that
+    has tensor-, pipeline- and data-parallel groups (not one outside ``rank_offset`` /
+    ``local_world_size``)."""
+    state = SLOTS.state
+    return state is not None and all(state.group(f) is not None for f in ("tp", "pp", "dp"))
 
 
 def destroy_model_parallel() -> None:

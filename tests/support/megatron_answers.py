@@ -89,6 +89,10 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
             num_distributed_optimizer_instances=2,
         ),
     ),
+    "offset4_local4_tp2_gtp2": (  # megatron-core 0.19's groups over ranks 4..7 of 8 only
+        8,
+        dict(tensor_model_parallel_size=2, gtp_remat_size=2, rank_offset=4, local_world_size=4),
+    ),
     "gtp2_tp2_cp2_pp2_ep2_etp1_egtp2": (
         16,
         dict(
@@ -141,8 +145,13 @@ def error_name(exc: BaseException) -> str:
 def _ranks(value: Any) -> Any:
     import torch.distributed as dist
 
+    if value is dist.GroupMember.NON_GROUP_MEMBER:
+        return "non-member"
     if isinstance(value, dist.ProcessGroup):
-        return list(dist.get_process_group_ranks(value))
+        try:
+            return list(dist.get_process_group_ranks(value))
+        except KeyError:  # a group object torch does not know (destroyed, or a non-member's)
+            return "unregistered group"
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], dist.ProcessGroup):
         return [_ranks(v) for v in value]
     return value
@@ -201,8 +210,10 @@ GLOBALS = (
 ).split()
 
 
-def snapshot(ps: Any, pgc: Any, vp: int | None = None) -> dict[str, Any]:
-    """Every accessor's answer on this rank, read through ``ps`` (and ``pgc``'s collection)."""
+def snapshot(ps: Any, pgc: Any, vp: int | None = None, all_gather: bool = True) -> dict[str, Any]:
+    """Every accessor's answer on this rank, read through ``ps`` (and ``pgc``'s collection);
+    ``all_gather``: also call ``create_all_gather_groups`` (collective: not where some ranks are
+    outside the groups, which megatron-core refuses there before the others' ``new_group``)."""
     out: dict[str, Any] = {}
     for name in _NO_ARGS:
         out[name] = _read(getattr(ps, name))
@@ -255,10 +266,28 @@ def snapshot(ps: Any, pgc: Any, vp: int | None = None) -> dict[str, Any]:
             out[f"{name}(False, {stage})"] = _read(getattr(ps, name), ignore_virtual=False, vp_stage=stage)
     for name in GLOBALS:
         out[name] = _ranks(getattr(ps, name))
-    collection = pgc.ProcessGroupCollection.use_mpu_process_groups()
-    out["ProcessGroupCollection"] = {k: _ranks(v) for k, v in sorted(vars(collection).items())}
-    out["create_all_gather_groups(True)"] = _read(ps.create_all_gather_groups, for_expert_parallelism=True)
+    from dataclasses import fields
+
+    collection = {}
+    for f in fields(pgc.ProcessGroupCollection):  # field by field: on a rank outside, some assert
+        one = _read(pgc.ProcessGroupCollection.use_mpu_process_groups, [f.name])
+        collection[f.name] = getattr(one, f.name) if isinstance(one, pgc.ProcessGroupCollection) else one
+    out["ProcessGroupCollection"] = {k: _ranks(v) for k, v in sorted(collection.items())}
+    if all_gather:
+        out["create_all_gather_groups(True)"] = _read(
+            ps.create_all_gather_groups, for_expert_parallelism=True
+        )
     return out
+
+
+def snapshot_config(ps: Any, pgc: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``snapshot`` after ``initialize_model_parallel(**kwargs)`` with that config's options."""
+    return snapshot(
+        ps,
+        pgc,
+        kwargs.get("virtual_pipeline_model_parallel_size"),
+        all_gather="local_world_size" not in kwargs,
+    )
 
 
 def _answers(rank: int, world: int, names: list[str]) -> dict[str, Any]:
@@ -273,7 +302,7 @@ def _answers(rank: int, world: int, names: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in names:
         ps.initialize_model_parallel(**CONFIGS[name][1])
-        out[name] = snapshot(ps, pgc, CONFIGS[name][1].get("virtual_pipeline_model_parallel_size"))
+        out[name] = snapshot_config(ps, pgc, CONFIGS[name][1])
         _destroy(ps, dist)
     if world == 8:
         for name, kwargs in REFUSALS.items():
@@ -287,9 +316,11 @@ def _answers(rank: int, world: int, names: list[str]) -> dict[str, Any]:
 
 
 def _destroy(ps: Any, dist: Any) -> None:
-    """megatron-core's destroy, then its groups (it never destroys them: threads pile up)."""
-    ps._EMBEDDING_GLOBAL_RANKS = ps._POSITION_EMBEDDING_GLOBAL_RANKS = None
+    """megatron-core's destroy, then its groups (it never destroys them: threads pile up); the
+    globals its destroy leaves set are cleared too, so no configuration reads the previous one's."""
     ps.destroy_model_parallel()
+    for name in [*GLOBALS, "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS"]:  # as in a fresh process
+        setattr(ps, name, None)
     for group in list(dist.distributed_c10d._world.pg_map):
         if group is not dist.group.WORLD and group is not dist.GroupMember.WORLD:
             dist.destroy_process_group(group)
