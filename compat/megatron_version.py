@@ -15,10 +15,12 @@ With neither, the version is unknown: a call is served when both versions read i
 current state (the same group, the same number), and raises ``AmbiguousCallError`` naming both
 readings otherwise — never a silently different group::
 
-    >>> set_megatron_version("0.19")
-    >>> megatron_version()
-    '0.19'
-    >>> set_megatron_version(None)
+    >>> megatron_version() in SERVED + (None,)   # "0.16", "0.19", or None: unknown
+    True
+    >>> set_megatron_version("0.17")
+    Traceback (most recent call last):
+    ...
+    ValueError: megatron-core version '0.17' is not served by meshgroups.compat; served: 0.16, 0.19
 """
 
 from __future__ import annotations

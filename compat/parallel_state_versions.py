@@ -5,12 +5,9 @@ version decides; see ``megatron_version``).
 Re-exported by ``meshgroups.compat.parallel_state``, after the 0.16-only module
 ``parallel_state_ranks`` (whose data-parallel getters are the 0.16 implementations here)::
 
-    >>> import inspect
     >>> from meshgroups.compat import parallel_state as ps
-    >>> ps.set_megatron_version("0.19")
-    >>> list(inspect.signature(ps.get_data_parallel_group).parameters)
+    >>> list(ps.get_data_parallel_group._signatures["0.19"].parameters)   # 0.16's: partial second
     ['with_context_parallel', 'with_gtp_remat', 'partial_data_parallel']
-    >>> ps.set_megatron_version(None)
 """
 
 from __future__ import annotations
