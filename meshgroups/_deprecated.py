@@ -104,6 +104,17 @@ MODULES: dict[str, str] = {
     ),
     "meshgroups.engines.worlds": "meshgroups.engines._worlds",
     **_private(
+        "meshgroups.compat",
+        [
+            "megatron_api",
+            "megatron_buffers",
+            "megatron_helpers",
+            "megatron_state",
+            "parallel_state_ranks",
+            "pg_setup",
+        ],
+    ),
+    **_private(
         "meshgroups.engines.vllm",
         [
             "api",

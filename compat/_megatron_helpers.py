@@ -19,9 +19,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from meshgroups.compat._errors import MegatronAssertionError, MegatronRuntimeError
+from meshgroups.compat._versioned import versioned
 from meshgroups.compat.megatron_layout import hybrid_sizes
 
 from meshgroups import Layout, LayoutError
+from meshgroups.layout import product
 from meshgroups.mesh import set_group_timeout
 
 __all__ = [
@@ -48,38 +50,51 @@ class RankGenerator:
     """Megatron's rank generator: groups of any token subset of an order string, as layout rows.
 
     ``order`` lists tokens fastest first; tokens left out must have size 1 (appended, as in
-    megatron-core). ``layout`` is the ``meshgroups.Layout`` behind it.
+    megatron-core). ``layout`` is the ``meshgroups.Layout`` behind it. megatron-core 0.19 adds
+    the ``gtp_remat`` token (its size is the last argument) and ``get_gtp_ranks``.
 
     Args:
         tp, ep, dp, pp, cp: the sizes (one of ep and cp must be 1).
         order: the order string, fastest first (``"tp-cp-ep-dp-pp"``).
         rank_offset: the first global rank.
+        gtp_remat: (megatron-core 0.19) the size of the gtp_remat token.
     """
 
-    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0) -> None:
-        if ep != 1 and cp != 1:
+    gtp_remat: int = 1  # megatron-core 0.19's; 0.16's generators have no such size
+
+    def _setup(self, sizes: dict[str, int], order: str, rank_offset: int) -> None:
+        if sizes["ep"] != 1 and sizes["cp"] != 1:
             raise MegatronAssertionError(
-                f"ep={ep} and cp={cp} are both > 1: one RankGenerator holds either cp (dense) or ep (expert)"
+                f"ep={sizes['ep']} and cp={sizes['cp']} are both > 1: one RankGenerator holds either cp "
+                "(dense) or ep (expert)"
             )
-        self.tp, self.ep, self.dp, self.pp, self.cp = tp, ep, dp, pp, cp
+        self.tp, self.ep, self.dp, self.pp, self.cp = (sizes[t] for t in ("tp", "ep", "dp", "pp", "cp"))
         self.rank_offset = rank_offset
-        self.world_size = tp * dp * pp * cp * ep
-        self.name_to_size = {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp}
+        self.world_size = product(sizes.values())
+        self.name_to_size = sizes
         tokens = order.lower().split("-")
-        for name in _TOKENS:
-            if name not in tokens and self.name_to_size[name] != 1:
+        for name in sizes:
+            if name not in tokens and sizes[name] != 1:
                 raise MegatronRuntimeError(
-                    f"{name}={self.name_to_size[name]} but {name!r} is missing from order {order!r}"
+                    f"{name}={sizes[name]} but {name!r} is missing from order {order!r}"
                 )
-        tokens += [name for name in _TOKENS if name not in tokens]
+        tokens += [name for name in sizes if name not in tokens]
         self.order = "-".join(tokens)
         try:
-            self.ordered_size = [self.name_to_size[t] for t in tokens]
+            self.ordered_size = [sizes[t] for t in tokens]
         except KeyError as exc:
             raise MegatronRuntimeError(
-                f"unknown token {exc.args[0]!r} in order {order!r}; tokens are {', '.join(_TOKENS)}"
+                f"unknown token {exc.args[0]!r} in order {order!r}; tokens are {', '.join(sizes)}"
             ) from None
-        self.layout = Layout.from_order(self.order, rank_offset=rank_offset, **self.name_to_size)
+        self.layout = Layout.from_order(self.order, rank_offset=rank_offset, **sizes)
+
+    def get_gtp_ranks(self, gtp_remat_size: int) -> list[list[int]]:
+        """(megatron-core 0.19) The gtp_remat groups; ``gtp_remat_size`` must be this generator's."""
+        if self.gtp_remat != gtp_remat_size:
+            raise MegatronAssertionError(
+                f"gtp_remat axis size ({self.gtp_remat}) != requested gtp_remat_size ({gtp_remat_size})"
+            )
+        return self.get_ranks("gtp_remat")
 
     def get_mask(self, order: str, token: str) -> list[bool]:
         """``[t in token for t in order]`` over hyphen-separated tokens."""
@@ -252,7 +267,7 @@ def overwrite_nccl_comm_cfgs(nccl_comm_cfgs: dict[str, Any], pg_name: str, key_v
 def update_pg_timeout(timeout: timedelta, pg: dist.ProcessGroup | None = None) -> None:
     """After a barrier on ``pg``, set the timeout of ``pg`` — or, with ``pg=None``, of the
     default group and every group compat made (the layout's and ``create_group``'s)."""
-    from meshgroups.compat.megatron_state import held_groups
+    from meshgroups.compat._megatron_state import held_groups
 
     dist.barrier(pg)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -265,3 +280,34 @@ def update_pg_timeout(timeout: timedelta, pg: dist.ProcessGroup | None = None) -
         if id(group) not in seen:
             seen.add(id(group))
             set_group_timeout(group, timeout)
+
+
+def _init_16(
+    self: RankGenerator, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0
+) -> None:
+    """megatron-core 0.16's constructor: the tokens tp, pp, dp, ep, cp."""
+    self._setup({"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp}, order, rank_offset)
+
+
+def _init_19(
+    self: RankGenerator,
+    tp: int,
+    ep: int,
+    dp: int,
+    pp: int,
+    cp: int,
+    order: str,
+    rank_offset: int = 0,
+    gtp_remat: int = 1,
+) -> None:
+    """megatron-core 0.19's constructor: the tokens tp, pp, dp, ep, cp, gtp_remat."""
+    self.gtp_remat = gtp_remat
+    self._setup(
+        {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp, "gtp_remat": gtp_remat}, order, rank_offset
+    )
+
+
+RankGenerator.__init__ = versioned(  # type: ignore[method-assign]
+    "__init__", {"0.16": _init_16, "0.19": _init_19}, __name__, call="RankGenerator"
+)
+RankGenerator.__init__.__qualname__ = "RankGenerator.__init__"

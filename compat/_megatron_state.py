@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 from meshgroups.compat._errors import NotInitializedError
 from meshgroups.compat._generated import make_function
-from meshgroups.compat.megatron_api import API, FIELD_WHAT, OVERRIDES
+from meshgroups.compat._megatron_api import API, FIELD_WHAT, OVERRIDES
 from meshgroups.compat.megatron_layout import MegatronPlan
 
 from meshgroups import MeshGroups
@@ -44,6 +44,11 @@ class MegatronState:
     mesh_groups: MeshGroups
     all_gather: MeshGroups | None = None
     cache: dict[tuple[str, Any], Any] = field(default_factory=dict)
+    #: families without a gloo twin although gloo twins were asked for (megatron-core 0.19
+    #: turns them off for the expert data-parallel groups under expert gtp_remat)
+    no_gloo: frozenset[str] = frozenset()
+    #: meshes made after initialisation (``create_all_gather_groups``), closed with the state
+    extra: list[MeshGroups] = field(default_factory=list)
 
     def group(self, name: str, gloo: bool = False) -> dist.ProcessGroup | None:
         """This rank's group of family ``name`` (``None`` where megatron-core has none).
@@ -67,7 +72,7 @@ class MegatronState:
             return None  # megatron-core builds no inter-instance group for one instance
         if name not in self.plan.fields:
             return None
-        if gloo and not self.mesh_groups.gloo_twins:
+        if gloo and (not self.mesh_groups.gloo_twins or name in self.no_gloo):
             return None
         dims = self.plan.fields[name]
         return self.mesh_groups.group(*((dims,) if isinstance(dims, str) else dims), gloo=gloo)

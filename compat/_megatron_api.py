@@ -1,4 +1,4 @@
-"""The one table behind ``meshgroups.compat.parallel_state``: megatron-core 0.16.1's public surface.
+"""The one table behind ``meshgroups.compat.parallel_state``: megatron-core 0.16.1's and 0.19's public surface.
 
 ``API`` maps every public function of megatron-core's ``parallel_state`` to how compat serves
 it: a *kind* (a group getter, a size, a rank, a source rank, a setter, or ``custom`` — written
@@ -6,7 +6,10 @@ out in ``parallel_state_ranks.py`` / ``megatron_helpers.py`` because its argumen
 several groups), the *group family* (a field of ``megatron_plan``) it reads, the module global a
 setter writes and a getter honours first, and the exception class megatron-core raises when the
 value is not there. ``parallel_state`` generates the regular kinds from it; the signature test
-reads it (``tests/data/megatron_core_0.16.1_signatures.json``). ``GLOBALS`` maps megatron-core's
+reads it (``tests/data/megatron_core_<version>_signatures.json``). Functions whose signature
+or answer differs between the versions are ``custom`` here and served per version
+(``parallel_state_versions.py``); ``SINCE`` names those that exist in one version only.
+``GLOBALS`` maps megatron-core's
 module globals to the family (and twin/rank list) they hold, served by the module's
 ``__getattr__``::
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["API", "CLASSES", "FIELD_WHAT", "GLOBALS", "OVERRIDES", "PGC_API", "Api"]
+__all__ = ["API", "CLASSES", "FIELD_WHAT", "GLOBALS", "OVERRIDES", "PGC_API", "SINCE", "Api"]
 
 
 @dataclass(frozen=True)
@@ -27,8 +30,10 @@ class Api:
 
     ``kind``: ``group`` ``(check_initialized=True)``; ``size`` / ``rank`` (the override, else
     the group's; Megatron asserts without a group); ``size0`` / ``rank0`` (same, but 0 when
-    ``torch.distributed`` is not initialised); ``src`` (the group's first global rank); ``set``
-    (writes ``override``); ``custom``.
+    ``torch.distributed`` is not initialised); ``size_or0`` / ``rank_or0`` (the group's, 0 when
+    there is none: 0.19's gtp_remat accessors); ``ranks`` (the group's global ranks,
+    ``(check_initialized=True)``); ``src`` (the group's first global rank); ``set`` (writes
+    ``override``); ``custom``.
     """
 
     kind: str
@@ -60,6 +65,14 @@ FIELD_WHAT: dict[str, str] = {
     "intra_dist_opt": "intra distributed optimizer instance group",
     "embd": "embedding group",
     "pos_embd": "position embedding group",
+    "gtp_remat": "generalized tensor parallel group",
+    "expt_gtp_remat": "expert generalized tensor parallel group",
+    "dp_gtp_remat": "data parallel group (with GTP_remat)",
+    "dp_cp_gtp_remat": "data parallel group with CP (with GTP_remat)",
+    "intra_dp_cp_gtp_remat": "intra partial data parallel group with CP (with GTP_remat)",
+    "expt_dp_gtp_remat": "Expert data parallel group (with GTP_remat)",
+    "intra_expt_dp_gtp_remat": "Intra partial expert data parallel group (with GTP_remat)",
+    "tp_ep_pp_with_egtp_remat": "Expert tensor-model-pipeline parallel group with EGTP",
 }
 
 _TP_SIZE = "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE"
@@ -120,7 +133,7 @@ API: dict[str, Api] = {
     "get_expert_model_parallel_group": Api("group", "ep"),
     "get_expert_tensor_parallel_group": Api("group", "expt_tp"),
     "get_expert_tensor_and_model_parallel_group": Api("group", "tp_ep"),
-    "get_expert_tensor_model_pipeline_parallel_group": Api("group", "tp_ep_pp"),
+    "get_expert_tensor_model_pipeline_parallel_group": Api("custom", "tp_ep_pp"),
     "get_intra_distributed_optimizer_instance_group": Api("group", "intra_dist_opt"),
     "get_inter_distributed_optimizer_instance_group": Api("group", "inter_dist_opt"),
     "get_data_parallel_group": Api("custom", "dp"),
@@ -180,11 +193,37 @@ API: dict[str, Api] = {
     "set_expert_model_parallel_rank": Api("set", "ep", _EP_RANK, error=None),
     "set_expert_tensor_parallel_world_size": Api("set", "expt_tp", _ETP_SIZE, error=None),
     "set_expert_tensor_parallel_rank": Api("set", "expt_tp", _ETP_RANK, error=None),
+    # ---- megatron-core 0.19: generalized tensor parallelism (gtp_remat) and its expert twin
+    "get_gtp_weight_remat_group": Api("group", "gtp_remat"),
+    "get_gtp_weight_remat_world_size": Api("size_or0", "gtp_remat"),
+    "get_gtp_weight_remat_rank": Api("rank_or0", "gtp_remat"),
+    "get_gtp_weight_remat_global_ranks": Api("ranks", "gtp_remat"),
+    "get_expert_gtp_weight_remat_group": Api("group", "expt_gtp_remat"),
+    "get_expert_gtp_weight_remat_world_size": Api("size_or0", "expt_gtp_remat"),
+    "get_expert_gtp_weight_remat_rank": Api("rank_or0", "expt_gtp_remat"),
+    "get_expert_gtp_weight_remat_global_ranks": Api("ranks", "expt_gtp_remat"),
+    "create_all_gather_groups": _C,
     # ---- memory buffers
     "get_global_memory_buffer": _C,
     "get_global_symmetric_memory_buffer": _C,
     "destroy_global_memory_buffer": _C,
     "destroy_global_symmetric_memory_buffer": _C,
+}
+
+# The functions that exist in one served version only (the others are in both).
+SINCE: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "is_unitialized",
+            "get_data_modulo_expert_parallel_group",
+            "has_separate_all_gather_group",
+            "get_global_symmetric_memory_buffer",
+            "destroy_global_symmetric_memory_buffer",
+        ),
+        "0.16 only",
+    ),
+    **dict.fromkeys((n for n in API if "gtp_weight_remat" in n), "0.19"),
+    "create_all_gather_groups": "0.19",
 }
 
 # Public classes of parallel_state, and the public surface of process_groups_config.
@@ -195,6 +234,16 @@ PGC_API: tuple[str, ...] = (
     "ProcessGroupCollection.setup_process_groups_for_optimizer",
     "ProcessGroupCollection.setup_process_groups_for_ddp",
     "ProcessGroupHelperMeta",
+    # megatron-core 0.19
+    "ProcessGroupCollection.is_gtp_remat_active",
+    "MultiModuleProcessGroupCollection",
+    "MultiModuleProcessGroupCollection.get_language_model_collection",
+    "MultiModuleProcessGroupCollection.get_language_model_cp_size",
+    "MultiModuleProcessGroupCollection.get_module_collection",
+    "MultiModuleProcessGroupCollection.has_language_model",
+    "MultiModuleProcessGroupCollection.items",
+    "MultiModuleProcessGroupCollection.keys",
+    "MultiModuleProcessGroupCollection.values",
 )
 
 # megatron-core's module globals -> (family, what): "group", "gloo" twin, or "ranks" (its
@@ -237,4 +286,15 @@ GLOBALS: dict[str, tuple[str, str]] = {
     "_MODEL_PARALLEL_GLOBAL_RANKS": ("mp", "ranks"),
     "_CONTEXT_PARALLEL_GLOBAL_RANKS": ("cp", "ranks"),
     "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": ("dp_cp", "ranks"),
+    # megatron-core 0.19 (with gtp_remat sizes 1 they are the groups above, as in megatron-core)
+    "_GTP_WEIGHT_REMAT_GROUP": ("gtp_remat", "group"),
+    "_GTP_WEIGHT_REMAT_GLOBAL_RANKS": ("gtp_remat", "ranks"),
+    "_EXPERT_GTP_WEIGHT_REMAT_GROUP": ("expt_gtp_remat", "group"),
+    "_EXPERT_GTP_WEIGHT_REMAT_GLOBAL_RANKS": ("expt_gtp_remat", "ranks"),
+    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP": ("tp_ep_pp_with_egtp_remat", "group"),
+    "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": ("dp_gtp_remat", "group"),
+    "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": ("dp_cp_gtp_remat", "group"),
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": ("intra_dp_cp_gtp_remat", "group"),
+    "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": ("expt_dp_gtp_remat", "group"),
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": ("intra_expt_dp_gtp_remat", "group"),
 }

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from meshgroups.compat._errors import AlreadyInitializedError, NotInitializedError
-from meshgroups.compat.megatron_state import SLOTS, lookup
+from meshgroups.compat._megatron_state import SLOTS, lookup
 
 __all__ = [
     "destroy_global_memory_buffer",

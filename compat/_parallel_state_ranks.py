@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 from meshgroups.compat._errors import MegatronAssertionError, NotInitializedError
-from meshgroups.compat.megatron_state import (
+from meshgroups.compat._megatron_state import (
     FUNCTIONS,
     SLOTS,
     hcp_groups,
@@ -167,8 +167,8 @@ def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_r
 # ------------------------------------------------------------------ context parallel
 def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[int] | None:
     """The global ranks of this rank's context-parallel group."""
-    if SLOTS.state is None and not check_initialized:
-        return None
+    if not check_initialized and lookup("cp", check_initialized=False) is None:
+        return None  # before initialisation, or a rank outside the groups (rank_offset)
     return ranks_of("cp")
 
 
