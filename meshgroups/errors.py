@@ -37,7 +37,7 @@ class RecoveryError(LayoutError):
 
     >>> from meshgroups import Layout
     >>> from meshgroups.elastic import plan_shrink
-    >>> try:
+    >>> try:  # doctest: +ELLIPSIS
     ...     plan_shrink(Layout(dp=2, tp=2), lost=[0, 2])  # a rank of each dp replica
     ... except RecoveryError as exc:
     ...     print(exc)
@@ -318,7 +318,7 @@ class NameCountError(LayoutError, RuntimeError):
     mesh_dim_names=("dp", "tp"))``); torch raises ``RuntimeError``::
 
     >>> from meshgroups import Layout
-    >>> try:
+    >>> try:  # doctest: +ELLIPSIS
     ...     Layout.from_grid([[0, 1], [2, 3]], ("dp",))
     ... except RuntimeError as exc:
     ...     print(type(exc).__name__, exc)
@@ -348,7 +348,7 @@ class DeviceTypeError(MeshConfigError, RuntimeError):
     >>> from torch.testing._internal.distributed.fake_pg import FakeStore
     >>> from meshgroups import Layout, init_mesh
     >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)  # one rank of 8
-    >>> try:
+    >>> try:  # doctest: +ELLIPSIS
     ...     init_mesh(Layout(dp=2, tp=4), device_type="cpu:0")
     ... except RuntimeError as exc:
     ...     print(type(exc).__name__, exc)
@@ -365,7 +365,7 @@ class WorldSizeError(MeshConfigError, RuntimeError):
     >>> from torch.testing._internal.distributed.fake_pg import FakeStore
     >>> from meshgroups import Layout, init_mesh
     >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)  # one rank of 8
-    >>> try:
+    >>> try:  # doctest: +ELLIPSIS
     ...     init_mesh(Layout(dp=4, tp=4))  # 16 ranks in a world of 8
     ... except RuntimeError as exc:
     ...     print(type(exc).__name__, exc)
@@ -382,7 +382,7 @@ class BackendOverrideError(MeshConfigError, RuntimeError):
     >>> from torch.testing._internal.distributed.fake_pg import FakeStore
     >>> from meshgroups import Layout, init_mesh
     >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)  # one rank of 8
-    >>> try:
+    >>> try:  # doctest: +ELLIPSIS
     ...     init_mesh(Layout(dp=2, tp=4), backend_override={"xp": "gloo"})
     ... except RuntimeError as exc:
     ...     print(type(exc).__name__, exc)

@@ -65,8 +65,9 @@ class Heartbeat:
     """A daemon thread that bumps ``meshgroups/elastic/_plans/hb/<rank>`` every ``interval`` seconds
     through its own store connection; ``stop()`` ends it::
 
-        >>> beat = Heartbeat(store, rank=3, interval=1.0)   # doctest: +SKIP
-        >>> beat.stop()                                      # doctest: +SKIP
+        >>> import torch.distributed as dist
+        >>> beat = Heartbeat(dist.HashStore(), rank=3, interval=0.05)
+        >>> beat.stop()
     """
 
     def __init__(self, store: dist.Store, rank: int, interval: float) -> None:

@@ -1,13 +1,13 @@
 """The live ranks a collective call runs over: a *cohort*, not the default group's world.
 
 After a rank dies the default group still counts it, and every meeting of the collective
-protocol (``meshgroups.mesh._collective``) would wait for it. A ``Cohort`` names the ranks that take
+protocol (``collective_call``) would wait for it. A ``Cohort`` names the ranks that take
 part (the survivors, plus ranks admitted back) and an *epoch* (one per verdict) that gives the
 calls of this cohort a store namespace of their own: call numbers restart at 1, meetings and
 group-creation keys never meet those of an earlier cohort (where a dead rank may have left keys
 behind, or a failed recovery left a call open).
 
-Torch-free: the group over the members (``group``) is filled in by ``meshgroups.elastic._recover``.
+Torch-free: the group over the members (``group``) is filled in by ``meshgroups.elastic.rebuild``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ placed as one tensor (``Shard(0)`` on ``tp``), the map's rule says how its parts
 ::
 
     >>> from meshgroups import Layout
-    >>> from meshgroups.transfer._names.presets import MODELS, model_weights
+    >>> from meshgroups.transfer import MODELS, model_weights
     >>> ws = model_weights("tiny", Layout(pp=2, tp=2))
     >>> [(w.name, w.shape, w.placements["tp"], w.stage) for w in ws[:2]]
     [('embed', (1000, 64), Shard(axis=0), ('pp', 0)), ('layers.0.q', (64, 64), Shard(axis=0), ('pp', 0))]
@@ -54,7 +54,7 @@ FSDP_DIMS = ("dp_shard", "fsdp")
 
 
 def model_config(model: str) -> ModelConfig:
-    """A dense preset's sizes as a :class:`~meshgroups.transfer._names.conventions.ModelConfig`.
+    """A dense preset's sizes as a :class:`~meshgroups.transfer.ModelConfig`.
 
     Args:
         model: a dense preset's name in ``MODELS``.
