@@ -27,8 +27,7 @@ None of these calls raises for a refusal or a failed transfer: it logs one line,
 (``refused``) and returns, so vLLM's RPC channel is left clean and the next init or update on
 the same engine works; the trainer's ranks raise it (they see it in the protocol's exchanges).
 
-    >>> # vLLM does this in each worker:                                # doctest: +SKIP
-    >>> engine = MeshgroupsWeightTransferEngine(config, vllm_config, device, model)
+    >>> engine = MeshgroupsWeightTransferEngine(config, vllm_config, device, model)  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -79,7 +79,8 @@ def hf_to_vllm(
     placement: str = "linear",
     tied_head: bool = False,
 ) -> NameMap:
-    """Hugging Face names → vLLM's, for the family of ``config`` (see the module docstring).
+    """Hugging Face names → vLLM's, for the family of ``config`` (``llama``, ``qwen2``, ``qwen3``,
+    ``qwen3_moe``, ``deepseek_v3``, ``gemma``, ``gemma2``; what each fuses: ``docs/engines.md``).
 
     Args:
         config: a Hugging Face config or a dict with its keys (``model_type``,

@@ -80,7 +80,9 @@ def model_config(model: str) -> ModelConfig:
 def model_weights(
     model: str | ModelConfig, layout: Layout, names: str = "preset", dtype: str | None = None
 ) -> list[Weight]:
-    """The preset ``model``'s weights placed on ``layout`` (rules: the module docstring).
+    """The preset ``model``'s weights placed on ``layout`` as a Megatron/torchtitan job places
+    them, by dim name: ``tp`` Megatron's, ``pp`` stages, ``ep``/``etp`` experts, ``dp_shard`` /
+    ``fsdp`` FSDP2's rows after ``tp``; any other dim replicated.
 
     Args:
         model: a name in ``MODELS``, or a ``ModelConfig`` (dense; needs a convention's

@@ -41,7 +41,8 @@ PLACEMENTS = ("linear", "round_robin")
 
 @dataclass(frozen=True)
 class Stack:
-    """A rollout weight = its entries stacked along a new axis 0 (see the module docstring).
+    """A rollout weight = its entries stacked along a new axis 0 (MoE experts: vLLM's
+    ``experts.w13_weight`` ``[E, 2·I, H]`` is, per expert, ``gate_proj`` ‖ ``up_proj``).
 
     Args:
         entries: one :class:`~meshgroups.transfer.Rule` per position along axis 0, over
