@@ -6,7 +6,7 @@ and per rank, from the plan (numpy only, no processes)::
     python -m meshgroups transfer --src tp=4 --dst tp=2 --dst-offset 4 --weights weights.json
     python -m meshgroups transfer --src dp_shard=4,tp=2 --dst tp=4 --dst-offset 8 --name-map vllm --cast bfloat16
 
-Models are the presets of ``meshgroups.transfer._names.presets.model_weights``, placed per layout
+Models are the presets of ``meshgroups.transfer.model_weights``, placed per layout
 (``tp`` like Megatron, ``pp`` stages, ``ep``/``etp`` experts, ``dp_shard``/``fsdp`` FSDP2 after
 ``tp``; other dims replicate). ``--weights FILE`` reads ``{"src": [...], "dst": [...]}`` instead, each
 weight as ``Weight.to_dict`` writes it: ``{"name", "shape", "dtype", "placements": {dim:

@@ -1,32 +1,5 @@
 """A training job that loses ranks and keeps going: ``Elastic`` holds the mesh, the live ranks,
-the spares and the verdicts.
-
-    >>> el = Elastic(Layout(dp_replicate=2, dp_shard=2, tp=2), spares=(8, 9))   # doctest: +SKIP
-    >>> while training:                                                          # doctest: +SKIP
-    ...     try:
-    ...         with el.step():
-    ...             train_step(el.mg)
-    ...     except RanksLostError as lost:           # every survivor, the same lost ranks
-    ...         model.reset_iter_state()         # FSDP2: the failed step's unsharded params out
-    ...         mg = el.shrink()                 # None on a rank that became a spare
-    ...         ...                              # rebuild the model on el.mg, from the state kept
-
-- ``Elastic(...)`` is collective over the layout's ranks and the spares (every one calls it):
-  it starts a heartbeat thread and builds the layout with ``strategy="local"``.
-- ``step()`` guards one training step: an exception inside (a collective that lost its peer:
-  gloo's ``Connection closed by peer``, or a timeout) is published, the ranks agree who is lost
-  (``meshgroups.elastic._verdict``), and every survivor raises ``RanksLostError`` naming the same ranks (or
-  ``StepFailedError`` when every rank is alive); a rank that was too late raises ``ExcludedError``.
-  Failures are counted by step: a rank still finishing step k when a peer fails in step k + 1
-  gets through step k and fails in step k + 1 as the others did, so every rank names the same step.
-- ``shrink()`` drops the replicas that hold lost ranks and rebuilds over the survivors
-  (``meshgroups.elastic._recover.rebuild``: unchanged groups are the same objects); ``grow(ranks)``
-  admits spares as new replicas; spares wait in ``standby()``.
-- ``group``: a process group over the live members — what needs a world-wide group (the
-  default group holds the dead ranks forever).
-
-The store must outlive every worker (torchrun's agent store, or a store process): the default
-``tcp://`` rendezvous hosts it in rank 0, and losing rank 0 then loses the store.
+the spares and the verdicts (its docstring says how).
 """
 
 from __future__ import annotations
@@ -71,7 +44,47 @@ from meshgroups.mesh import (
 
 
 class Elastic(Closeable):
-    """See the module docstring.
+    """A training job that loses ranks and keeps going: the mesh, the live ranks, the spares
+    and the verdicts.
+
+    - ``Elastic(...)`` is collective over the layout's ranks and the spares (every one calls it):
+      it starts a heartbeat thread and builds the layout with ``strategy="local"``.
+    - ``step()`` guards one training step: an exception inside (a collective that lost its peer:
+      gloo's ``Connection closed by peer``, or a timeout) is published, the ranks agree who is
+      lost (``agree_lost``), and every survivor raises ``RanksLostError`` naming the same ranks
+      (or ``StepFailedError`` when every rank is alive); a rank that was too late raises
+      ``ExcludedError``. Failures are counted by step: a rank still finishing step k when a peer
+      fails in step k + 1 gets through step k and fails in step k + 1 as the others did.
+    - ``shrink()`` drops the replicas that hold lost ranks and rebuilds over the survivors
+      (``meshgroups.elastic.rebuild``: unchanged groups are the same objects); ``grow(ranks)``
+      admits spares as new replicas; spares wait in ``standby()``.
+    - ``live_group``: a process group over the live members — what needs a world-wide group
+      (the default group holds the dead ranks forever).
+
+    The store must outlive every worker (torchrun's agent store, or a store process): the
+    default ``tcp://`` rendezvous hosts it in rank 0, and losing rank 0 then loses the store.
+    On a one-process world (in a job, every rank of the layout and every spare calls it)::
+
+        >>> import torch.distributed as dist
+        >>> from meshgroups import Elastic, Layout
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> with Elastic(Layout(dp=1, tp=1)) as el:
+        ...     with el.step():  # one guarded training step, on el.mg
+        ...         pass
+        ...     el.mg.ranks("dp"), el.members, el.dim
+        ([0], (0,), 'dp')
+        >>> dist.destroy_process_group()
+
+    A job's loop, where ranks die (several processes; the whole program: ``docs/elastic.md``)::
+
+        while training:
+            try:
+                with el.step():
+                    train_step(el.mg)
+            except RanksLostError:        # every survivor, the same lost ranks
+                model.reset_iter_state()  # FSDP2: the failed step's unsharded params out
+                mg = el.shrink()          # None on a rank that became a spare
+                ...                       # rebuild the model on el.mg, from the state kept
 
     Args:
         layout: the starting layout (over part or all of the default group's world).
@@ -190,7 +203,7 @@ class Elastic(Closeable):
     # ------------------------------------------------------------------ failures
     @contextmanager
     def step(self) -> Iterator[None]:
-        """Guard one step (see the module docstring). Raises ``RanksLostError`` / ``StepFailedError`` on
+        """Guard one step (see ``Elastic``). Raises ``RanksLostError`` / ``StepFailedError`` on
         every live member alike, ``ExcludedError`` on a rank declared lost."""
         self._check_open("step()")
         if self.is_spare:

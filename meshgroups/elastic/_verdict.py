@@ -44,7 +44,15 @@ _ABSENT = "\x00"
 @dataclass(frozen=True)
 class Verdict:
     """The decision of one epoch: ``survivors`` (checked in) and ``lost`` (members that did
-    not), ``why`` the rule that decided it, ``cause`` the first failure a rank published."""
+    not), ``why`` the rule that decided it, ``cause`` the first failure a rank published.
+    ``agree_lost`` returns it, the same on every survivor::
+
+        >>> import torch.distributed as dist
+        >>> from meshgroups.elastic import agree_lost
+        >>> verdict = agree_lost(dist.HashStore(), epoch=1, members=[0], rank=0, timeout=5.0, stale_after=5.0)
+        >>> verdict.survivors, verdict.lost, verdict.why
+        ((0,), (), 'every member reported')
+    """
 
     epoch: int
     survivors: tuple[int, ...]
@@ -57,8 +65,9 @@ class Heartbeat:
     """A daemon thread that bumps ``meshgroups/elastic/_plans/hb/<rank>`` every ``interval`` seconds
     through its own store connection; ``stop()`` ends it::
 
-        >>> beat = Heartbeat(store, rank=3, interval=1.0)   # doctest: +SKIP
-        >>> beat.stop()                                      # doctest: +SKIP
+        >>> import torch.distributed as dist
+        >>> beat = Heartbeat(dist.HashStore(), rank=3, interval=0.05)
+        >>> beat.stop()
     """
 
     def __init__(self, store: dist.Store, rank: int, interval: float) -> None:
@@ -187,8 +196,17 @@ def agree_lost(
     stale_after: float,
     poll: float = 0.05,
 ) -> Verdict:
-    """Check in for ``epoch`` and return its verdict over ``members`` (see the module
-    docstring); bounded by ``timeout`` seconds plus a few store round trips.
+    """Check in for ``epoch`` and return its verdict over ``members``, decided once through
+    ``store`` and the same on every live rank: the members that checked in before the decision
+    survive. It is decided when every member checked in, or every missing one's heartbeat is
+    older than ``stale_after`` seconds (dead), or ``timeout`` seconds passed (hung); bounded by
+    ``timeout`` plus a few store round trips, polling every ``poll`` seconds. Rank 1 never
+    checks in, and never beat::
+
+        >>> import torch.distributed as dist
+        >>> from meshgroups.elastic import agree_lost
+        >>> agree_lost(dist.HashStore(), epoch=1, members=[0, 1], rank=0, timeout=5.0, stale_after=0.1)
+        Verdict(epoch=1, survivors=(0,), lost=(1,), why='heartbeat stopped for 0.1s', cause='')
 
     Raises:
         ExcludedError: this rank checked in after the decision (it is among the lost).

@@ -7,15 +7,9 @@ hosts and publishes: each member joins with its rank in the transfer world (trai
 then the engine's workers at an offset). Its process group is built directly — a
 ``ProcessGroup`` with a ``ProcessGroupGloo`` backend (and ``ProcessGroupNCCL`` for CUDA tensors,
 untested here) over a ``PrefixStore`` of that store — so neither world's default group is
-created, destroyed or changed by it::
+created, destroyed or changed by it (``TransferWorld``'s docstring shows one).
 
-    >>> store = TransferWorld.serve()                    # trainer rank 0: publish the address  # doctest: +SKIP
-    >>> world = TransferWorld(store, rank=0, size=6)     # blocks until all 6 have joined  # doctest: +SKIP
-    >>> world = TransferWorld.join(address, rank=4, size=6)  # engine worker 0  # doctest: +SKIP
-    >>> with world.active():                              # meshgroups runs in the transfer world
-    ...     sync = WeightSync(...)                                          # doctest: +SKIP
-
-**Why ``active()``.** ``meshgroups.transfer._run.execute`` (and the collective protocol of
+**Why ``active()``.** ``meshgroups.transfer.execute`` (and the collective protocol of
 ``WeightSync`` / ``TransferGroups``) address ranks through ``dist.get_rank()`` and the default
 group and store, with no parameter for another world's rank. Rather than a second copy of the
 transfer, ``active()`` makes the transfer world the process's *default* world for the duration
@@ -97,7 +91,31 @@ def _timedelta(timeout: timedelta | float | None) -> timedelta:
 
 
 class TransferWorld(Closeable):
-    """This process's membership of a transfer world (see the module docstring).
+    """This process's membership of a transfer world: one process group over ranks of separate
+    ``torch.distributed`` worlds (an RL trainer's and an inference engine's workers'),
+    rendezvoused at a ``host:port`` TCP store that trainer rank 0 hosts; neither world's default
+    group is created, destroyed or changed by it. In a job (trainer ranks 0-3, the engine's
+    workers 4-5)::
+
+        store = TransferWorld.serve()                  # trainer rank 0: publish store's address
+        world = TransferWorld(store, rank=0, size=6)   # blocks until all 6 have joined
+        world = TransferWorld.join(address, rank=4, size=6)  # engine worker 0
+        with world.active():                           # meshgroups runs in the transfer world
+            sync = WeightSync(...)
+
+    A world of one member, in this process::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from meshgroups.engines import TransferWorld
+        >>> with TransferWorld(TransferWorld.serve(), rank=0, size=1) as world:
+        ...     with world.active():  # the default world inside the block only
+        ...         x = torch.ones(2)
+        ...         dist.all_reduce(x)
+        ...         dist.get_rank(), dist.get_world_size(), x.tolist()
+        (0, 1, [1.0, 1.0])
+        >>> dist.is_initialized()  # this process's own world: untouched (here: none)
+        False
 
     Args:
         store: the rendezvous store (a ``TCPStore``; the host's or a client of it).
@@ -232,8 +250,11 @@ class TransferWorld(Closeable):
 
     @contextmanager
     def active(self) -> Iterator[TransferWorld]:
-        """Make this world the process's default world inside the block (see the module
-        docstring); everything is restored when it ends. Not reentrant, one thread at a time.
+        """Make this world the process's default world inside the block — the default group,
+        torch's registry entries for it, its group-name counter and meshgroups' call numbering —
+        so ``WeightSync``, ``TransferGroups`` and ``execute`` run in it unchanged; everything is
+        restored when it ends (also on an exception). Not reentrant, one thread at a time; the
+        block must not run collectives of the process's own world. See ``TransferWorld``.
 
         Yields:
             This world.

@@ -128,6 +128,7 @@ def keep(layout: Layout, axis: int, picked: list[int]) -> Layout:
     evenly spaced indices of an affine layout stay affine in O(ndim), others take one copy of
     the kept positions (no sort).
 
+        >>> from meshgroups import Layout
         >>> keep(Layout(dp=4, tp=2), 0, [0, 1, 3]).groups("dp").tolist()
         [[0, 2, 6], [1, 3, 7]]
     """

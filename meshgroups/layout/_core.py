@@ -1,14 +1,5 @@
 """``Layout``: a named n-D grid of global ranks, as an immutable value (numpy only, never torch).
 
-The first dim is the outermost (slowest varying), the last the innermost (contiguous ranks),
-as in ``init_device_mesh``, torchtitan and JAX::
-
-    >>> lay = Layout(pp=2, dp=2, cp=1, tp=4)
-    >>> lay.groups("tp")[:2].tolist()
-    [[0, 1, 2, 3], [4, 5, 6, 7]]
-    >>> lay.group_of(5, "dp", "cp").tolist()
-    [1, 5]
-
 The value model. A layout *is* ``(names, shape, strides, offset)`` when its placement is affine
 (``rank = offset + Σ coord·stride`` with non-negative strides that nest; every row-major layout,
 every ``split``/``flatten`` of one, most subsets), plus — only for other placements — an
@@ -55,7 +46,15 @@ from meshgroups.layout._layout_topology import LayoutTopology
 
 
 class Layout(LayoutTopology, LayoutAlgebra, LayoutIdentity):
-    """A named n-D grid of global ranks; see the module docstring.
+    """A named n-D grid of global ranks, an immutable value. The first dim is the outermost
+    (slowest varying), the last the innermost (contiguous ranks), as in ``init_device_mesh``::
+
+        >>> from meshgroups import Layout
+        >>> lay = Layout(pp=2, dp=2, cp=1, tp=4)
+        >>> lay.groups("tp")[:2].tolist()
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
+        >>> lay.group_of(5, "dp", "cp").tolist(), lay.coords(5)
+        ([1, 5], {'pp': 0, 'dp': 1, 'cp': 0, 'tp': 1})
 
     Args:
         dims: ``{"pp": 2, ...}`` or ``[("pp", 2), ...]``; or give sizes as keywords instead.

@@ -22,17 +22,7 @@ initializers' ``init_dist_group``) runs inside ``collective_call(operation)``:
 Calls nest: a ``collective_call`` opened while another is active on the same thread is part of
 it (``initialize_model_parallel`` calls ``init_mesh``; the number is taken once). A second
 thread is refused with ``ConcurrentInitError``. On torch's ``fake`` backend there is no store to
-meet through and the protocol only numbers calls. Usage, e.g. for a new entry point::
-
-    from meshgroups.mesh._collective import collective_call
-
-    def make_transfer_groups(plan, timeout=None):
-        with collective_call("make_transfer_groups") as call:
-            check(plan)                                    # may raise: every rank raises
-            call.compare(plan=plan.fingerprint())          # compared at the first meeting
-            return init_mesh(plan.layout, only=plan.pairs, timeout=timeout)  # joins this call
-
-or ``@collective_entry("name")`` on a function (``method=True``: named ``Class.method``).
+meet through and the protocol only numbers calls.
 """
 
 from __future__ import annotations
@@ -342,6 +332,13 @@ def collective_call(operation: str) -> Iterator[Call]:
         RuntimeError: no initialised default process group.
         ConcurrentInitError: another thread of this process is inside a collective call.
         MismatchError: the ranks made different operations, or called from different lines.
+
+    >>> import torch.distributed as dist
+    >>> from meshgroups.mesh import collective_call
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> with collective_call("make_transfer_groups") as call:  # every rank; init_mesh inside joins it
+    ...     call.compare(plan="9f2c")  # a rank with another plan: MismatchError on every rank
+    >>> dist.destroy_process_group()
     """
     outer = active_call()
     if outer is not None:
@@ -390,11 +387,14 @@ def publish_refusal(operation: str, exc: BaseException) -> None:
     ``exc`` itself. Nothing happens without an initialised default group, or inside a call
     (the outer call publishes it)::
 
-        try:
-            check(arguments)
-        except ValueError as exc:
-            publish_refusal("TPGroupInitializer.init_dist_group", exc)
-            raise
+        >>> from meshgroups.mesh import publish_refusal
+        >>> try:
+        ...     raise ValueError("tp=3 does not divide world_size=4")  # a local check refused
+        ... except ValueError as exc:
+        ...     publish_refusal("TPGroupInitializer.init_dist_group", exc)  # no default group: no-op
+        ...     raise
+        Traceback (most recent call last):
+        ValueError: tp=3 does not divide world_size=4
     """
     if not dist.is_available() or not dist.is_initialized() or active_call() is not None:
         return
@@ -417,6 +417,11 @@ def collective_entry(operation: str, method: bool = False) -> Callable[[F], F]:
 
     Returns:
         The decorator.
+
+    >>> from meshgroups.mesh import collective_entry
+    >>> double = collective_entry("double")(lambda n: 2 * n)  # or @collective_entry("double")
+    >>> double(3)  # no default group here: it runs as is
+    6
     """
 
     def wrap(fn: F) -> F:

@@ -67,6 +67,22 @@ class GroupCache:
         since: the number of the collective call that first filled the cache since it was last
             empty (``None`` while empty); compared across ranks, so a rank passing another cache
             is told rather than left creating different groups.
+
+    Two meshes over the same ranks share their groups (torch's single-process ``"fake"``
+    backend stands in for rank 5 of 8)::
+
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from meshgroups import GroupCache, Layout, init_mesh
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+        >>> cache = GroupCache()
+        >>> a = init_mesh(Layout(dp=2, tp=4), cache=cache)
+        >>> b = init_mesh(Layout(pp=2, dp=1, tp=4), cache=cache)  # its pp is a's dp
+        >>> b.group("tp") is a.group("tp"), b.group("pp") is a.group("dp"), len(cache)
+        (True, True, 3)
+        >>> a.close(), b.close()  # a's groups live on in b; b's close destroys them
+        (0, 3)
+        >>> dist.destroy_process_group()
     """
 
     strategy: str | None = None

@@ -1,10 +1,5 @@
-"""The torch bridge: a ``Layout`` becomes one root ``DeviceMesh`` and its process groups.
-
-    >>> import torch.distributed as dist                        # doctest: +SKIP
-    >>> dist.init_process_group("gloo")                         # or torchrun's env
-    >>> mg = init_mesh(Layout(pp=2, dp=2, cp=1, tp=2), flatten=[("dp", "cp")])
-    >>> tp_mesh, dp_cp_mesh = mg.mesh["tp"], mg.mesh["dp_cp"]   # slices of one root
-    >>> fully_shard(model, mesh=dp_cp_mesh)                     # combines with TP on tp_mesh
+"""The torch bridge: a ``Layout`` becomes one root ``DeviceMesh`` and its process groups
+(``init_mesh``, whose docstring shows it on a stand-in world; ``MeshGroups``, the result).
 
 Each distinct group is created once (``dp_cp`` with ``cp=1`` *is* the ``dp`` group; an expert
 view's ``pp`` *is* the dense ``pp``; size-1 dims share one one-rank group), always in mesh order,
@@ -58,7 +53,26 @@ class MeshGroups(Closeable):
 
     ``close()`` (or leaving a ``with init_mesh(...) as mg:`` block) destroys every process group
     this mesh created, except those another live ``MeshGroups`` still uses through a shared
-    ``GroupCache``; the mesh is unusable afterwards.
+    ``GroupCache``; the mesh is unusable afterwards. On rank 2 of a world of 4 (torch's
+    single-process ``"fake"`` backend stands in for the 4 ranks)::
+
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from meshgroups import Layout, init_mesh
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=2, world_size=4)
+        >>> mg = init_mesh(Layout(dp=2, tp=2))
+        >>> mg.ranks("tp"), mg.local_rank("tp"), mg.size("dp"), mg.layout.coords(2)
+        ([2, 3], 0, 2, {'dp': 1, 'tp': 0})
+        >>> dist.get_process_group_ranks(mg.group("tp")), mg.submesh("tp")
+        ([2, 3], DeviceMesh((tp=2), 'cpu', stride=(1,)))
+        >>> mg.close()  # destroys the groups it created: dp's and tp's
+        2
+        >>> outside = init_mesh(Layout(tp=2))  # ranks 0 and 1 only
+        >>> outside.group("tp"), outside.ranks("tp"), outside.mesh.get_coordinate()
+        (None, None, None)
+        >>> outside.close()
+        0
+        >>> dist.destroy_process_group()
     """
 
     def __init__(self, layout: Layout, built: Built) -> None:
@@ -283,7 +297,18 @@ def init_mesh(
     options: MeshOptions | None = None,
 ) -> MeshGroups:
     """Build ``layout`` on the initialised default process group. Call it on every rank, the
-    same number of times, from one thread.
+    same number of times, from one thread. Here on rank 5 of a job of 8 (torch's single-process
+    ``"fake"`` backend stands in for the 8 ranks; under torchrun: ``init_process_group("nccl")``,
+    ``device_type="cuda"``)::
+
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from meshgroups import Layout, init_mesh
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+        >>> with init_mesh(Layout(pp=2, dp=2, tp=2), flatten=[("dp", "tp")]) as mg:
+        ...     mg.ranks("tp"), mg.ranks("dp", "tp"), mg.mesh["dp_tp"]  # dp_tp: for fully_shard
+        ([4, 5], [4, 5, 6, 7], DeviceMesh((dp_tp=4), 'cpu', stride=(1,)))
+        >>> dist.destroy_process_group()
 
     Args:
         layout: the main layout; its views (``Layout.with_views``) are built too.
@@ -367,8 +392,14 @@ def layout_of(device_mesh: DeviceMesh) -> Layout:
     flattened mesh (this rank's flattened group), so a torchtitan user can draw and check the
     mesh they already have. Public DeviceMesh API only (``mesh``, ``mesh_dim_names``)::
 
-        >>> layout_of(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))  # doctest: +SKIP
+        >>> import torch.distributed as dist
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from meshgroups import layout_of
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)  # 1 of 8
+        >>> layout_of(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))
         Layout(dp=2, tp=4)
+        >>> dist.destroy_process_group()
 
     Args:
         device_mesh: any ``DeviceMesh`` (a root, a slice, a flattened mesh).

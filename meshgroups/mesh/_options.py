@@ -25,7 +25,9 @@ from typing import Any
 
 @dataclass(frozen=True)
 class MeshOptions:
-    """The ``init_mesh`` options that say how groups are created (see the module docstring).
+    """The ``init_mesh`` options that say how groups are created, one frozen value (``options=``
+    of ``init_mesh``, ``init_job``, ``Elastic``, ``WeightSync``, ``TransferWorld``). Nothing is
+    checked when it is made: the collective call that uses it checks every field on every rank.
 
     Args:
         device_type: ``"cpu"``, ``"cuda"``, ... (as for ``DeviceMesh``).

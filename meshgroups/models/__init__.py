@@ -4,7 +4,7 @@
 (:class:`ParamTensor`); :data:`PRESETS` / :func:`preset` are the published and test models by one
 set of names (older spellings in :data:`ALIASES`); :func:`from_hf_config` and :func:`hf_value`
 are the one reader of Hugging Face configs. :mod:`meshgroups.cost`, the transfer presets
-(:mod:`meshgroups.transfer._names.presets`, and through them the CLI and the notebooks) and the transfer
+(`meshgroups.transfer.model_weights`, and through them the CLI and the notebooks) and the transfer
 families' name maps use these::
 
     >>> from meshgroups.models import preset

@@ -3,7 +3,7 @@ config object (read by attribute; nothing is imported), its keys under their sev
 
 :func:`hf_value` reads one value (the first of several key spellings that is set);
 :func:`from_hf_config` reads a whole :class:`~meshgroups.models.Model`. The cost model, the
-CLI's ``--hf-config`` and the transfer families' name maps (:mod:`meshgroups.transfer._names.families`)
+CLI's ``--hf-config`` and the transfer families' name maps (`meshgroups.transfer.hf_to_vllm`)
 all read configs through these two::
 
     >>> hf_value({"n_routed_experts": 8}, *EXPERT_KEYS)

@@ -1,7 +1,7 @@
 """A transformer, described once for the whole package: :class:`Model` (its dims) and the
 parameter tensors they make (:class:`ParamTensor`), the way tensor parallelism and FSDP2 cut
 them. The cost model (:mod:`meshgroups.cost`), the transfer presets
-(:mod:`meshgroups.transfer._names.presets`) and the CLI read this one description::
+(`meshgroups.transfer.model_weights`) and the CLI read this one description::
 
     >>> m = Model(layers=2, hidden=64, heads=8, ffn=128, vocab=256)
     >>> m.head_dim, m.kv_heads, m.parameters()

@@ -26,7 +26,23 @@ from typing import Any, Protocol
 
 
 class WeightSyncClient(Protocol):
-    """vLLM's ``VLLMWeightSyncClient`` (structural): the engine's four weight-sync calls."""
+    """vLLM's ``VLLMWeightSyncClient`` (structural): the engine's four weight-sync calls. Any
+    object with them is a client (``LLMClient``, ``HTTPClient``, vLLM's own)::
+
+        >>> from meshgroups.engines.vllm import WeightSyncClient
+        >>> class Recorder:  # records what VLLMWeightSync asks of the engine
+        ...     def __init__(self):
+        ...         self.calls = []
+        ...     def init_weight_transfer_engine(self, init_info):
+        ...         self.calls.append("init")
+        ...     def start_weight_update(self):
+        ...         self.calls.append("start")
+        ...     def update_weights(self, update_info):
+        ...         self.calls.append("update")
+        ...     def finish_weight_update(self, weight_version=None):
+        ...         self.calls.append(f"finish {weight_version}")
+        >>> client: WeightSyncClient = Recorder()
+    """
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
 
@@ -89,6 +105,11 @@ class HTTPClient:
     Raises (from each call):
         RuntimeError: the server answered with an error status (its body in the message), or
             could not be reached.
+
+    >>> from meshgroups.engines.vllm import HTTPClient
+    >>> client = HTTPClient("http://127.0.0.1:8000/", timeout=60)  # no request until a call
+    >>> client.base_url, client.timeout
+    ('http://127.0.0.1:8000', 60.0)
     """
 
     def __init__(self, base_url: str, timeout: float = 300.0) -> None:

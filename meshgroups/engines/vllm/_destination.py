@@ -49,6 +49,16 @@ class Param:
             experts (expert parallel): ``axis=0`` and each worker holds its own experts; sharded
             over tp: ``axis`` 1 or 2 and every worker holds all experts. Its rule comes from a
             family map (:func:`engine_destinations`).
+
+    A fused qkv projection with 4 q heads and 1 kv head (of 4 rows each) on worker 0 of a tp=2
+    engine: each worker holds 2 q heads and the one kv head, repeated::
+
+        >>> from meshgroups.engines.vllm import Param, destinations
+        >>> qkv = Param("qkv_proj.weight", (12, 8), "float32", axis=0,
+        ...             parts=(("q_proj.weight", 16, 16), ("k_proj.weight", 4, 4), ("v_proj.weight", 4, 4)))
+        >>> (weight,), name_map = destinations([qkv], tp=2)
+        >>> weight.shape, weight.placements["tp"], name_map.rule("qkv_proj.weight").sources
+        ((24, 8), Shard(axis=0), ('q_proj.weight', 'k_proj.weight', 'v_proj.weight'))
     """
 
     name: str
@@ -243,7 +253,7 @@ def engine_destinations(
 ) -> tuple[list[Weight], NameMap]:
     """An engine's destination — every parameter's global ``Weight`` and the name map — from
     the :class:`Param` s each worker read (worker ``r`` at index ``r``) and an optional family
-    map (``meshgroups.transfer._names.families.hf_to_vllm(config, ...)``). The same on every rank that
+    map (``meshgroups.transfer.hf_to_vllm(config, ...)``). The same on every rank that
     computes it, trainer or worker.
 
     - Fused dense layers keep the rules read from vLLM's layers (they know replicated kv

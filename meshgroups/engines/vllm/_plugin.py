@@ -5,7 +5,7 @@ the engine core and every worker), so the backend's name is known where vLLM loo
 (``WeightTransferEngineFactory`` in the workers). The class itself is imported lazily, by vLLM,
 when an engine selects ``weight_transfer_config={"backend": "meshgroups"}``.
 
-    >>> register()        # what vLLM calls; idempotent                 # doctest: +SKIP
+    >>> register()        # what vLLM calls; idempotent
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ def register() -> None:
 
     Returns:
         None.
+
+    >>> from meshgroups.engines.vllm import register
+    >>> register()  # vLLM calls it in each of its processes; here also without vLLM: a no-op
     """
     try:
         from vllm.distributed.weight_transfer import factory

@@ -1,4 +1,4 @@
-"""A vLLM worker's model read as data (:class:`~meshgroups.engines.vllm._destination.Param` s),
+"""A vLLM worker's model read as data (:class:`~meshgroups.engines.vllm.Param` s),
 and its post-load processing run again after a commit. Imports vLLM (the worker side only).
 
 Each parameter's layer says how it is sharded: ``QKVParallelLinear`` (q/k/v parts, each

@@ -20,13 +20,7 @@ build. The object's ``version`` starts at the version the engine serves.
 ``WeightSync.sync()`` in the transfer world; then rank 0 calls
 ``finish_weight_update(weight_version=str(n))`` (the workers commit), checks every worker's
 commit report, and tells the other ranks the outcome through the store. Every rank returns the
-same version, or raises the same error — a refusal on either side included::
-
-    >>> sync = VLLMWeightSync(model, Layout(dp=2, tp=2), LLMClient(llm) if rank == 0 else None,  # doctest: +SKIP
-    ...                       engine_size=2)
-    >>> for step in range(steps):                                          # doctest: +SKIP
-    ...     train_step(model)
-    ...     version = sync.sync()                     # llm.get_weight_version() == str(version)
+same version, or raises the same error — a refusal on either side included.
 """
 
 from __future__ import annotations
@@ -62,8 +56,17 @@ from meshgroups.transfer import NameMap, Progress, Report, TransferError, Weight
 
 
 class VLLMWeightSync:
-    """Trainer side of weight sync into a vLLM engine (see the module docstring). Collective over
-    the trainer's world: every trainer rank builds it and calls ``sync()`` alike.
+    """Trainer side of weight sync into a vLLM engine: one object in the trainer's own world, one
+    ``sync()`` per step, returning the version the engine then serves (the same on every rank,
+    or the same error). Collective over the trainer's world: every trainer rank builds it and
+    calls ``sync()`` alike; rank 0 holds the engine's client. With an engine (vLLM, and its
+    workers' processes: not run here)::
+
+        >>> sync = VLLMWeightSync(model, Layout(dp=2, tp=2), LLMClient(llm) if rank == 0 else None,  # doctest: +SKIP
+        ...                       engine_size=2)
+        >>> for step in range(steps):  # doctest: +SKIP
+        ...     train_step(model)
+        ...     version = sync.sync()  # llm.get_weight_version() == str(version)
 
     Args:
         model: this rank's trainer module (or ``{name: tensor}``), Hugging Face names.
@@ -79,7 +82,7 @@ class VLLMWeightSync:
         host: the address the engine's workers reach trainer rank 0 at.
         group: the trainer's group for the one address broadcast (default: its default group).
         name_map: a family map, Hugging Face names → vLLM's
-            (``meshgroups.transfer._names.families.hf_to_vllm(model.config, ...)``; needed for MoE
+            (``meshgroups.transfer.hf_to_vllm(model.config, ...)``; needed for MoE
             experts, optional for dense models). The engine checks it against its own layers: a
             fused rule must read the trainer weights vLLM's layer fuses, a stack of experts must
             be in the order of vLLM's expert map (build it with the engine's ``ep`` and
@@ -105,7 +108,7 @@ class VLLMWeightSync:
 
     A MoE model (Qwen3-MoE; Transformers 5's packed experts)::
 
-        >>> from meshgroups.transfer._names.families import hf_to_vllm
+        >>> from meshgroups.transfer import hf_to_vllm
         >>> sync = VLLMWeightSync(model, Layout(dp=2, tp=2), client,       # doctest: +SKIP
         ...                       name_map=hf_to_vllm(model.config, experts="packed"))
     """

@@ -2,14 +2,8 @@
 
 Frameworks that drive vLLM's weight transfer through its trainer factory (TRL, SkyRL) select
 the backend by its init info and hand it a ``WeightSource``; this class is that entry, a thin
-shell over :class:`~meshgroups.engines.vllm._trainer.VLLMWeightSync` (registered by the plugin
-under ``"meshgroups"``)::
-
-    >>> from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory  # doctest: +SKIP
-    >>> engine = WeightTransferTrainerFactory.trainer_init(                # doctest: +SKIP
-    ...     MeshgroupsTrainerInitInfo(Layout(dp=2, tp=2), engine_size=2, rank=dist.get_rank()),
-    ...     client=client, source=ModuleSource(model))
-    >>> engine.send_weights()          # every trainer rank; engine.version is what vLLM serves  # doctest: +SKIP
+shell over :class:`~meshgroups.engines.vllm.VLLMWeightSync` (registered by the plugin under
+``"meshgroups"``; ``MeshgroupsTrainerEngine``'s docstring shows it).
 
 The source: a ``ModuleSource`` is read through its module (its DTensors say how each weight is
 sharded, FSDP2 × TP's strided shards included); any other ``WeightSource`` through its full
@@ -37,6 +31,12 @@ class MeshgroupsTrainerInitInfo(api.TrainerInitInfo):
         layout: the trainer's layout (its ranks ``0..n-1``).
         engine_size: the engine's workers (default: the client's ``engine_size``).
         cast, allow_unused, bucket_bytes, timeout, host, name_map: as for ``VLLMWeightSync``.
+
+    >>> from meshgroups import Layout
+    >>> from meshgroups.engines.vllm import MeshgroupsTrainerInitInfo  # imports vLLM
+    >>> info = MeshgroupsTrainerInitInfo(Layout(dp=2, tp=2), engine_size=2, rank=0)
+    >>> info.backend, info.layout.world_size, info.bucket_bytes
+    ('meshgroups', 4, 67108864)
     """
 
     backend: ClassVar[str] = BACKEND
@@ -52,7 +52,16 @@ class MeshgroupsTrainerInitInfo(api.TrainerInitInfo):
 
 
 class MeshgroupsTrainerEngine(api.TrainerWeightTransferEngine[MeshgroupsTrainerInitInfo]):
-    """``TrainerWeightTransferEngine`` of the ``meshgroups`` backend (see the module docstring).
+    """``TrainerWeightTransferEngine`` of the ``meshgroups`` backend: what frameworks that drive
+    vLLM's weight transfer through its trainer factory (TRL, SkyRL) build, a thin shell over
+    ``VLLMWeightSync``. On every trainer rank, with a running engine (vLLM and a world of several
+    processes: not run here)::
+
+        >>> from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory  # doctest: +SKIP
+        >>> engine = WeightTransferTrainerFactory.trainer_init(  # doctest: +SKIP
+        ...     MeshgroupsTrainerInitInfo(Layout(dp=2, tp=2), engine_size=2, rank=dist.get_rank()),
+        ...     client=client, source=ModuleSource(model))
+        >>> engine.send_weights()  # engine.version: what vLLM serves now  # doctest: +SKIP
 
     Attributes:
         sync: the ``VLLMWeightSync``.

@@ -1,10 +1,10 @@
 """The worker side: a vLLM ``WeightTransferEngine`` that joins the trainer's transfer world.
 
 vLLM constructs one per worker (``weight_transfer_config={"backend": "meshgroups"}``; the name
-is registered by ``meshgroups.engines.vllm._plugin.register``, vLLM's ``vllm.general_plugins``
+is registered by ``meshgroups.engines.vllm.register``, vLLM's ``vllm.general_plugins``
 entry point) with the worker's own model, once per worker life: the version it serves survives
 every trainer that connects to it. Its life, driven by the trainer
-(``meshgroups.engines.vllm._trainer.VLLMWeightSync``) through vLLM's front-end calls, follows
+(``meshgroups.engines.vllm.VLLMWeightSync``) through vLLM's front-end calls, follows
 the backend's protocol (:mod:`~meshgroups.engines.vllm._protocol`):
 
 - ``init_weight_transfer_engine({"address": ..., "trainer_size": ..., ...})``: read the
@@ -27,8 +27,7 @@ None of these calls raises for a refusal or a failed transfer: it logs one line,
 (``refused``) and returns, so vLLM's RPC channel is left clean and the next init or update on
 the same engine works; the trainer's ranks raise it (they see it in the protocol's exchanges).
 
-    >>> # vLLM does this in each worker:                                # doctest: +SKIP
-    >>> engine = MeshgroupsWeightTransferEngine(config, vllm_config, device, model)
+    >>> engine = MeshgroupsWeightTransferEngine(config, vllm_config, device, model)  # doctest: +SKIP
 """
 
 from __future__ import annotations

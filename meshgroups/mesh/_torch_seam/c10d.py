@@ -115,7 +115,15 @@ def is_backend_options(value: object) -> bool:
 def set_group_timeout(group: dist.ProcessGroup | None, timeout: timedelta) -> None:
     """Change the timeout of ``group`` (None: the default group) after creation, what
     megatron-core's ``update_pg_timeout`` does: torch 2.15's public ``dist.set_timeout``, the
-    private ``_set_pg_timeout`` before it (2.15 deprecates that one with a ``FutureWarning``)."""
+    private ``_set_pg_timeout`` before it (2.15 deprecates that one with a ``FutureWarning``)::
+
+        >>> from datetime import timedelta
+        >>> import torch.distributed as dist
+        >>> from meshgroups.mesh import set_group_timeout
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> set_group_timeout(None, timedelta(minutes=5))  # the default group's, from now on
+        >>> dist.destroy_process_group()
+    """
     public = getattr(dist, "set_timeout", None)
     if public is not None:
         public(timeout, group)

@@ -1,6 +1,6 @@
 """Expanding a name map into links, with every check made before anything is planned.
 
-:func:`map_weights` reads each rollout weight's rule (:mod:`~meshgroups.transfer._names.names`;
+:func:`map_weights` reads each rollout weight's rule (:class:`~meshgroups.transfer.NameMap`;
 names the map lacks read the same-named trainer weight), resolves its segments against the
 trainer's shapes and dtypes, and returns the links (:mod:`~meshgroups.transfer._names.mapped`). It
 refuses, naming the weights and the rule: a trainer name that does not exist, a rollout weight
@@ -74,7 +74,7 @@ def map_weights(
     Args:
         src, src_weights: the trainer's layout and weights.
         dst, dst_weights: the rollout's layout and weights (its dtypes are the wire dtypes).
-        name_map: rollout name -> rule (see :mod:`~meshgroups.transfer._names.names`); names it lacks
+        name_map: rollout name -> rule (see :class:`~meshgroups.transfer.NameMap`); names it lacks
             mean the same-named trainer weight.
         cast: where a trainer dtype differs from the rollout's, a cast to the rollout's dtype is
             allowed by ``True``, by that dtype's name (``"bfloat16"``), or by
@@ -85,7 +85,7 @@ def map_weights(
         quantize: ``BlockFP8()``: each ``float8_e4m3fn`` rollout weight is quantized in
             blocks at the sender (the cast to it is allowed), and its scale tensor
             ``<name>_scale_inv`` (listed among ``dst_weights``, no rule of its own) gets one
-            scale link per link of the weight (:mod:`~meshgroups.transfer._names.quant`).
+            scale link per link of the weight (:class:`~meshgroups.transfer.BlockFP8`).
 
     Returns:
         The :class:`Mapped` links (one per segment of every rollout weight), in plan order.
@@ -95,6 +95,16 @@ def map_weights(
             source, other axes that differ, parts that do not add up to the rollout's axis, a
             dtype mismatch no ``cast`` allows, a trainer weight (or rows of one) nothing reads.
         TypeError: an argument of the wrong kind.
+
+    A fused qkv on a tp=2 rollout, from three trainer weights::
+
+        >>> from meshgroups import Layout
+        >>> from meshgroups.transfer import Shard, Weight, map_weights
+        >>> trainer = [Weight(name, (4, 8)) for name in ("q", "k", "v")]
+        >>> rollout = [Weight("qkv", (12, 8), placements={"tp": Shard(0)})]
+        >>> mapped = map_weights(Layout(dp=1), trainer, Layout(tp=2), rollout, name_map={"qkv": ["q", "k", "v"]})
+        >>> [(link.name, link.source) for link in mapped.sources("qkv")]
+        [('qkv[0.0]', 'q'), ('qkv[1.0]', 'k'), ('qkv[2.0]', 'v')]
     """
     check_weights(src, src_weights, dst, dst_weights)
     nm = NameMap.of(name_map)

@@ -25,7 +25,7 @@ placed as one tensor (``Shard(0)`` on ``tp``), the map's rule says how its parts
 ::
 
     >>> from meshgroups import Layout
-    >>> from meshgroups.transfer._names.presets import MODELS, model_weights
+    >>> from meshgroups.transfer import MODELS, model_weights
     >>> ws = model_weights("tiny", Layout(pp=2, tp=2))
     >>> [(w.name, w.shape, w.placements["tp"], w.stage) for w in ws[:2]]
     [('embed', (256, 64), Shard(axis=0), ('pp', 0)), ('layers.0.q', (64, 64), Shard(axis=0), ('pp', 0))]
@@ -62,7 +62,7 @@ def _preset(model: str) -> Model:
 
 
 def model_config(model: str) -> ModelConfig:
-    """A dense preset's sizes as a :class:`~meshgroups.transfer._names.conventions.ModelConfig`.
+    """A dense preset's sizes as a :class:`~meshgroups.transfer.ModelConfig`.
 
     Args:
         model: a dense, gated (Llama-style) preset's name in ``MODELS`` (or an older spelling,
@@ -88,7 +88,9 @@ def model_config(model: str) -> ModelConfig:
 def model_weights(
     model: str | ModelConfig, layout: Layout, names: str = "preset", dtype: str | None = None
 ) -> list[Weight]:
-    """The preset ``model``'s weights placed on ``layout`` (rules: the module docstring).
+    """The preset ``model``'s weights placed on ``layout`` as a Megatron/torchtitan job places
+    them, by dim name: ``tp`` Megatron's, ``pp`` stages, ``ep``/``etp`` experts, ``dp_shard`` /
+    ``fsdp`` FSDP2's rows after ``tp``; any other dim replicated.
 
     Args:
         model: a name in ``MODELS`` (or an older spelling, ``ALIASES``), or a ``ModelConfig``

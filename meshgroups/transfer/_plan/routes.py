@@ -12,7 +12,7 @@ they agree message for message. A node that receives *every* piece of a destinat
 outside gets them all on one representative, which forwards the whole block in one message::
 
     >>> from meshgroups import Layout
-    >>> from meshgroups.transfer._spec import Shard, Weight
+    >>> from meshgroups.transfer import Shard, Weight
     >>> w = Weight("w", (4,), placements={"tp": Shard(0)})
     >>> p = Planner(Layout(tp=2), Layout(dp=2, rank_offset=2), [(w, Weight("w", (4,)))], node_size=2)
     >>> [(c.box, c.src.tolist(), c.dst.tolist(), c.step.tolist()) for c in p.weight_chunks(0)]

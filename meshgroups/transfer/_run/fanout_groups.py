@@ -255,12 +255,25 @@ class TransferGroups(Closeable):
             broadcasts may be out of step); ``execute`` refuses broken groups.
 
     The legacy ``WeightTransferGroupInitializer`` (one group of trainer rank 0 and every
-    rollout rank) is the special case of a plan where one rank sends everything to all.
+    rollout rank) is the special case of a plan where one rank sends everything to all (in a
+    world of 8 processes: not run here)::
 
-        >>> groups = TransferGroups(plan)                                  # doctest: +SKIP
-        >>> groups.sets                                                     # doctest: +SKIP
+        >>> groups = TransferGroups(plan)  # doctest: +SKIP
+        >>> groups.sets  # doctest: +SKIP
         [(0, 4, 5, 6, 7)]
-        >>> groups.group((0, 4, 5, 6, 7))  # this rank's group, or None    # doctest: +SKIP
+        >>> groups.group((0, 4, 5, 6, 7))  # this rank's group, or None  # doctest: +SKIP
+
+    A colocated plan needs no group (a one-process world)::
+
+        >>> import torch.distributed as dist
+        >>> from meshgroups import Layout
+        >>> from meshgroups.transfer import TransferGroups, Weight, plan_transfer
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> w = Weight("w", (4, 4))
+        >>> with TransferGroups(plan_transfer(Layout(dp=1), [w], Layout(dp=1), [w])) as groups:
+        ...     groups.sets, groups.p2p
+        ([], None)
+        >>> dist.destroy_process_group()
 
     Cost per rank: see the module docstring (its own messages and peers, the distinct sets).
 

@@ -2,13 +2,8 @@
 
 ``init_job`` builds every layout of a job in one collective call — each its own root mesh
 through ``meshgroups.init_mesh`` (checked across ranks, each distinct group created once via one
-shared ``GroupCache``) — after refusing layouts that overlap when they were declared disjoint::
-
-    >>> dist.init_process_group("gloo")  # 8 ranks                       # doctest: +SKIP
-    >>> job = init_job({"trainer": Layout(dp=2, tp=2), "rollout": Layout(tp=4, rank_offset=4)})  # doctest: +SKIP
-    >>> job.roles(5), job["trainer"].mesh.get_coordinate() is None        # doctest: +SKIP
-    (('rollout',), True)
-    >>> job.close()  # or leave a ``with job:`` block                      # doctest: +SKIP
+shared ``GroupCache``) — after refusing layouts that overlap when they were declared disjoint
+(``init_job``'s docstring shows one).
 
 Layouts may sit anywhere in the world (any offset, ``Layout.from_grid`` with permuted ranks);
 ``sharing="colocated"`` requires both to cover the same ranks, ``"any"`` checks nothing.
@@ -94,6 +89,17 @@ class Job(Closeable):
 
     Made by ``init_job``: ``meshes`` and ``cache`` as above, ``sharing`` as passed to it,
     ``options`` the ``MeshOptions`` every layout was built with (transfer groups use them).
+    On rank 5 of 8 (torch's single-process ``"fake"`` backend stands in for the 8 ranks)::
+
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from meshgroups import Layout
+        >>> from meshgroups.transfer import init_job
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+        >>> with init_job({"trainer": Layout(dp=2, tp=2), "rollout": Layout(tp=4, rank_offset=4)}) as job:
+        ...     job.roles(5), job["rollout"].ranks("tp"), job["trainer"].group("tp")
+        (('rollout',), [4, 5, 6, 7], None)
+        >>> dist.destroy_process_group()
     """
 
     def __init__(
@@ -170,7 +176,7 @@ def init_job(
 ) -> Job:
     """Build every layout of a job (collective: every rank of the world calls it alike).
 
-    One collective call (``collective_call("init_job")``, see ``meshgroups.mesh._collective``): its
+    One collective call (``collective_call("init_job")``, see ``meshgroups.mesh.collective_call``): its
     number is taken before anything is checked, every check below runs inside it (so an error
     on one rank is raised on every rank, the same class, naming that rank), the ranks compare
     ``sharing``, the layouts (names and fingerprints) and ``flatten`` at their first meeting,
@@ -202,6 +208,21 @@ def init_job(
         Exception: everything ``init_mesh`` raises; a failure in a later layout closes the
             earlier ones before it propagates. Each on every rank alike; the identical call
             can be retried at once.
+
+    A trainer on ranks 0-3 and a rollout on ranks 4-7, here on rank 5 (torch's single-process
+    ``"fake"`` backend stands in for the 8 ranks; in a job: ``init_process_group("nccl")``)::
+
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from meshgroups import Layout
+        >>> from meshgroups.transfer import init_job
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+        >>> job = init_job({"trainer": Layout(dp=2, tp=2), "rollout": Layout(tp=4, rank_offset=4)})
+        >>> job.roles(5), job["trainer"].mesh.get_coordinate() is None
+        (('rollout',), True)
+        >>> job.close()  # or leave a ``with job:`` block
+        1
+        >>> dist.destroy_process_group()
     """
     keywords = MeshOptions(
         device_type=device_type, backend=backend, timeout=timeout, strategy=strategy, check=check

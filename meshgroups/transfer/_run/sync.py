@@ -3,15 +3,8 @@
 Built once per job from the trainer's module (or state dict) and layout and the rollout's module
 (or state dict, or local buffers with ``rollout_weights=``) and layout; the rollout's own
 parameters are the destination buffers, written in place. ``sync()`` moves the trainer's
-current weights (one collective call: progress, timeout and failures as ``execute``)::
-
-    >>> sync = WeightSync(model, trainer, rollout_model, rollout,             # doctest: +SKIP
-    ...                   name_map=vllm_names, cast="bfloat16", job=job)
-    >>> for step in range(steps):                                           # doctest: +SKIP
-    ...     train_step(model)
-    ...     sync.sync()          # every rank; the rollout's parameters now hold the new weights
-    >>> sync.plans, sync.group_builds                                       # doctest: +SKIP
-    (1, 1)
+current weights (one collective call: progress, timeout and failures as ``execute``);
+``WeightSync``'s docstring shows it.
 
 It composes what exists and adds no arithmetic of its own: placements from the DTensors
 (``torch_io.local_weights``), the mapped plan (``plan_transfer(name_map=, cast=,
@@ -71,7 +64,31 @@ from meshgroups.transfer._spec import Weight
 
 class WeightSync(Closeable):
     """Move a trainer's weights into a rollout's, every step (collective: every rank of the
-    world builds it and calls ``sync()`` alike; see the module docstring).
+    world builds it and calls ``sync()`` alike). Plans once and builds the transfer groups
+    once; each ``sync()`` moves the trainer's current weights into the rollout's own tensors,
+    in place, and plans again (every rank together) only when a rank's weights or a layout
+    changed. In a job (trainer and rollout ranks; ``job`` from ``init_job``)::
+
+        sync = WeightSync(model, trainer, rollout_model, rollout,
+                          name_map=vllm_names, cast="bfloat16", job=job)
+        for step in range(steps):
+            train_step(model)
+            sync.sync()  # every rank; the rollout's parameters now hold the new weights
+
+    Colocated on a one-process world (the transfer is a local copy)::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from meshgroups import Layout
+        >>> from meshgroups.transfer import WeightSync
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> trainer, rollout = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+        >>> with WeightSync(trainer, Layout(dp=1), rollout, Layout(dp=1)) as sync:
+        ...     sync.sync().weights, sync.plans, sync.group_builds
+        (('bias', 'weight'), 1, 1)
+        >>> torch.equal(rollout.weight, trainer.weight)
+        True
+        >>> dist.destroy_process_group()
 
     Args:
         trainer: this rank's trainer ``nn.Module`` or ``{name: tensor}`` (DTensors: placements
@@ -82,14 +99,14 @@ class WeightSync(Closeable):
             place (for a DTensor, its local shard); ``None`` outside ``rollout_layout``.
         rollout_layout: the rollout's layout.
         name_map: rollout name -> trainer weights (renames, fusions, ties, splits; see
-            ``meshgroups.transfer._names.names``); names it lacks mean the same-named trainer weight.
+            ``meshgroups.transfer.NameMap``); names it lacks mean the same-named trainer weight.
         cast: allow a dtype change (``"bfloat16"``, ``True``, or per rollout weight); the sender
             casts, before bytes cross a link.
         allow_unused: ``True`` or names/patterns of trainer weights nothing reads (else an
             error naming them); listed on :attr:`unused`.
         quantize: ``BlockFP8()``: every ``float8_e4m3fn`` rollout tensor is block-quantized at
             the sender and its ``<name>_scale_inv`` written beside it
-            (``meshgroups.transfer._names.quant``; the quantizer: ``meshgroups.transfer._run.fp8``).
+            (``meshgroups.transfer.BlockFP8``; the quantizer: ``meshgroups.transfer.quantize_blocks``).
         rollout_weights: the rollout's global weights (``Weight`` with placements), when its
             tensors are plain local shards (vLLM) rather than DTensors; ``rollout`` then holds
             the local tensors by these names. The same list on every rank.
@@ -343,7 +360,7 @@ class WeightSync(Closeable):
     ) -> Report:
         """Move the trainer's current weights into the rollout's tensors (collective).
 
-        Re-plans first if any rank's weights or layouts changed (see the module docstring).
+        Re-plans first if any rank's weights or layouts changed (one small all-reduce says so).
         ``progress`` / ``timeout`` override the constructor's for this call. ``retries``: after
         a ``TransferError`` in stage ``"transfer"``, build new groups and move everything
         again, up to this many times.
