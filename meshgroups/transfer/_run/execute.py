@@ -111,6 +111,8 @@ class Report:
         weights: the weights written on this rank.
         p2p_messages: the point-to-point messages this rank posted (sends and receives): with
             packing one per peer, direction and step of a bucket, else one per slice.
+        delta: a delta sync's figures (``delta_state.DeltaStats``: dense and sent bytes, their
+            ratio, the refusals); ``None`` for a sync without ``delta=``.
     """
 
     buckets: int = 0
@@ -123,6 +125,7 @@ class Report:
     p2p_messages: int = (
         0  # point-to-point messages posted (sends and receives; one per peer and step when packed)
     )
+    delta: Any = None  # DeltaStats of a delta sync (WeightSync(delta=...)), else None
 
 
 def _digest(pairs: Sequence[tuple[Weight, Weight]], src: Layout, dst: Layout, extra: object) -> int:
