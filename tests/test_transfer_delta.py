@@ -161,7 +161,7 @@ def test_delta_sync_bit_exact_and_healed() -> None:
     # a refusing receiver costs its dense share: more bytes than the syncs without one
     assert skip["sent"] > healed["sent"]
     assert all(
-        r["stale"].startswith("VersionError") and "not newer than version" in r["stale"] for r in results
+        r["stale"].startswith("VersionError") and "is older than version" in r["stale"] for r in results
     )
     assert rows[-1]["version"] == 20 and all(r["steps"][-1]["held"] == 20 for r in results)
     assert all(r["counters"] == (1, 1, len(rows)) for r in results)
@@ -180,3 +180,131 @@ def test_delta_policy_refuses_bad_values(bad) -> None:
         DeltaPolicy(block=bad)
     with pytest.raises(TypeError, match="True, False or a DeltaPolicy"):
         DeltaPolicy.of("yes")
+
+
+def _lora_model():
+    """A PEFT-shaped model (PEFT's names: ``base_layer``, ``lora_A.default``, ``lora_B.default``,
+    ``peft_config``) without PEFT: q (column-parallel in the rollout) and o (row-parallel)."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    class Lin(nn.Module):
+        def __init__(self, i: int, o: int, r: int) -> None:
+            super().__init__()
+            self.base_layer = nn.Linear(i, o, bias=False)
+            self.lora_A = nn.ModuleDict({"default": nn.Linear(i, r, bias=False)})
+            self.lora_B = nn.ModuleDict({"default": nn.Linear(r, o, bias=False)})
+
+        def forward(self, x):
+            return self.base_layer(x) + 2.0 * self.lora_B["default"](self.lora_A["default"](x))
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.o_proj = Lin(8, 16, 4), Lin(16, 8, 4)
+            self.norm = nn.Parameter(torch.ones(8))
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Inner()
+
+    class Peft(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base_model = Wrapper()
+            self.peft_config = {"default": SimpleNamespace(r=4, lora_alpha=8, use_rslora=False)}
+
+        def forward(self, x):
+            m = self.base_model.model
+            return m.o_proj(m.q_proj(x * m.norm))
+
+    torch.manual_seed(11)
+    return Peft()
+
+
+def _merged_job(rank, world):
+    import torch
+
+    from meshgroups.engines.vllm._lora import merge, merged_weights
+    from meshgroups.transfer import Shard, Weight
+    from meshgroups.transfer._run.jobs import init_job
+    from meshgroups.transfer._run.sync import WeightSync
+
+    trainer, rollout = Layout(dp=2), Layout(tp=2, rank_offset=2)
+    model = _lora_model()
+    weights = [
+        Weight("q_proj.weight", (16, 8), "bfloat16", {"tp": Shard(0)}),
+        Weight("o_proj.weight", (8, 16), "bfloat16", {"tp": Shard(1)}),
+        Weight("norm", (8,), "bfloat16", {}),
+    ]
+    out = {"exact": [], "ratios": []}
+    with init_job({"trainer": trainer, "rollout": rollout}) as job:
+        bufs = None
+        if rank >= 2:
+            r = rank - 2
+            bufs = {"q_proj.weight": torch.full((8, 8), float("nan"), dtype=torch.bfloat16),
+                    "o_proj.weight": torch.full((8, 8), float("nan"), dtype=torch.bfloat16),
+                    "norm": torch.full((8,), float("nan"), dtype=torch.bfloat16)}  # fmt: skip
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model, mesh=job["trainer"].mesh)
+            opt = torch.optim.Adam([p for n, p in model.named_parameters() if "lora_" in n], lr=1e-2)
+        merged = merged_weights(model) if rank < 2 else None
+        ws = WeightSync(merged, trainer, bufs, rollout, rollout_weights=weights, cast="bfloat16", job=job,
+                        timeout=60, delta=True)  # fmt: skip
+        for step in range(3):
+            if step and rank < 2:
+                opt.zero_grad()
+                model(torch.ones(3, 8)).square().mean().backward()
+                opt.step()
+                ws.trainer = merged_weights(model)
+            state = [None]
+            if rank < 2:
+                st = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}  # fmt: skip
+                state = [st if rank == 0 else None]
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(state, src=0)
+            full = state[0]
+            report = ws.sync()
+            out["ratios"].append(report.delta.payload_ratio)
+            if bufs is not None:
+                p = "base_model.model."
+                want = {}
+                for short in ("q_proj", "o_proj"):
+                    w, a, b = (
+                        full[f"{p}{short}.{k}"]
+                        for k in ("base_layer.weight", "lora_A.default.weight", "lora_B.default.weight")
+                    )
+                    want[f"{short}.weight"] = merge(w, a, b, 2.0).to(torch.bfloat16)
+                    # cut anywhere, the merge is the same bit for bit
+                    assert torch.equal(merge(w[3:11], a, b[3:11], 2.0), merge(w, a, b, 2.0)[3:11])
+                    assert torch.equal(merge(w[:, 5:7], a[:, 5:7], b, 2.0), merge(w, a, b, 2.0)[:, 5:7])
+                got_q = bufs["q_proj.weight"]
+                got_o = bufs["o_proj.weight"]
+                same = torch.equal(
+                    got_q.view(torch.int16), want["q_proj.weight"][8 * r : 8 * r + 8].view(torch.int16)
+                )
+                same &= torch.equal(
+                    got_o.view(torch.int16),
+                    want["o_proj.weight"][:, 8 * r : 8 * r + 8].view(torch.int16),
+                )
+                same &= torch.equal(bufs["norm"], full[f"{p}norm"].to(torch.bfloat16))
+                out["exact"].append(bool(same))
+        ws.close()
+    return out
+
+
+def test_lora_merged_at_the_sender_bit_exact() -> None:
+    """``merged_weights``: W + scale·B·A merged on each trainer rank's own FSDP shard, moved
+    into a rollout whose q is column-parallel and o row-parallel (bf16), as delta syncs over
+    three adapter steps: every rollout element equals the reference merge of the full tensors,
+    cast, bit for bit."""
+    results = run(_merged_job, 4, timeout=180)
+    for r in results[2:]:
+        assert r["exact"] == [True, True, True], r
+    print("\nmerged LoRA payload ratios:", [round(x, 3) for x in results[0]["ratios"]])

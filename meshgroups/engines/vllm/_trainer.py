@@ -43,6 +43,7 @@ import torch.distributed as dist
 from meshgroups.engines import TransferWorld
 from meshgroups.engines.vllm._clients import Call, HTTPClient, LLMClient, WeightSyncClient, front_version
 from meshgroups.engines.vllm._destination import engine_destinations
+from meshgroups.engines.vllm._lora import LoRA, lora_destinations, lora_weights
 from meshgroups.engines.vllm._protocol import (
     TrainerOffer,
     VersionError,
@@ -84,6 +85,13 @@ class VLLMWeightSync:
             fused rule must read the trainer weights vLLM's layer fuses, a stack of experts must
             be in the order of vLLM's expert map (build it with the engine's ``ep`` and
             placement), every name must be a vLLM parameter. Given on every rank (rank 0's is used).
+        delta: ``True`` or a ``DeltaPolicy`` (``meshgroups.transfer``): after the first sync, only
+            what changed since the version each worker's receive buffers hold (checked by
+            version and digest; a worker that does not hold it gets dense). ``resume``: a closed
+            ``VLLMWeightSync`` of the same plan whose shadows this one starts from.
+        lora: a ``LoRA``: sync the model's LoRA A/B (a PEFT model, or ``lora_weights(model)``)
+            into vLLM's LoRA slots as that adapter (``lora_request()`` names it), not the base
+            (see ``meshgroups.engines.vllm._lora``).
 
     Attributes:
         version: the version the engine serves, as this object last saw it: at construction
@@ -124,11 +132,16 @@ class VLLMWeightSync:
         host: str = "127.0.0.1",
         group: dist.ProcessGroup | None = None,
         name_map: Mapping[str, Any] | None = None,
+        delta: Any = False,
+        resume: VLLMWeightSync | None = None,
+        lora: LoRA | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("VLLMWeightSync needs the trainer's world (dist.init_process_group)")
         rank = dist.get_rank()
-        self.model, self.layout, self.client, self.group = model, layout, client, group
+        if lora is not None and isinstance(model, torch.nn.Module):
+            model = lora_weights(model)  # the adapter's tensors, by checkpoint name
+        self.model, self.layout, self.client, self.group, self.lora = model, layout, client, group, lora
         self.timeout = float(timeout)
         self.version = 0
         self.last_report: Report | None = None
@@ -171,7 +184,13 @@ class VLLMWeightSync:
         self._key = f"meshgroups/trainer/{address}"
         try:
             self._connect(rank, address, store if rank == 0 else None, front, model, layout, cast, allow_unused,
-                          bucket_bytes, name_map)  # fmt: skip
+                          bucket_bytes, name_map, delta)  # fmt: skip
+            old = None if resume is None else getattr(resume, "sync_state", None)
+            if old is not None and old.plan is not None and old.plan.weights == self.sync_state.plan.weights:  # type: ignore[union-attr]
+                self.sync_state.shadows, self.sync_state.version = (
+                    old.shadows,
+                    old.version,
+                )  # its deltas' base
             error = None
         except Exception as exc:
             error = exc
@@ -183,7 +202,7 @@ class VLLMWeightSync:
             raise
 
     def _connect(self, rank: int, address: str, store: Any, front: int, model: Any, layout: Layout, cast: Any,
-                 allow_unused: Any, bucket_bytes: int, name_map: Any) -> None:  # fmt: skip
+                 allow_unused: Any, bucket_bytes: int, name_map: Any, delta: Any) -> None:  # fmt: skip
         """Join the transfer world, exchange offers, plan; the engine's init call runs in a
         thread on rank 0. Closes the world on every failure path."""
         total = self._ranks + self.engine_size
@@ -203,10 +222,18 @@ class VLLMWeightSync:
                 if engine is None or isinstance(engine, TimeoutError):
                     raise
                 raise type(exc)(f"{exc}; the engine failed: {type(engine).__name__}: {engine}") from engine
-            settings = {"cast": cast, "allow_unused": allow_unused, "bucket_bytes": bucket_bytes}
+            settings = {
+                "cast": cast,
+                "allow_unused": allow_unused,
+                "bucket_bytes": bucket_bytes,
+                "delta": delta,
+            }
             family = None if name_map is None else NameMap.of(name_map).dumps()
+            spec = (
+                None if self.lora is None else self.lora.spec({n: tuple(t.shape) for n, t in model.items()})
+            )
             with self.world.active():
-                offer = TrainerOffer(layout, settings, family, front) if rank == 0 else None
+                offer = TrainerOffer(layout, settings, family, front, spec) if rank == 0 else None
                 gathered = gather(offer, total)
                 trainer, offers = gathered[0], gathered[self._ranks :]
                 if not all(isinstance(o, WorkerOffer) for o in offers):
@@ -217,11 +244,17 @@ class VLLMWeightSync:
                 if first is not None:
                     raise rebuild(first[1][0], f"engine worker {first[0]}: {first[1][1]}")
                 self.version = max([trainer.front_version, *(o.version for o in offers)])
-                weights, self.name_map = engine_destinations(
-                    [o.params for o in offers],
-                    self.engine_size,
-                    None if trainer.family is None else NameMap.loads(trainer.family),
-                )
+                if trainer.lora is not None:
+                    weights, self.name_map = (
+                        lora_destinations(trainer.lora, [o.lora for o in offers]),
+                        NameMap(),
+                    )
+                else:
+                    weights, self.name_map = engine_destinations(
+                        [o.params for o in offers],
+                        self.engine_size,
+                        None if trainer.family is None else NameMap.loads(trainer.family),
+                    )
                 self.sync_state = WeightSync(
                     model,
                     layout,
@@ -293,7 +326,7 @@ class VLLMWeightSync:
         try:
             with self.world.active():
                 agreed = preflight(rank, self.world.size, self._ranks, version, self.version)
-                report = self.sync_state.sync(progress=progress)
+                report = self.sync_state.sync(progress=progress, version=agreed)
         except Exception as exc:
             error = exc
         if call is not None:
@@ -378,6 +411,18 @@ class VLLMWeightSync:
                         f"({type(exc).__name__}); it is gone or stuck"
                     )
                     return {"error": ["TransferError", message, "check"]}
+
+    def lora_request(self, version: int | None = None) -> Any:
+        """vLLM's ``LoRARequest`` of the adapter at ``version`` (default: the last synced), for
+        ``generate(..., lora_request=...)`` (imports vLLM; an adapter sync only)."""
+        from vllm.lora.request import LoRARequest
+
+        if self.lora is None:
+            raise MeshConfigError("lora_request(): this VLLMWeightSync syncs the base model (no lora=)")
+        v = self.version if version is None else version
+        return LoRARequest(
+            self.lora.request_name(v), self.lora.adapter_id(v), f"meshgroups://{self.lora.name}/v{v}"
+        )
 
     def engine_reports(self) -> dict[int, dict[str, float]]:
         """What each engine worker reported at its last commit: ``{tp rank: {"version",

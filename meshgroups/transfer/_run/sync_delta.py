@@ -5,8 +5,8 @@ Every rank offers the version it was asked for (``sync(version=n)``, or none), t
 tensors hold and whether it has a shadow to send deltas from; one small all-reduce gives every
 rank the same decision:
 
-- the version: the one asked for (every rank the same, newer than every rank's), or one more
-  than the newest any rank holds;
+- the version: the one asked for (every rank the same, not older than any rank's), or one
+  more than the newest any rank holds;
 - dense when no sender has a base (the first sync, after a failure, after a re-plan) or every
   ``DeltaPolicy.dense_every`` versions: ``execute`` as without ``delta`` (overlapped, packed),
   then each sender keeps what it sent as its shadow (``fill_shadows``);
@@ -44,8 +44,8 @@ def agree_version(
     default group).
 
     Raises:
-        VersionError: ranks asked for different versions, or one not newer than what a rank
-            holds (every rank alike, before anything moves).
+        VersionError: ranks asked for different versions, or one older than what a rank holds
+            (every rank alike, before anything moves).
         TransferError: a rank did not answer within ``timeout``.
     """
     if proposal is not None and (isinstance(proposal, bool) or not isinstance(proposal, int) or proposal < 1):
@@ -72,10 +72,10 @@ def agree_version(
             f"{top or None}{'' if bad is None else f', {bad!r} here'}): every rank passes the same, an int >= 1, "
             "or none"
         )
-    if top and top < newest:
+    if top and top < newest - 1:  # the same again is allowed (a commit that failed after the bytes)
         raise VersionError(
-            f"sync(version={top}) is not newer than version {newest - 1}, which a rank holds; versions only "
-            f"increase: sync(version=n) with n > {newest - 1}, or sync() for the next one"
+            f"sync(version={top}) is older than version {newest - 1}, which a rank holds; versions never go "
+            f"back: sync(version=n) with n >= {newest - 1}, or sync() for the next one"
         )
     return (top or newest), bool(any_base)
 
