@@ -83,11 +83,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
                         state[n] = torch.nn.Parameter(distribute_tensor(init, mesh, place))
                     opt = torch.optim.Adam(list(state.values()), lr=lr)
                 roll_w, bufs, dense_bufs = [], {}, {}
-                for rname in names:
-                    rule = names.rule(rname)
-                    parts = [shapes[s] for s in rule.sources]
+                fused = {src for r in names for src in names.rule(r).sources}
+                plain = [(n, None) for n in shapes if n not in fused]  # the same name on both sides
+                for rname, rule in [(n, names.rule(n)) for n in names] + plain:
+                    sources = rule.sources if rule is not None else (rname,)
+                    parts = [shapes[s] for s in sources]
                     shape = (sum(p[0] for p in parts), *parts[0][1:])
-                    axis = _axis(rule.sources[0])
+                    axis = _axis(sources[0])
                     roll_w.append(Weight(rname, shape, dtype, {} if axis is None else {"tp": S(axis)}))
                     local = list(shape)
                     if axis is not None:

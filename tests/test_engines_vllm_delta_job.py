@@ -227,10 +227,13 @@ def main() -> None:
         adapter = adapter_state()
 
         def lora_check(adapter=adapter, i=i) -> dict[str, Any]:
+            if rank == 0:
+                print("MESHGROUPS-ADAPTERS", lsync.engine_reports(), repr(lsync.lora_request()), flush=True)
             want = peft_reference(args.model, base_state, adapter, config)
             got = lora_outputs(llm, lsync.lora_request())
             plain = lora_outputs(llm, None)  # the base: what version 4 generated
-            res = {"lora_tokens_equal": got == want, "lora_tokens": got, "reference_tokens": want,
+            res = {"adapters": {w: rep.get("adapter") for w, rep in lsync.engine_reports().items()},
+                   "request": repr(lsync.lora_request()), "lora_tokens_equal": got == want, "lora_tokens": got, "reference_tokens": want,
                    "base_untouched": plain == out["rows"][3]["engine_tokens"], "differs_from_base": got != plain}  # fmt: skip
             if i == 6:  # keep=2: version 5's adapter is still served, as it was
                 res["previous_served"] = (
@@ -252,7 +255,7 @@ def main() -> None:
                 continue
             base = n.removeprefix("base_model.model.").replace(".base_layer.", ".")
             owner = n.rsplit(".", 1)[0].removesuffix(".base_layer")
-            a = st.get(f"{owner}.lora_A.default.weight")
+            a = st.get(f"{owner}.lora_A.default.weight") if n.endswith(".base_layer.weight") else None
             ref[base] = v if a is None else merge(v, a, st[f"{owner}.lora_B.default.weight"], scale)
         return ref
 

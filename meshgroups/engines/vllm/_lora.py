@@ -5,9 +5,11 @@ PEFT's, sharded as the trainer holds them (FSDP2 DTensors, or plain tensors) and
 PEFT checkpoint names them (:func:`lora_weights`) — are the source; the destination is the
 whole adapter on every engine worker (an adapter is small; vLLM's own loader cuts each
 worker's slice of a tensor-parallel layer from whole A/B tensors, as it does for an adapter
-read from disk). After a complete sync each worker registers the adapter with its LoRA
-manager under ``LoRA.adapter_id(version)`` (:func:`install`), replacing the one of that id; the
-base model is untouched. A request selects it with ``VLLMWeightSync.lora_request()``.
+read from disk). After a complete sync each worker keeps the adapter in PEFT's files where
+vLLM's own loader reads it (:func:`install`; vLLM clears its adapters after every weight update,
+so an adapter put straight into its cache would not outlive the update that made it); a request
+naming it (``VLLMWeightSync.lora_request()``: ``LoRA.adapter_id(version)``, its directory) makes
+vLLM load it into a slot, replacing the adapter of that id. The base model is untouched.
 ``keep=k`` rotates ``k`` ids so that the last ``k`` versions stay servable (requests in flight on
 an older version keep theirs: vLLM's ``max_loras`` must then be at least ``k``, TRL's
 ``max_loras >= max_staleness + 1``).
@@ -24,6 +26,10 @@ senders' merged shards as for any weight. The arithmetic is elementwise and in a
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,12 +50,15 @@ class LoRA:
             :func:`lora_config`).
         first_id: vLLM's ``lora_int_id`` of the first slot (>= 1).
         keep: how many versions stay servable (ids ``first_id .. first_id + keep - 1``).
+        root: the directory on each worker's machine where the workers keep the adapter's
+            versions (default: ``meshgroups-lora`` in the temporary directory).
     """
 
     name: str
     config: Mapping[str, Any] = field(default_factory=dict)
     first_id: int = 1
     keep: int = 1
+    root: str = field(default_factory=lambda: os.path.join(tempfile.gettempdir(), "meshgroups-lora"))
 
     def __post_init__(self) -> None:
         for what, value in (("first_id", self.first_id), ("keep", self.keep)):
@@ -71,7 +80,14 @@ class LoRA:
     def spec(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
         """What travels to the workers (plain data): this adapter and its tensors' shapes."""
         return {"name": self.name, "config": dict(self.config), "first_id": self.first_id, "keep": self.keep,
-                "shapes": {n: tuple(s) for n, s in sorted(shapes.items())}}  # fmt: skip
+                "root": self.root, "shapes": {n: tuple(s) for n, s in sorted(shapes.items())}}  # fmt: skip
+
+    def request(self, version: int) -> Any:
+        """vLLM's ``LoRARequest`` of ``version`` (imports vLLM)."""
+        from vllm.lora.request import LoRARequest
+
+        path = adapter_dir({"root": self.root, "name": self.name}, version)
+        return LoRARequest(self.request_name(version), self.adapter_id(version), path)
 
 
 def checkpoint_name(name: str, adapter: str = "default") -> str | None:
@@ -143,47 +159,50 @@ def lora_destinations(spec: Mapping[str, Any], offers: list[Any], dtype: str | N
     return [Weight(n, tuple(s), wire, {}) for n, s in spec["shapes"].items()]
 
 
-def install(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], spec: Mapping[str, Any],
-            version: int, vllm_config: Any) -> int:  # fmt: skip
-    """Register the adapter held in ``tensors`` with the worker's LoRA manager (vLLM's
-    ``model.lora_manager``) under its id for ``version``, replacing the adapter of that id;
-    vLLM activates it into a slot when a request names it. Returns the id.
+def adapter_dir(spec: Mapping[str, Any], version: int) -> str:
+    """Where the workers keep ``version`` of the adapter (``LoRA.root``/``name-vN``)."""
+    return os.path.join(spec["root"], f"{spec['name']}-v{version}")
+
+
+def install(
+    tensors: Mapping[str, torch.Tensor], spec: Mapping[str, Any], version: int, vllm_config: Any
+) -> str:
+    """Keep the adapter held in ``tensors`` as ``version`` where vLLM's own LoRA loader reads it
+    (PEFT's ``adapter_config.json`` and ``adapter_model.safetensors``, each file written
+    atomically: the workers of one machine write the same bytes), check it against the
+    engine's LoRA config, and drop the versions older than ``keep``. Returns its directory.
+
+    Why files and not vLLM's adapter cache: vLLM clears every adapter after each weight update
+    (``reset_lora_state`` in ``finish_weight_update``), the one that makes the adapter included;
+    vLLM loads an adapter a request names by its path, then caches it by id.
 
     Raises:
-        LayoutError: the engine has no LoRA manager (started without ``enable_lora``).
+        LayoutError: the adapter's config is not one the engine serves (rank, modules).
     """
-    from vllm.lora.lora_model import LoRAModel
+    from safetensors.torch import save_file
     from vllm.lora.peft_helper import PEFTHelper
 
-    manager = getattr(model, "lora_manager", None)
-    if manager is None:
-        raise LayoutError(
-            "this vLLM worker has no LoRA manager: the engine was started without enable_lora=True"
-        )
-    lora = LoRA(spec["name"], spec["config"], spec["first_id"], spec["keep"])
-    adapter_id = lora.adapter_id(version)
-    config = dict(spec["config"])
-    config["vllm_max_position_embeddings"] = vllm_config.model_config.max_model_len
-    helper = PEFTHelper.from_dict(config)
-    helper.validate_legal(vllm_config.lora_config)
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    adapter = LoRAModel.from_lora_tensors(
-        lora_model_id=adapter_id,
-        tensors={n: t.clone() for n, t in tensors.items()},  # the adapter owns its tensors
-        peft_helper=helper,
-        device="cpu"
-        if next(iter(tensors.values())).device.type == "cpu"
-        else str(next(iter(tensors.values())).device),
-        dtype=vllm_config.lora_config.lora_dtype,
-        model_vocab_size=vllm_config.model_config.get_vocab_size(),
-        weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
-        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    path = adapter_dir(spec, version)
+    os.makedirs(path, exist_ok=True)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", **dict(spec["config"])}
+    tmp = f".tmp-{os.getpid()}"
+    with open(os.path.join(path, "adapter_config.json" + tmp), "w") as f:
+        json.dump(config, f)
+    save_file(
+        {n: t.contiguous() for n, t in tensors.items()}, os.path.join(path, "adapter_model.safetensors" + tmp)
     )
-    manager.remove_adapter(adapter_id)  # deactivates it too: the next request activates the new one
-    if len(manager) + 1 > manager.capacity:
-        manager.remove_oldest_adapter()
-    manager.add_adapter(adapter)
-    return adapter_id
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        os.replace(os.path.join(path, name + tmp), os.path.join(path, name))
+    try:
+        PEFTHelper.from_local_dir(path, vllm_config.model_config.max_model_len).validate_legal(
+            vllm_config.lora_config
+        )
+    except ValueError as exc:
+        raise LayoutError(f"LoRA adapter {spec['name']!r} version {version}: vLLM refuses it: {exc}") from exc
+    old = version - int(spec["keep"])
+    if old >= 1:
+        shutil.rmtree(adapter_dir(spec, old), ignore_errors=True)  # another worker may be at it too
+    return path
 
 
 def merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:

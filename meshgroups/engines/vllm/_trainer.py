@@ -415,14 +415,9 @@ class VLLMWeightSync:
     def lora_request(self, version: int | None = None) -> Any:
         """vLLM's ``LoRARequest`` of the adapter at ``version`` (default: the last synced), for
         ``generate(..., lora_request=...)`` (imports vLLM; an adapter sync only)."""
-        from vllm.lora.request import LoRARequest
-
         if self.lora is None:
             raise MeshConfigError("lora_request(): this VLLMWeightSync syncs the base model (no lora=)")
-        v = self.version if version is None else version
-        return LoRARequest(
-            self.lora.request_name(v), self.lora.adapter_id(v), f"meshgroups://{self.lora.name}/v{v}"
-        )
+        return self.lora.request(self.version if version is None else version)
 
     def engine_reports(self) -> dict[int, dict[str, float]]:
         """What each engine worker reported at its last commit: ``{tp rank: {"version",

@@ -290,8 +290,9 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
             return  # a refused or failed update: nothing to commit, the trainer raises why
         version, report = self._pending
         self._pending = None
+        adapter = None
         if self.target is not None:  # the adapter into vLLM's LoRA manager; the base untouched
-            install(self.model, self.lora_buffers, self.target, version, self.vllm_config)
+            adapter = install(self.lora_buffers, self.target, version, self.vllm_config)
         else:
             self._commit()  # local: every worker's sync completed (execute's last agreement)
         self.version, self.last_report = version, report
@@ -307,6 +308,7 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
                         "shard_bytes": sum(b.numel() * b.element_size() for b in held.values()),
                         # what was committed, for a check without gathering (a float64 sum per worker)
                         "checksum": float(sum(b.double().sum().item() for b in held.values())),
+                        "adapter": adapter,
                         "delta": None
                         if report.delta is None
                         else [report.delta.total_dense, report.delta.total_sent],
