@@ -125,8 +125,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
                                 raise AssertionError(
                                     f"delta sync of {n} is not the dense one's ({dtype}, lr={lr})"
                                 )
-                    n_all = sum(b.numel() for b in bufs.values())
-                    n_changed = sum(int((bufs[x] != before[x]).sum()) for x in bufs)
+                    mine = rank >= 2  # the rollout's elements only (the trainer ranks hold no rollout)
+                    n_all = sum(b.numel() for b in bufs.values()) if mine else 0
+                    n_changed = sum(int((bufs[x] != before[x]).sum()) for x in bufs) if mine else 0
                     counts = torch.tensor([n_changed, n_all], dtype=torch.int64)
                     dist.all_reduce(counts)
                     changed.append(int(counts[0]) / int(counts[1]))
