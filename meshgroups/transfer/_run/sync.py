@@ -391,7 +391,8 @@ class WeightSync(Closeable):
             src, dst = self._views(trainer, rollout)
             try:
                 if self.delta is not None:
-                    report = move(self, src, dst, version=version, progress=progress, timeout=timeout)
+                    report = move(self, src, dst, version=version, progress=progress, timeout=timeout,
+                                  wait=self._wait(), packs=self._packs)  # fmt: skip
                     self.syncs += 1
                     self.last_report = report
                     return report

@@ -13,7 +13,8 @@ rank the same decision:
 - else ``execute_delta``: each receiver's base checked, deltas where it holds the base, dense
   where it does not.
 
-    >>> report = move(sync, src, dst, version=None, progress=None, timeout=None)  # doctest: +SKIP
+    >>> report = move(sync, src, dst, version=None, progress=None, timeout=None,  # doctest: +SKIP
+    ...               wait=timedelta(seconds=60), packs=PackBuffers())
     >>> report.delta.ratio                                                       # doctest: +SKIP
     0.021
 """
@@ -88,9 +89,12 @@ def move(
     version: int | None,
     progress: Callable[[Progress], object] | None,
     timeout: timedelta | float | None,
+    wait: timedelta,
+    packs: Any,
 ) -> Report:
     """One delta-mode move of ``sync`` (collective; see the module docstring). Updates
     ``sync.version`` and its shadows; on a failure forgets both (the next sync is dense).
+    ``wait``: the sync's default bound; ``packs``: its kept packed buffers (``PackBuffers``).
 
     Raises:
         TransferError, VersionError: as ``WeightSync.sync``.
@@ -99,7 +103,7 @@ def move(
     if policy is None:  # an invariant of WeightSync, not a check of user input
         raise RuntimeError("meshgroups internal error: a delta move without a DeltaPolicy")
     try:
-        wait = as_timedelta(timeout, sync._wait())
+        wait = as_timedelta(timeout, wait)
     except (TypeError, ValueError):  # execute refuses it next, on every rank alike
         wait = default_timeout()
     shadows = sync.shadows
@@ -114,7 +118,7 @@ def move(
     )
     try:
         if dense:
-            report = execute(sync.plan, src, dst, buffers=sync._packs, **common)  # type: ignore[arg-type]
+            report = execute(sync.plan, src, dst, buffers=packs, **common)  # type: ignore[arg-type]
             try:
                 fill_shadows(sync.plan, src, dst, shadows, agreed)  # type: ignore[arg-type]
             except Exception:  # local: this rank then sends dense next time (its receivers see no base)
