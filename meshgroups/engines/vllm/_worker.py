@@ -23,6 +23,13 @@ the backend's protocol (:mod:`~meshgroups.engines.vllm._protocol`):
   failed, refused or partial update commits nothing: the model keeps serving the last complete
   version.
 
+The receive buffers are kept across ``init_weight_transfer_engine`` calls while the model's
+parameters are the same, with the version they hold (``buffer_version``): a delta sync
+(``delta=True`` in the trainer's settings) is checked against them. An adapter sync (the
+trainer's ``lora=``) receives the whole adapter into buffers of its own and, at the commit,
+keeps it where vLLM's LoRA loader reads it (``_lora.install``); the base model and its buffers
+are untouched.
+
 None of these calls raises for a refusal or a failed transfer: it logs one line, records it
 (``refused``) and returns, so vLLM's RPC channel is left clean and the next init or update on
 the same engine works; the trainer's ranks raise it (they see it in the protocol's exchanges).
