@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from meshgroups.transfer._run.fp8 import quantize_blocks
     from meshgroups.transfer._run.jobs import Job, init_job
     from meshgroups.transfer._run.sync import WeightSync
+    from meshgroups.transfer._run.sync_delta import adopt
     from meshgroups.transfer._run.torch_io import local_weights, module_weights
 
 # The torch side: name -> its private module, imported on first use.
@@ -65,6 +66,7 @@ _TORCH_SIDE = {
     "Job": "_run.jobs",
     "init_job": "_run.jobs",
     "WeightSync": "_run.sync",
+    "adopt": "_run.sync_delta",
     "local_weights": "_run.torch_io",
     "module_weights": "_run.torch_io",
 }
@@ -93,6 +95,7 @@ __all__ = [
     "TransferPlan",
     "Weight",
     "WeightSync",
+    "adopt",
     "execute",
     "expert_order",
     "hf_to_megatron",

@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
+from meshgroups.engines.vllm._destination import engine_destinations
 from meshgroups.errors import LayoutError
-from meshgroups.transfer import Weight
+from meshgroups.transfer import NameMap, Weight
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,17 @@ def lora_destinations(spec: Mapping[str, Any], offers: list[Any], dtype: str | N
         )
     wire = dtype or offers[0]["dtype"]
     return [Weight(n, tuple(s), wire, {}) for n, s in spec["shapes"].items()]
+
+
+def offered_destination(trainer: Any, offers: list[Any], tp: int) -> tuple[list[Weight], NameMap]:
+    """The destination every rank derives from the init offers (``_protocol``): the adapter
+    (:func:`lora_destinations`) when the trainer offers one, else the engine's parameters
+    through the family map (``engine_destinations``) — the same on every rank, or the same
+    ``LayoutError``."""
+    if trainer.lora is not None:
+        return lora_destinations(trainer.lora, [o.lora for o in offers]), NameMap()
+    family = None if trainer.family is None else NameMap.loads(trainer.family)
+    return engine_destinations([o.params for o in offers], tp, family)
 
 
 def adapter_dir(spec: Mapping[str, Any], version: int) -> str:
@@ -285,5 +297,6 @@ __all__ = [
     "lora_weights",
     "merge",
     "merged_weights",
+    "offered_destination",
     "scaling",
 ]

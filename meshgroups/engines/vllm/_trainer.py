@@ -42,8 +42,7 @@ import torch.distributed as dist
 
 from meshgroups.engines import TransferWorld
 from meshgroups.engines.vllm._clients import Call, HTTPClient, LLMClient, WeightSyncClient, front_version
-from meshgroups.engines.vllm._destination import engine_destinations
-from meshgroups.engines.vllm._lora import LoRA, lora_destinations, lora_weights
+from meshgroups.engines.vllm._lora import LoRA, lora_weights, offered_destination
 from meshgroups.engines.vllm._protocol import (
     TrainerOffer,
     VersionError,
@@ -59,7 +58,7 @@ from meshgroups.engines.vllm._protocol import (
 )
 from meshgroups.errors import LayoutError, MeshConfigError
 from meshgroups.layout import Layout
-from meshgroups.transfer import NameMap, Progress, Report, TransferError, WeightSync
+from meshgroups.transfer import NameMap, Progress, Report, TransferError, WeightSync, adopt
 
 
 class VLLMWeightSync:
@@ -185,12 +184,8 @@ class VLLMWeightSync:
         try:
             self._connect(rank, address, store if rank == 0 else None, front, model, layout, cast, allow_unused,
                           bucket_bytes, name_map, delta)  # fmt: skip
-            old = None if resume is None else getattr(resume, "sync_state", None)
-            if old is not None and old.plan is not None and old.plan.weights == self.sync_state.plan.weights:  # type: ignore[union-attr]
-                self.sync_state.shadows, self.sync_state.version = (
-                    old.shadows,
-                    old.version,
-                )  # its deltas' base
+            if resume is not None and getattr(resume, "sync_state", None) is not None:
+                adopt(self.sync_state, resume.sync_state)  # its shadows: the base of the next delta
             error = None
         except Exception as exc:
             error = exc
@@ -244,17 +239,7 @@ class VLLMWeightSync:
                 if first is not None:
                     raise rebuild(first[1][0], f"engine worker {first[0]}: {first[1][1]}")
                 self.version = max([trainer.front_version, *(o.version for o in offers)])
-                if trainer.lora is not None:
-                    weights, self.name_map = (
-                        lora_destinations(trainer.lora, [o.lora for o in offers]),
-                        NameMap(),
-                    )
-                else:
-                    weights, self.name_map = engine_destinations(
-                        [o.params for o in offers],
-                        self.engine_size,
-                        None if trainer.family is None else NameMap.loads(trainer.family),
-                    )
+                weights, self.name_map = offered_destination(trainer, offers, self.engine_size)
                 self.sync_state = WeightSync(
                     model,
                     layout,

@@ -55,8 +55,7 @@ from meshgroups.engines.vllm._api import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from meshgroups.engines.vllm._destination import engine_destinations
-from meshgroups.engines.vllm._lora import install, lora_destinations
+from meshgroups.engines.vllm._lora import install, offered_destination
 from meshgroups.engines.vllm._protocol import (
     TrainerOffer,
     VersionError,
@@ -72,7 +71,7 @@ from meshgroups.engines.vllm._protocol import (
 from meshgroups.engines.vllm._read import read_params, reprocess
 from meshgroups.errors import LayoutError, MeshConfigError, MismatchError, StoreConnectionError
 from meshgroups.layout import Layout
-from meshgroups.transfer import NameMap, TransferError, WeightSync
+from meshgroups.transfer import TransferError, WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +208,7 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
             # One exchange: the trainer has no vLLM, so the workers tell it what they hold, the
             # version they serve, or why they refuse; trainer rank 0 tells the workers its
             # layout, WeightSync settings and family map. Every rank then derives the same
-            # destination (engine_destinations) — or the same refusal.
+            # destination (offered_destination) — or the same refusal.
             gathered = gather(WorkerOffer(params, self.version, refusal, self._lora_slots()), size)
             trainer = gathered[0]
             if not isinstance(trainer, TrainerOffer):
@@ -221,18 +220,12 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
             if first is not None:
                 raise rebuild(first[1][0], f"engine worker {first[0]}: {first[1][1]}")
             self.target = trainer.lora
+            weights, name_map = offered_destination(trainer, offers, tp)
             if trainer.lora is not None:  # an adapter: whole on every worker, the base untouched
-                weights, name_map = lora_destinations(trainer.lora, [o.lora for o in offers]), None
                 self.lora_buffers = {
                     w.name: torch.empty(w.shape, dtype=getattr(torch, w.dtype), device=device)
                     for w in weights
                 }
-            else:
-                weights, name_map = engine_destinations(
-                    [o.params for o in offers],
-                    tp,
-                    None if trainer.family is None else NameMap.loads(trainer.family),
-                )
             self.sync = WeightSync(
                 None,
                 trainer.layout,

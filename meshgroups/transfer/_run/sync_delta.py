@@ -147,4 +147,20 @@ def move(
     return report
 
 
-__all__ = ["agree_version", "move"]
+def adopt(sync: WeightSync, other: WeightSync) -> bool:
+    """Take ``other``'s shadows and version into ``sync`` (local) when both hold the same plan
+    (the same pairs of weights on the same layouts): ``sync``'s next delta is then against what
+    ``other`` last sent — checked by every receiver as always. Returns whether it did.
+
+    >>> adopt(new_sync, closed_sync)                                  # doctest: +SKIP
+    True
+    """
+    if other.plan is None or sync.plan is None or other.plan.weights != sync.plan.weights:
+        return False
+    if (other.plan.src, other.plan.dst) != (sync.plan.src, sync.plan.dst):
+        return False
+    sync.shadows, sync.version = other.shadows, other.version
+    return True
+
+
+__all__ = ["adopt", "agree_version", "move"]
