@@ -11,6 +11,10 @@ fp32) — ``tests/test_engines_vllm_job.py`` — and puts many checks in that on
   model: 1/tp of each sharded weight, all of each replicated one); the sum of what the workers
   committed equals the trainer's weights'; one plan and one group build for all syncs;
 - Qwen3 (q/k norms) the same way, two steps, no fault;
+- a bf16 engine with LoRA slots (``tests/test_engines_vllm_delta_job.py``): delta syncs, a
+  worker's changed buffer refused by digest and healed dense, a LoRA adapter into vLLM's slots
+  (tokens = transformers + peft), the adapter merged into the base, a resumed delta trainer
+  whose base the engine no longer holds refused by version and healed dense;
 - the model families through ``name_map=hf_to_vllm(config)``: Gemma (tied head; first a map
   that disagrees with vLLM's layers, refused on every rank, the engine kept), Qwen3-MoE at tp=2
   (stacked experts; first a sync of the unchanged weights that must give vLLM's own outputs
