@@ -218,7 +218,9 @@ def main() -> None:
     def adapter_state() -> dict[str, Any]:
         return {n: v for n, v in full(peft_model).items() if "lora_" in n}
 
-    lora = LoRA("policy", lora_config(peft_model), keep=2)
+    # the adapter's versions in this test's own directory (another run on the machine has its own)
+    root = os.path.join(os.path.dirname(os.path.abspath(args.out)), "lora")
+    lora = LoRA("policy", lora_config(peft_model), keep=2, root=root)
     lsync = VLLMWeightSync(peft_model, Layout(dp=4), client, cast="bfloat16", timeout=args.timeout, lora=lora)
     for i in (5, 6):
         if i == 6:
