@@ -301,7 +301,8 @@ def merged_weights(model: torch.nn.Module, adapter: str = "default") -> dict[str
     (['q_proj.weight'], True)
     """
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from meshgroups.mesh import local_shape_and_offset
 
     params: dict[str, Any] = dict(model.named_parameters())
     config: Any = model.peft_config[adapter]  # type: ignore[index]
@@ -327,7 +328,7 @@ def merged_weights(model: torch.nn.Module, adapter: str = "default") -> dict[str
                         f"merged LoRA: {base!r} is a strided shard (FSDP2 over a tensor-parallel shard); merge "
                         "takes plain Shard/Replicate placements (FSDP2 or TP alone)"
                     )
-                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                shape, offset = local_shape_and_offset(p)
                 rows = slice(offset[0], offset[0] + shape[0])
                 cols = slice(offset[1], offset[1] + shape[1])
                 local = merge(p.to_local(), a[:, cols], b[rows, :], scale)
