@@ -109,7 +109,12 @@ class Lookout:
         self.next_look = now + LOOK_EVERY * max(1.0, len(ranks or ()) / 512)
         if not ranks:
             return {}
-        found = self.probe([r for r in ranks if r != self.rank])
+        try:
+            found = self.probe([r for r in ranks if r != self.rank])
+        except dist.DistError:
+            # the store is unreachable (its host ended): liveness can tell nothing more; the
+            # wait's own store calls or collective say what happened
+            return {}
         gone = dict(found) if isinstance(found, Mapping) else {r: "stopped responding" for r in found}
         if not gone and now >= self.next_report:
             self.report(ranks, now)
