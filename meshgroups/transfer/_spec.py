@@ -86,11 +86,14 @@ TORCH_ONLY_DTYPES = {
 
 
 def dtype_name(dtype: object, weight: str = "") -> str:
-    """The canonical name of ``dtype`` (a numpy name, a torch-only name, or ``torch.xxx``)::
+    """The canonical name of ``dtype`` — a numpy name, a torch-only name, ``"torch.xxx"`` or a
+    ``torch.dtype`` — the one spelling the plan, the wire and the reports use::
 
     >>> dtype_name("torch.bfloat16"), dtype_name("f4")
     ('bfloat16', 'float32')
     """
+    if type(dtype).__module__ == "torch":  # a torch.dtype, read without importing torch here
+        dtype = str(dtype)
     if not isinstance(dtype, str):
         raise TypeError(f"Weight {weight!r}: dtype must be a str like 'bfloat16', got {dtype!r}")
     name = dtype.removeprefix("torch.")
