@@ -31,6 +31,7 @@ USUAL_NAMES = (
     "sp",
     "dp_replicate",
     "dp_shard",
+    "fsdp",
     "expt_tp",
     "expt_dp",
     "world",
