@@ -6,7 +6,9 @@
 # engine, Gemma, Qwen3-MoE, DeepSeek-V3; expert parallel skipped) 478 s. Since issue 47 (measured
 # on a shared, loaded machine, not in CI): the contract check of vLLM 0.32.0 and 0.34.0 ~20 s; the
 # in-process Qwen2 worker-death life replaced by two `vllm serve` lives started at once (the serve
-# test, ~4 min loaded); the newest vLLM's wheel fetched by .ci/vllm_venv.sh (~8 s).
+# test, ~4 min loaded); the newest vLLM's wheel fetched by .ci/vllm_venv.sh (~8 s). Since issue 50:
+# the bf16 engine life became the delta + LoRA life (test_delta_and_lora_bf16: one engine with
+# LoRA slots, delta syncs, an adapter, the merged adapter, refusals healed dense).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1

@@ -11,6 +11,10 @@ fp32) — ``tests/test_engines_vllm_job.py`` — and puts many checks in that on
   model: 1/tp of each sharded weight, all of each replicated one); the sum of what the workers
   committed equals the trainer's weights'; one plan and one group build for all syncs;
 - Qwen3 (q/k norms) the same way, two steps, no fault;
+- a bf16 engine with LoRA slots (``tests/test_engines_vllm_delta_job.py``): delta syncs, a
+  worker's changed buffer refused by digest and healed dense, a LoRA adapter into vLLM's slots
+  (tokens = transformers + peft), the adapter merged into the base, a resumed delta trainer
+  whose base the engine no longer holds refused by version and healed dense;
 - the model families through ``name_map=hf_to_vllm(config)``: Gemma (tied head; first a map
   that disagrees with vLLM's layers, refused on every rank, the engine kept), Qwen3-MoE at tp=2
   (stacked experts; first a sync of the unchanged weights that must give vLLM's own outputs
@@ -49,6 +53,7 @@ pytestmark = [
 ]
 
 JOB = Path(__file__).with_name("test_engines_vllm_job.py")
+DELTA_JOB = Path(__file__).with_name("test_engines_vllm_delta_job.py")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -221,22 +226,71 @@ def test_qwen3_q_k_norms(tmp_path: Path) -> None:
     check_steps(result, 2, 1e-4)
 
 
-def test_bf16_engine_against_the_bf16_cast(tmp_path: Path) -> None:
-    """A bf16 engine, the trainer in fp32 (``cast="bfloat16"``): every committed element is the
-    bf16 cast (bytes and sums, exact), and greedy tokens match a bf16 ``transformers`` reference;
-    logprobs differ by bf16 kernel rounding (oneDNN vs torch matmuls; measured 0.05, bound 0.2)."""
+def test_delta_and_lora_bf16(tmp_path: Path) -> None:
+    """One bf16 engine life with LoRA slots (``tests/test_engines_vllm_delta_job.py``): delta syncs
+    of the full weights after small Adam steps (the first dense: bytes and sums of the bf16
+    cast exact, as the plain bf16 engine test checked before), a worker whose buffer changed
+    under the same version refused by digest and healed dense, a LoRA adapter into vLLM's slots
+    twice (tokens = transformers + peft, the base untouched, the previous adapter still served),
+    the adapter merged into the base (tokens = the reference merge; then a delta of the merged
+    layers), and a resumed delta trainer whose base the engine no longer holds, refused by
+    version on both workers and healed dense."""
     start = time.monotonic()
-    result = run_job(
-        make_model("qwen2", tmp_path), tmp_path / "bf16.json", "--dtype", "bfloat16", "--steps", "2"
-    )
-    rows = result["steps"]
-    for i, row in enumerate(rows, 1):
-        assert row["engine_version"] == str(i)
-        for r in ("0", "1"):
-            assert row["reports"][r]["bytes_received"] == row["expected_worker_bytes"]
-        total = row["reports"]["0"]["checksum"] + row["reports"]["1"]["checksum"]
-        assert abs(total - row["expected_checksum"]) <= 1e-6 * max(1.0, abs(row["expected_checksum"])), row
-        assert row["max_logprob_diff"] <= 0.2, row
+    model = make_model("qwen2", tmp_path)
+    out = tmp_path / "delta.json"
+    env = dict(
+        os.environ,
+        VLLM_CPU_OMP_THREADS_BIND="0|1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        PYTHONPATH=str(ROOT),
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+    )  # collective_rpc of a function (changing a buffer)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+           str(DELTA_JOB), "--model", model, "--out", str(out), "--timeout", str(scaled(30))]  # fmt: skip
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=scaled(600))
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            for pid in [*descendants(proc.pid), proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait(timeout=30)
+    tail = log.read_text()[-6000:]
+    assert rc is not None and out.exists(), f"the job failed (exit {rc}):\n{tail}"
+    result = json.loads(out.read_text())
+    rows = {r["label"][:3].strip(): r for r in result["rows"]}
+    print(f"\ndelta/lora: engine start {result['engine_start_s']:.0f} s, total {result['total_s']:.0f} s, first sync "
+          f"{result['first_sync_s']:.2f} s, delta syncs {[round(x, 2) for x in result['delta_sync_s']]} s")  # fmt: skip
+    for r in result["rows"]:
+        print(" ", r["label"], {k: r.get(k) for k in ("version", "ratio", "payload", "refused", "tokens_equal",
+              "max_logprob_diff", "lora_tokens_equal", "base_untouched")})  # fmt: skip
+    for key in ("A1", "A2", "A3", "A4", "C7", "C8", "D9", "D10"):
+        r = rows[key]
+        assert r["engine_version"] == str(r["version"]), r
+        assert abs(r["checksum"] - r["expected_checksum"]) <= 1e-6 * max(1.0, abs(r["expected_checksum"])), r
+        assert r["tokens_equal"] and r["max_logprob_diff"] <= 0.2, r  # bf16 kernels: logprobs to 0.2
+        assert r["buffers_exact"], r  # every element of both workers, bit for bit
+    assert rows["A1"]["base"] is None and rows["A1"]["ratio"] == 1.0
+    for key in ("A2", "A3", "C8", "D10"):
+        assert rows[key]["base"] == rows[key]["version"] - 1 and not rows[key]["refused"], rows[key]
+        assert rows[key]["payload"] < 1.0, rows[key]
+    assert result["corrupted"][1] != "untouched" and rows["A4"]["refused"] == [5], rows["A4"]  # worker 1
+    assert "digests differ" in rows["A4"]["reasons"][0], rows["A4"]
+    assert result["resumed_version"] == 4
+    assert rows["D9"]["refused"] == [4, 5] and "holds version 8" in rows["D9"]["reasons"][0], rows["D9"]
+    for key in ("B5", "B6"):
+        r = rows[key]
+        assert r["engine_version"] == str(r["version"]), r
+        assert r["lora_tokens_equal"] and r["base_untouched"] and r["differs_from_base"], r
+    assert rows["B6"]["previous_served"], rows["B6"]
     assert time.monotonic() - start < scaled(600)
 
 

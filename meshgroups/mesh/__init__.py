@@ -40,6 +40,7 @@ if TYPE_CHECKING:
         default_store,
         default_timeout,
         group_sequence,
+        local_shape_and_offset,
         shrink_nccl_group,
     )
     from meshgroups.mesh._torch_seam.worlds import (
@@ -81,6 +82,7 @@ _WHERE = {
     "default_store": "_torch_seam",
     "default_timeout": "_torch_seam",
     "group_sequence": "_torch_seam",
+    "local_shape_and_offset": "_torch_seam",
     "shrink_nccl_group": "_torch_seam",
     "default_world": "_torch_seam.worlds",
     "register_world": "_torch_seam.worlds",

@@ -44,15 +44,19 @@ from meshgroups.transfer._plan.plan import Message, TransferPlan, plan_transfer
 from meshgroups.transfer._spec import Box, Placement, Replicate, Shard, Weight
 
 if TYPE_CHECKING:
+    from meshgroups.transfer._run.delta_state import DeltaPolicy, DeltaStats
     from meshgroups.transfer._run.execute import DEFAULT_BUCKET_BYTES, Progress, Report, execute
     from meshgroups.transfer._run.fanout_groups import TransferGroups
     from meshgroups.transfer._run.fp8 import quantize_blocks
     from meshgroups.transfer._run.jobs import Job, init_job
     from meshgroups.transfer._run.sync import WeightSync
+    from meshgroups.transfer._run.sync_delta import adopt
     from meshgroups.transfer._run.torch_io import local_weights, module_weights
 
 # The torch side: name -> its private module, imported on first use.
 _TORCH_SIDE = {
+    "DeltaPolicy": "_run.delta_state",
+    "DeltaStats": "_run.delta_state",
     "DEFAULT_BUCKET_BYTES": "_run.execute",
     "Progress": "_run.execute",
     "Report": "_run.execute",
@@ -62,6 +66,7 @@ _TORCH_SIDE = {
     "Job": "_run.jobs",
     "init_job": "_run.jobs",
     "WeightSync": "_run.sync",
+    "adopt": "_run.sync_delta",
     "local_weights": "_run.torch_io",
     "module_weights": "_run.torch_io",
 }
@@ -71,6 +76,8 @@ __all__ = [
     "PRESET_MAPS",
     "BlockFP8",
     "Box",
+    "DeltaPolicy",
+    "DeltaStats",
     "Job",
     "Message",
     "ModelConfig",
@@ -88,6 +95,7 @@ __all__ = [
     "TransferPlan",
     "Weight",
     "WeightSync",
+    "adopt",
     "execute",
     "expert_order",
     "hf_to_megatron",

@@ -9,7 +9,8 @@ trainer ranks and workers: init offers, the version preflight, commit reports), 
 (a worker's parameters as global weights, checked against a family map; vLLM-free), ``_read`` (a
 worker's model read as data), ``_worker`` (the worker side), ``_api`` (the one adapter over
 vLLM's weight-transfer API, release by release), ``_trainer_engine`` (the trainer side as vLLM's
-``TrainerWeightTransferEngine``), ``_plugin``.
+``TrainerWeightTransferEngine``), ``_lora`` (LoRA adapters into vLLM's LoRA slots; LoRA merged
+into the base at the sender), ``_plugin``.
 
 Importing this package imports no vLLM (and no torch); each name loads on first use::
 
@@ -28,6 +29,7 @@ from meshgroups.engines.vllm._plugin import BACKEND, register
 if TYPE_CHECKING:
     from meshgroups.engines.vllm._clients import HTTPClient, LLMClient, WeightSyncClient
     from meshgroups.engines.vllm._destination import Param, destinations, engine_destinations
+    from meshgroups.engines.vllm._lora import LoRA, lora_config, lora_weights, merged_weights
     from meshgroups.engines.vllm._trainer import VLLMWeightSync
     from meshgroups.engines.vllm._trainer_engine import MeshgroupsTrainerEngine, MeshgroupsTrainerInitInfo
 
@@ -39,6 +41,10 @@ _WHERE = {
     "destinations": "_destination",
     "engine_destinations": "_destination",
     "VLLMWeightSync": "_trainer",
+    "LoRA": "_lora",
+    "lora_config": "_lora",
+    "lora_weights": "_lora",
+    "merged_weights": "_lora",
     "MeshgroupsTrainerEngine": "_trainer_engine",
     "MeshgroupsTrainerInitInfo": "_trainer_engine",
 }
@@ -47,6 +53,7 @@ __all__ = [
     "BACKEND",
     "HTTPClient",
     "LLMClient",
+    "LoRA",
     "MeshgroupsTrainerEngine",
     "MeshgroupsTrainerInitInfo",
     "Param",
@@ -54,6 +61,9 @@ __all__ = [
     "WeightSyncClient",
     "destinations",
     "engine_destinations",
+    "lora_config",
+    "lora_weights",
+    "merged_weights",
     "register",
 ]
 

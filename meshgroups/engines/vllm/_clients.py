@@ -22,7 +22,14 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch.distributed as dist
+
+from meshgroups.errors import LayoutError, MeshConfigError
+
+if TYPE_CHECKING:
+    from meshgroups.layout import Layout
 
 
 class WeightSyncClient(Protocol):
@@ -193,6 +200,35 @@ class Call:
         if self.thread.is_alive():
             return TimeoutError(f"the engine did not answer within {timeout:g} s")
         return self.error
+
+
+def check_trainer_args(
+    rank: int, client: Any, layout: Layout, group: dist.ProcessGroup | None, engine_size: int | None
+) -> int | None:
+    """This trainer rank's own checks of ``VLLMWeightSync``'s arguments (agreed by the caller).
+
+    Returns:
+        The engine's size on rank 0 (``None`` elsewhere: rank 0 broadcasts it).
+    """
+    if (client is None) == (rank == 0):
+        raise MeshConfigError(
+            f"client={client!r} on rank {rank}: trainer rank 0 holds the engine's client (an LLMClient, "
+            "an HTTPClient or a VLLMWeightSyncClient), the other ranks pass None"
+        )
+    ranks, world = int(layout.grid.size), dist.get_world_size(group)
+    if ranks != world or sorted(layout.grid.ravel().tolist()) != list(range(ranks)):
+        raise LayoutError(
+            f"layout {layout!r} must hold the trainer's ranks 0..{world - 1} (its world), each once; "
+            f"it holds {ranks} ranks"
+        )
+    if rank != 0:
+        return None
+    size = engine_size if engine_size is not None else getattr(client, "engine_size", None)
+    if size is None:
+        raise MeshConfigError(
+            "engine_size is needed: the client does not say how many workers the engine has"
+        )
+    return int(size)
 
 
 __all__ = ["Call", "HTTPClient", "LLMClient", "WeightSyncClient", "front_version"]

@@ -57,22 +57,26 @@ class WorkerOffer:
         params: its parameters (``destination.Param`` s), ``None`` when it refuses.
         version: the version it serves (its last commit; ``0``: vLLM's own load).
         refusal: ``(error class name, message)`` when it cannot take part, else ``None``.
+        lora: its LoRA slots (``{"max_rank", "dtype"}``), ``None`` when LoRA is off.
     """
 
     params: Any
     version: int
     refusal: tuple[str, str] | None = None
+    lora: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
 class TrainerOffer:
     """What trainer rank 0 sends at init: its layout, ``WeightSync`` settings, family map
-    (JSON or ``None``) and the version vLLM's front end reports (``-1``: unknown)."""
+    (JSON or ``None``), the version vLLM's front end reports (``-1``: unknown) and, for an
+    adapter sync, the adapter (``_lora.LoRA.spec``; ``None``: the base model)."""
 
     layout: Any
     settings: dict[str, Any]
     family: str | None
     front_version: int = -1
+    lora: dict[str, Any] | None = None
 
 
 #: Error classes an outcome is rebuilt as on every rank (name -> class), besides those of

@@ -134,6 +134,8 @@ def read_params(model: torch.nn.Module) -> tuple[list[Param], int, int]:
     for name, param in model.named_parameters():
         owner, _, leaf = name.rpartition(".")
         module = modules[owner]
+        # an engine with LoRA slots wraps each layer (its own in `base_layer`): the checkpoint's name
+        logical = name.replace(".base_layer.", ".")
         if isinstance(module, MLAAttention):
             continue  # W_UK_T / W_UV: derived from kv_b_proj by its post-load processing (reprocess)
         shape, dtype = _loaded_shape(module, leaf, param)
@@ -157,10 +159,10 @@ def read_params(model: torch.nn.Module) -> tuple[list[Param], int, int]:
                 module.total_num_kv_heads * module.head_size,
                 module.total_num_kv_heads * module.v_head_size,
             ]
-            parts = tuple(zip(_fused(name, packed), module.output_sizes, real))
+            parts = tuple(zip(_fused(logical, packed), module.output_sizes, real))
         elif isinstance(module, MergedColumnParallelLinear):
             axis = 0
-            parts = tuple(zip(_fused(name, packed), module.output_sizes, module.output_sizes))
+            parts = tuple(zip(_fused(logical, packed), module.output_sizes, module.output_sizes))
         elif isinstance(module, ColumnParallelLinear):
             axis = 0
         elif isinstance(module, RowParallelLinear):
@@ -183,7 +185,7 @@ def read_params(model: torch.nn.Module) -> tuple[list[Param], int, int]:
             )
         if layer_tp == 1:  # disable_tp layers: whole on every rank
             axis, parts = None, None if parts is None else tuple((s, v, v) for s, _, v in parts)
-        params.append(Param(name, tuple(shape), _dtype_name(dtype), axis, parts, experts=experts))
+        params.append(Param(logical, tuple(shape), _dtype_name(dtype), axis, parts, experts=experts))
     params.extend(_buffers(model, tp))
     return params, tp_rank, tp
 

@@ -34,9 +34,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshgroups._lifecycle import Closeable
 from meshgroups.engines import TransferWorld
-from meshgroups.engines.vllm._clients import Call, HTTPClient, LLMClient, WeightSyncClient, front_version
-from meshgroups.engines.vllm._destination import engine_destinations
+from meshgroups.engines.vllm._clients import (
+    Call,
+    HTTPClient,
+    LLMClient,
+    WeightSyncClient,
+    check_trainer_args,
+    front_version,
+)
+from meshgroups.engines.vllm._lora import LoRA, lora_weights, offered_destination
 from meshgroups.engines.vllm._protocol import (
     TrainerOffer,
     VersionError,
@@ -50,12 +58,12 @@ from meshgroups.engines.vllm._protocol import (
     rebuild,
     report_key,
 )
-from meshgroups.errors import LayoutError, MeshConfigError
+from meshgroups.errors import ClosedError, LayoutError, MeshConfigError
 from meshgroups.layout import Layout
-from meshgroups.transfer import NameMap, Progress, Report, TransferError, WeightSync
+from meshgroups.transfer import NameMap, Progress, Report, TransferError, WeightSync, adopt
 
 
-class VLLMWeightSync:
+class VLLMWeightSync(Closeable):
     """Trainer side of weight sync into a vLLM engine: one object in the trainer's own world, one
     ``sync()`` per step, returning the version the engine then serves (the same on every rank,
     or the same error). Collective over the trainer's world: every trainer rank builds it and
@@ -87,6 +95,13 @@ class VLLMWeightSync:
             fused rule must read the trainer weights vLLM's layer fuses, a stack of experts must
             be in the order of vLLM's expert map (build it with the engine's ``ep`` and
             placement), every name must be a vLLM parameter. Given on every rank (rank 0's is used).
+        delta: ``True`` or a ``DeltaPolicy`` (``meshgroups.transfer``): after the first sync, only
+            what changed since the version each worker's receive buffers hold (checked by
+            version and digest; a worker that does not hold it gets dense). ``resume``: a closed
+            ``VLLMWeightSync`` of the same plan whose shadows this one starts from.
+        lora: a ``LoRA``: sync the model's LoRA A/B (a PEFT model, or ``lora_weights(model)``)
+            into vLLM's LoRA slots as that adapter (``lora_request()`` names it), not the base
+            (see ``meshgroups.engines.vllm.LoRA``).
 
     Attributes:
         version: the version the engine serves, as this object last saw it: at construction
@@ -127,11 +142,16 @@ class VLLMWeightSync:
         host: str = "127.0.0.1",
         group: dist.ProcessGroup | None = None,
         name_map: Mapping[str, Any] | None = None,
+        delta: Any = False,
+        resume: VLLMWeightSync | None = None,
+        lora: LoRA | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("VLLMWeightSync needs the trainer's world (dist.init_process_group)")
         rank = dist.get_rank()
-        self.model, self.layout, self.client, self.group = model, layout, client, group
+        if lora is not None and isinstance(model, torch.nn.Module):
+            model = lora_weights(model)  # the adapter's tensors, by checkpoint name
+        self.model, self.layout, self.client, self.group, self.lora = model, layout, client, group, lora
         self.timeout = float(timeout)
         self.version = 0
         self.last_report: Report | None = None
@@ -142,24 +162,7 @@ class VLLMWeightSync:
         error: BaseException | None = None
         size: int | None = None
         try:  # local checks, agreed below: a rank never waits for a rank that refused alone
-            if (client is None) == (rank == 0):
-                raise MeshConfigError(
-                    f"client={client!r} on rank {rank}: trainer rank 0 holds the engine's client (an LLMClient, "
-                    "an HTTPClient or a VLLMWeightSyncClient), the other ranks pass None"
-                )
-            if self._ranks != dist.get_world_size(group) or sorted(layout.grid.ravel().tolist()) != list(
-                range(self._ranks)
-            ):
-                raise LayoutError(
-                    f"layout {layout!r} must hold the trainer's ranks 0..{dist.get_world_size(group) - 1} (its "
-                    f"world), each once; it holds {self._ranks} ranks"
-                )
-            if rank == 0:
-                size = engine_size if engine_size is not None else getattr(client, "engine_size", None)
-                if size is None:
-                    raise MeshConfigError(
-                        "engine_size is needed: the client does not say how many workers the engine has"
-                    )
+            size = check_trainer_args(rank, client, layout, group, engine_size)
         except Exception as exc:
             error = exc
         agree(error, group)
@@ -174,7 +177,9 @@ class VLLMWeightSync:
         self._key = f"meshgroups/trainer/{address}"
         try:
             self._connect(rank, address, store if rank == 0 else None, front, model, layout, cast, allow_unused,
-                          bucket_bytes, name_map)  # fmt: skip
+                          bucket_bytes, name_map, delta)  # fmt: skip
+            if resume is not None and getattr(resume, "sync_state", None) is not None:
+                adopt(self.sync_state, resume.sync_state)  # its shadows: the base of the next delta
             error = None
         except Exception as exc:
             error = exc
@@ -186,7 +191,7 @@ class VLLMWeightSync:
             raise
 
     def _connect(self, rank: int, address: str, store: Any, front: int, model: Any, layout: Layout, cast: Any,
-                 allow_unused: Any, bucket_bytes: int, name_map: Any) -> None:  # fmt: skip
+                 allow_unused: Any, bucket_bytes: int, name_map: Any, delta: Any) -> None:  # fmt: skip
         """Join the transfer world, exchange offers, plan; the engine's init call runs in a
         thread on rank 0. Closes the world on every failure path."""
         total = self._ranks + self.engine_size
@@ -206,10 +211,18 @@ class VLLMWeightSync:
                 if engine is None or isinstance(engine, TimeoutError):
                     raise
                 raise type(exc)(f"{exc}; the engine failed: {type(engine).__name__}: {engine}") from engine
-            settings = {"cast": cast, "allow_unused": allow_unused, "bucket_bytes": bucket_bytes}
+            settings = {
+                "cast": cast,
+                "allow_unused": allow_unused,
+                "bucket_bytes": bucket_bytes,
+                "delta": delta,
+            }
             family = None if name_map is None else NameMap.of(name_map).dumps()
+            spec = (
+                None if self.lora is None else self.lora.spec({n: tuple(t.shape) for n, t in model.items()})
+            )
             with self.world.active():
-                offer = TrainerOffer(layout, settings, family, front) if rank == 0 else None
+                offer = TrainerOffer(layout, settings, family, front, spec) if rank == 0 else None
                 gathered = gather(offer, total)
                 trainer, offers = gathered[0], gathered[self._ranks :]
                 if not all(isinstance(o, WorkerOffer) for o in offers):
@@ -220,11 +233,7 @@ class VLLMWeightSync:
                 if first is not None:
                     raise rebuild(first[1][0], f"engine worker {first[0]}: {first[1][1]}")
                 self.version = max([trainer.front_version, *(o.version for o in offers)])
-                weights, self.name_map = engine_destinations(
-                    [o.params for o in offers],
-                    self.engine_size,
-                    None if trainer.family is None else NameMap.loads(trainer.family),
-                )
+                weights, self.name_map = offered_destination(trainer, offers, self.engine_size)
                 self.sync_state = WeightSync(
                     model,
                     layout,
@@ -276,7 +285,7 @@ class VLLMWeightSync:
                 last complete version, or nothing (a dead engine).
         """
         if self._broken:
-            raise RuntimeError(f"this VLLMWeightSync cannot sync any more: {self._broken}; build a new one")
+            raise ClosedError(f"this VLLMWeightSync was closed ({self._broken}): build a new one")
         if self.world is None:
             raise RuntimeError("meshgroups internal error: no transfer world")
         self._round += 1
@@ -296,7 +305,7 @@ class VLLMWeightSync:
         try:
             with self.world.active():
                 agreed = preflight(rank, self.world.size, self._ranks, version, self.version)
-                report = self.sync_state.sync(progress=progress)
+                report = self.sync_state.sync(progress=progress, version=agreed)
         except Exception as exc:
             error = exc
         if call is not None:
@@ -382,6 +391,13 @@ class VLLMWeightSync:
                     )
                     return {"error": ["TransferError", message, "check"]}
 
+    def lora_request(self, version: int | None = None) -> Any:
+        """vLLM's ``LoRARequest`` of the adapter at ``version`` (default: the last synced), for
+        ``generate(..., lora_request=...)`` (imports vLLM; an adapter sync only)."""
+        if self.lora is None:
+            raise MeshConfigError("lora_request(): this VLLMWeightSync syncs the base model (no lora=)")
+        return self.lora.request(self.version if version is None else version)
+
     def engine_reports(self) -> dict[int, dict[str, float]]:
         """What each engine worker reported at its last commit: ``{tp rank: {"version",
         "bytes_received", "buckets", "shard_bytes", "checksum"}}`` (read from the store; any
@@ -407,28 +423,22 @@ class VLLMWeightSync:
         return {r: int(store.get(pid_key(r))) for r in range(self.engine_size)}
 
     # ------------------------------------------------------------------ lifetime
-    def _close(self, why: str) -> None:
-        self._broken = why
+    def _close(self, why: str) -> int:
+        self._broken, self._closed = why, True
         world, sync_state = self.world, getattr(self, "sync_state", None)
         if world is None or world.group is None:
-            return
+            return 0
         try:
             if sync_state is not None:
                 with world.active():
                     sync_state.close()
         finally:
-            world.close()
+            destroyed = world.close()
+        return destroyed
 
-    def close(self) -> None:
-        """Leave the transfer world (local, idempotent). The engine keeps its last version."""
-        if not self._broken:
-            self._close("closed")
-
-    def __enter__(self) -> VLLMWeightSync:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _release(self) -> int:
+        # leaves the transfer world (local); the engine keeps its last version
+        return self._close("closed")
 
     def __repr__(self) -> str:
         return (

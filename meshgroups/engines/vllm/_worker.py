@@ -23,6 +23,13 @@ the backend's protocol (:mod:`~meshgroups.engines.vllm._protocol`):
   failed, refused or partial update commits nothing: the model keeps serving the last complete
   version.
 
+The receive buffers are kept across ``init_weight_transfer_engine`` calls while the model's
+parameters are the same, with the version they hold (``buffer_version``): a delta sync
+(``delta=True`` in the trainer's settings) is checked against them. An adapter sync (the
+trainer's ``lora=``) receives the whole adapter into buffers of its own and, at the commit,
+keeps it where vLLM's LoRA loader reads it (``_lora.install``); the base model and its buffers
+are untouched.
+
 None of these calls raises for a refusal or a failed transfer: it logs one line, records it
 (``refused``) and returns, so vLLM's RPC channel is left clean and the next init or update on
 the same engine works; the trainer's ranks raise it (they see it in the protocol's exchanges).
@@ -47,7 +54,7 @@ from meshgroups.engines.vllm._api import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from meshgroups.engines.vllm._destination import engine_destinations
+from meshgroups.engines.vllm._lora import install, offered_destination
 from meshgroups.engines.vllm._protocol import (
     TrainerOffer,
     VersionError,
@@ -63,7 +70,7 @@ from meshgroups.engines.vllm._protocol import (
 from meshgroups.engines.vllm._read import read_params, reprocess
 from meshgroups.errors import LayoutError, MeshConfigError, MismatchError, StoreConnectionError
 from meshgroups.layout import Layout
-from meshgroups.transfer import NameMap, TransferError, WeightSync
+from meshgroups.transfer import TransferError, WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +126,10 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
         self.world: TransferWorld | None = None
         self.sync: WeightSync | None = None
         self.buffers: dict[str, torch.Tensor] = {}
+        self.buffer_version: int | None = None  # what the buffers hold (None: unknown)
+        self.target: dict[str, Any] | None = None  # an adapter sync's LoRA spec (None: the base model)
+        self.lora_buffers: dict[str, torch.Tensor] = {}
+        self._spec: list[tuple[str, tuple[int, ...], str]] | None = None
         self.last_report: Any = None
         self._pending: tuple[int, Any] | None = None
         self._rank = self._tp_rank = self._trainer_size = 0
@@ -179,14 +190,13 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
 
             tp_rank = get_tensor_model_parallel_rank()
         device = self.device if params is None else next(iter(self.model.parameters())).device
-        self.buffers = (
-            {}
-            if params is None
-            else {
-                p.name: torch.empty(p.local_shape, dtype=getattr(torch, p.dtype), device=device)
-                for p in params
+        spec = None if params is None else [(p.name, tuple(p.local_shape), p.dtype) for p in params]
+        if spec is None or spec != self._spec:  # kept across inits: their version is a delta's base
+            self.buffers = {
+                n: torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                for n, shape, dtype in spec or ()
             }
-        )
+            self._spec, self.buffer_version = spec, None
         trainer_size = int(init_info.trainer_size)
         self._rank, self._tp_rank, self._trainer_size = trainer_size + tp_rank, tp_rank, trainer_size
         size = trainer_size + tp
@@ -197,8 +207,8 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
             # One exchange: the trainer has no vLLM, so the workers tell it what they hold, the
             # version they serve, or why they refuse; trainer rank 0 tells the workers its
             # layout, WeightSync settings and family map. Every rank then derives the same
-            # destination (engine_destinations) — or the same refusal.
-            gathered = gather(WorkerOffer(params, self.version, refusal), size)
+            # destination (offered_destination) — or the same refusal.
+            gathered = gather(WorkerOffer(params, self.version, refusal, self._lora_slots()), size)
             trainer = gathered[0]
             if not isinstance(trainer, TrainerOffer):
                 raise LayoutError(
@@ -208,21 +218,25 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
             first = first_refusal(offers)
             if first is not None:
                 raise rebuild(first[1][0], f"engine worker {first[0]}: {first[1][1]}")
-            weights, name_map = engine_destinations(
-                [o.params for o in offers],
-                tp,
-                None if trainer.family is None else NameMap.loads(trainer.family),
-            )
+            self.target = trainer.lora
+            weights, name_map = offered_destination(trainer, offers, tp)
+            if trainer.lora is not None:  # an adapter: whole on every worker, the base untouched
+                self.lora_buffers = {
+                    w.name: torch.empty(w.shape, dtype=getattr(torch, w.dtype), device=device)
+                    for w in weights
+                }
             self.sync = WeightSync(
                 None,
                 trainer.layout,
-                self.buffers,
+                self.lora_buffers if self.target is not None else self.buffers,
                 Layout(tp=tp, rank_offset=trainer_size),
                 rollout_weights=weights,
                 name_map=name_map,
                 timeout=init_info.timeout,
                 **trainer.settings,
             )
+            if self.target is None:
+                self.sync.version = self.buffer_version  # a delta sync checks it (and their digests)
 
     # ------------------------------------------------------------------ updates
     def start_weight_update(self) -> None:
@@ -258,7 +272,11 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
             )
         with self.world.active():
             version = preflight(self._rank, self.world.size, self._trainer_size, None, self.version)
-            report = self.sync.sync()
+            if self.target is None:
+                self.buffer_version = None  # partly written until the sync is complete
+            report = self.sync.sync(version=version)
+        if self.target is None:
+            self.buffer_version = self.sync.version
         self._pending = (version, report)
 
     def finish_weight_update(self) -> None:
@@ -271,8 +289,13 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
             return  # a refused or failed update: nothing to commit, the trainer raises why
         version, report = self._pending
         self._pending = None
-        self._commit()  # local: every worker's sync completed (execute's last agreement)
+        adapter = None
+        if self.target is not None:  # the adapter into vLLM's LoRA manager; the base untouched
+            adapter = install(self.lora_buffers, self.target, version, self.vllm_config)
+        else:
+            self._commit()  # local: every worker's sync completed (execute's last agreement)
         self.version, self.last_report = version, report
+        held = self.lora_buffers if self.target is not None else self.buffers
         if self.world is not None:
             self.world.store.set(
                 report_key(self._tp_rank),
@@ -281,9 +304,13 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
                         "version": version,
                         "bytes_received": report.bytes_received,
                         "buckets": report.buckets,
-                        "shard_bytes": sum(b.numel() * b.element_size() for b in self.buffers.values()),
+                        "shard_bytes": sum(b.numel() * b.element_size() for b in held.values()),
                         # what was committed, for a check without gathering (a float64 sum per worker)
-                        "checksum": float(sum(b.double().sum().item() for b in self.buffers.values())),
+                        "checksum": float(sum(b.double().sum().item() for b in held.values())),
+                        "adapter": adapter,
+                        "delta": None
+                        if report.delta is None
+                        else [report.delta.total_dense, report.delta.total_sent],
                     }
                 ),
             )
@@ -299,6 +326,12 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
         for name, buf in self.buffers.items():
             owner, _, leaf = name.rpartition(".")
             module = modules[owner]
+            if (
+                leaf not in module._parameters
+                and leaf not in module._buffers
+                and "base_layer" in module._modules
+            ):
+                module = module.base_layer  # an engine with LoRA slots: the layer its wrapper holds
             param = getattr(module, leaf)
             if tuple(param.shape) == tuple(buf.shape):
                 param.data.copy_(buf)
@@ -310,6 +343,18 @@ class MeshgroupsWeightTransferEngine(WeightTransferEngine[MeshgroupsInitInfo, Me
                 param = getattr(module, leaf)
             written.add(id(param))
         reprocess(self.model, written, self.vllm_config.model_config.dtype)
+
+    def _lora_slots(self) -> dict[str, Any] | None:
+        """This engine's LoRA slots, as the init exchange offers them (``None``: LoRA is off)."""
+        config = getattr(self.vllm_config, "lora_config", None)
+        if config is None:
+            return None
+        dtype = (
+            config.lora_dtype
+            if isinstance(config.lora_dtype, torch.dtype)
+            else self.vllm_config.model_config.dtype
+        )
+        return {"max_rank": int(config.max_lora_rank), "dtype": str(dtype).rsplit(".", 1)[-1]}
 
     def drain_pending(self) -> None:
         """Nothing is deferred: ``finish_weight_update`` commits before it returns."""

@@ -52,7 +52,7 @@ from meshgroups.mesh._torch_seam.meshes import (  # noqa: E402
     make_group_mesh,
     make_root,
 )
-from meshgroups.mesh._torch_seam.placements import StridedShard  # noqa: E402
+from meshgroups.mesh._torch_seam.placements import StridedShard, local_shape_and_offset  # noqa: E402
 from meshgroups.mesh._torch_seam.rooted_mesh import RootedMesh, flattened_layout, register_flattened  # noqa: E402
 
 # torch calls RootedMesh's overrides itself, some positionally: their parameters must be torch's.
@@ -84,6 +84,7 @@ __all__ = [
     "group_sequence",
     "held_group_count",
     "is_backend_options",
+    "local_shape_and_offset",
     "make_group_mesh",
     "make_root",
     "register_builder",

@@ -113,6 +113,8 @@ class Report:
         weights: the weights written on this rank.
         p2p_messages: the point-to-point messages this rank posted (sends and receives): with
             packing one per peer, direction and step of a bucket, else one per slice.
+        delta: a delta sync's figures (``delta_state.DeltaStats``: dense and sent bytes, their
+            ratio, the refusals); ``None`` for a sync without ``delta=``.
     """
 
     buckets: int = 0
@@ -125,6 +127,7 @@ class Report:
     p2p_messages: int = (
         0  # point-to-point messages posted (sends and receives; one per peer and step when packed)
     )
+    delta: Any = None  # DeltaStats of a delta sync (WeightSync(delta=...)), else None
 
 
 def _digest(pairs: Sequence[tuple[Weight, Weight]], src: Layout, dst: Layout, extra: object) -> int:
@@ -197,7 +200,7 @@ def execute(
         >>> plan = plan_transfer(Layout(dp=1), [w], Layout(dp=1), [w])
         >>> buffer = torch.zeros(2, 3)
         >>> execute(plan, {"w": torch.ones(2, 3)}, {"w": buffer})
-        Report(buckets=1, messages=1, bytes_sent=0, bytes_received=0, bytes_copied=24, broadcasts=0, weights=('w',), p2p_messages=0)
+        Report(buckets=1, messages=1, bytes_sent=0, bytes_received=0, bytes_copied=24, broadcasts=0, weights=('w',), p2p_messages=0, delta=None)
         >>> buffer.sum().item()
         6.0
         >>> dist.destroy_process_group()

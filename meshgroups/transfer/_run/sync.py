@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from meshgroups._lifecycle import Closeable
-from meshgroups.errors import LayoutError, MeshConfigError, TransferError
+from meshgroups.errors import MeshConfigError, TransferError
 from meshgroups.layout import Layout, Topology
 from meshgroups.mesh import (
     GroupCache,
@@ -51,13 +51,15 @@ from meshgroups.transfer._names.mapped import view_source
 from meshgroups.transfer._names.names import NameMap
 from meshgroups.transfer._names.quant import BlockFP8
 from meshgroups.transfer._plan.plan import TransferPlan, plan_transfer
+from meshgroups.transfer._run.delta_state import DeltaPolicy, Shadows
 from meshgroups.transfer._run.execute import DEFAULT_BUCKET_BYTES, Progress, Report, execute
 from meshgroups.transfer._run.fanout_groups import TransferGroups
 from meshgroups.transfer._run.fp8 import quantize_blocks
 from meshgroups.transfer._run.jobs import Job, digest_text
 from meshgroups.transfer._run.packing import PackBuffers
 from meshgroups.transfer._run.status import Status
-from meshgroups.transfer._run.sync_state import Tensors, merge, read, slices
+from meshgroups.transfer._run.sync_delta import move
+from meshgroups.transfer._run.sync_state import Tensors, check_buffers, merge, read, slices
 from meshgroups.transfer._run.torch_io import local_weights
 from meshgroups.transfer._spec import Weight
 
@@ -117,12 +119,19 @@ class WeightSync(Closeable):
         stage_dim: the layout dim of pipeline stages (see ``local_weights``).
         options: a ``MeshOptions`` for the transfer groups and the waits, instead of
             ``device_type``, ``backend`` and ``timeout`` (giving both is a ``TypeError``).
+        delta: ``True`` or a ``DeltaPolicy``: each ``sync()`` after the first sends only what
+            changed since the version each receiver holds (checked by version and digest; a
+            receiver that does not hold it gets dense), ``Report.delta`` its figures; each
+            sender keeps a shadow of what it sent (``shadow_bytes``). See ``sync_delta``.
 
     Attributes:
         plan: this rank's part of the current plan (``plan.mapping``: the links).
         groups: the current ``TransferGroups`` (``None`` after a failure until rebuilt).
         plans, group_builds, syncs: how many plans and group builds were made, and syncs done.
         last_report: the last successful ``sync()``'s ``Report``.
+        version: the version this rank's tensors hold (its rollout tensors, its shadow), as
+            the last ``sync()`` made it; ``None``: unknown (before the first, after a failure).
+            Set it where the tensors were restored to a known version.
 
     Raises (on every rank alike, from the constructor and from a re-plan in ``sync()``):
         LayoutError: a rollout weight nothing writes, a trainer weight nothing reads, a dtype
@@ -153,6 +162,7 @@ class WeightSync(Closeable):
         dims: Mapping[str, str] | None = None,
         stage_dim: str | None = "pp",
         options: MeshOptions | None = None,
+        delta: bool | DeltaPolicy = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -178,6 +188,9 @@ class WeightSync(Closeable):
         self._slices: list[tuple[str, str, tuple[slice, ...] | None, str, tuple[slice, ...] | None, Any]] = []
         self._quant: dict[str, tuple[tuple[int, int], str]] = {}  # value link -> (block, scale link)
         self._packs = PackBuffers()  # packed messages' buffers, kept across sync() calls
+        self.delta = DeltaPolicy.of(delta)
+        self.version: int | None = None
+        self.shadows = Shadows()  # delta: what this rank last sent (see delta_state)
         self._build()
 
     # ------------------------------------------------------------------ state
@@ -205,6 +218,7 @@ class WeightSync(Closeable):
         if self.groups is not None:
             self.groups.close()
         self.plan, self.groups, self._planned = None, None, None
+        self.shadows.clear()  # its boxes are the old plan's: the next delta sync is dense
         me = dist.get_rank()
         with collective_call("WeightSync") as call:
             if self._refusal is not None:
@@ -219,6 +233,7 @@ class WeightSync(Closeable):
                     self.bucket_bytes,
                     repr(self.topology),
                     repr(self.quantize),
+                    repr(self.delta),
                 ),
             )
             tw, _ = local_weights(self.trainer, self.trainer_layout, dims=self.dims, stage_dim=self.stage_dim)
@@ -247,31 +262,12 @@ class WeightSync(Closeable):
                 allow_unused=self.allow_unused,
                 quantize=self.quantize,
             )
-            self._check_buffers(plan, me, rollout_local)
+            check_buffers(plan, me, rollout_local)
             self._keep_slices(plan, me)
             self.plans += 1
             self.plan = plan
             self._build_groups()  # joins this call: a failure above reaches every rank there
             self._planned = state
-
-    def _check_buffers(self, plan: TransferPlan, me: int, have: Mapping[str, torch.Tensor]) -> None:
-        """Each rollout tensor this rank holds has the local shape the plan writes (for a fused
-        weight: its parts' local extents one after another), and every one is there."""
-        if plan.mapping is None:  # an invariant of this module, not a check of user input
-            raise RuntimeError("meshgroups internal error: plan.mapping is None")
-        for name in dict.fromkeys(link.rollout for link in plan.mapping.links.values()):
-            want = plan.mapping.buffer_shape(name, me)
-            if want is None:
-                continue
-            if name not in have:
-                raise LayoutError(
-                    f"rank {me}: the rollout has no tensor {name!r}; the plan writes {want} of it"
-                )
-            if tuple(have[name].shape) != want:
-                raise LayoutError(
-                    f"rank {me}: rollout tensor {name!r} has local shape {tuple(have[name].shape)}, but its "
-                    f"layout gives this rank {want}; check rollout_weights / the rollout's placements"
-                )
 
     def _keep_slices(self, plan: TransferPlan, me: int) -> None:
         """The slices of this rank's local tensors each link reads and writes, kept for every
@@ -357,13 +353,15 @@ class WeightSync(Closeable):
         progress: Callable[[Progress], object] | None = None,
         timeout: timedelta | float | None = None,
         retries: int = 0,
+        version: int | None = None,
     ) -> Report:
         """Move the trainer's current weights into the rollout's tensors (collective).
 
         Re-plans first if any rank's weights or layouts changed (one small all-reduce says so).
         ``progress`` / ``timeout`` override the constructor's for this call. ``retries``: after
         a ``TransferError`` in stage ``"transfer"``, build new groups and move everything
-        again, up to this many times.
+        again, up to this many times. ``version``: the version this sync makes (every rank
+        the same, newer than what any rank holds; default: the next one); ``self.version``.
 
         Returns: this rank's ``Report``.
 
@@ -390,6 +388,12 @@ class WeightSync(Closeable):
                     self._build_groups()
             src, dst = self._views(trainer, rollout)
             try:
+                if self.delta is not None:
+                    report = move(self, src, dst, version=version, progress=progress, timeout=timeout,
+                                  wait=self._wait(), packs=self._packs)  # fmt: skip
+                    self.syncs += 1
+                    self.last_report = report
+                    return report
                 report = execute(
                     self.plan,  # type: ignore[arg-type]
                     src,
@@ -409,8 +413,20 @@ class WeightSync(Closeable):
                 continue
             self.syncs += 1
             self.last_report = report
+            self.version = version if version is not None else (self.version or 0) + 1
             return report
         raise RuntimeError("meshgroups internal error: the retry loop ended without a report or an error")
+
+    def forget(self) -> None:
+        """This rank's tensors are of unknown version and its shadow is gone (local): the next
+        ``sync()`` sends it, and sends from it, dense."""
+        self.shadows.clear()
+        self.version = None
+
+    @property
+    def shadow_bytes(self) -> int:
+        """Bytes of this rank's delta shadow (what it sends in a dense sync, each box once)."""
+        return self.shadows.nbytes()
 
     # ------------------------------------------------------------------ lifetime
     def _release(self) -> int:

@@ -9,13 +9,16 @@ on (torch side; local, no collective)::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from meshgroups.errors import LayoutError
 from meshgroups.transfer._spec import Box, Weight
+
+if TYPE_CHECKING:
+    from meshgroups.transfer._plan.plan import TransferPlan
 
 #: A module (its parameters and persistent buffers), a ``{name: tensor}`` mapping, or ``None`` (no part here).
 Tensors = torch.nn.Module | Mapping[str, Any] | None
@@ -106,4 +109,31 @@ def merge(parts: Sequence[Sequence[Weight]], side: str = "") -> list[Weight]:
     return list(merged.values())
 
 
-__all__ = ["Tensors", "describe", "local_tensors", "merge", "module_tensors", "read", "slices"]
+def check_buffers(plan: TransferPlan, me: int, have: Mapping[str, torch.Tensor]) -> None:
+    """Each rollout tensor this rank holds has the local shape the plan writes (for a fused
+    weight: its parts' local extents one after another), and every one is there."""
+    if plan.mapping is None:  # an invariant of WeightSync, not a check of user input
+        raise RuntimeError("meshgroups internal error: plan.mapping is None")
+    for name in dict.fromkeys(link.rollout for link in plan.mapping.links.values()):
+        want = plan.mapping.buffer_shape(name, me)
+        if want is None:
+            continue
+        if name not in have:
+            raise LayoutError(f"rank {me}: the rollout has no tensor {name!r}; the plan writes {want} of it")
+        if tuple(have[name].shape) != want:
+            raise LayoutError(
+                f"rank {me}: rollout tensor {name!r} has local shape {tuple(have[name].shape)}, but its "
+                f"layout gives this rank {want}; check rollout_weights / the rollout's placements"
+            )
+
+
+__all__ = [
+    "Tensors",
+    "check_buffers",
+    "describe",
+    "local_tensors",
+    "merge",
+    "module_tensors",
+    "read",
+    "slices",
+]
