@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
-from meshgroups._checks import is_int
+from meshgroups._checks import did_you_mean, is_int
 from meshgroups.errors import LayoutError
 
 if TYPE_CHECKING:
@@ -334,12 +334,14 @@ class Weight:
             if dim not in layout.names:
                 raise LayoutError(
                     f"Weight {self.name!r}: unknown dim {dim!r} in placements; dims are {', '.join(layout.names)}"
+                    + did_you_mean(dim, layout.names, "; ")
                 )
         if self.stage is not None:
             dim, index = self.stage
             if dim not in layout.names:
                 raise LayoutError(
                     f"Weight {self.name!r}: unknown stage dim {dim!r}; dims are {', '.join(layout.names)}"
+                    + did_you_mean(dim, layout.names, "; ")
                 )
             size = layout.shape[layout.names.index(dim)]
             if not 0 <= index < size:
