@@ -307,6 +307,8 @@ class Meeting:
                 by_arg.setdefault(arg, {})[int(r)] = digest
         order = list(reference)
         first = min(by_arg, key=lambda a: order.index(a) if a in order else len(order))
+        if "call_site" in by_arg and first != "operation":
+            first = "call_site"  # a call paired with another: its arguments differ as a consequence
         ranks = sorted(by_arg[first])
         odd, usual = ranks[0], self.leader
         if len(ranks) > self.world_size // 2 and len(set(by_arg[first].values())) == 1:
@@ -315,7 +317,9 @@ class Meeting:
         odd_shown = json.loads(self.op("get", self._key(f"mine/{odd}")))
         usual_shown = json.loads(self.op("get", self._key(f"mine/{usual}")))
         others = [a for a in by_arg if a != first]
-        if first in ("operation", "call_site"):
+        if first == "call_site":
+            raise shared(self._skipped_call(ranks, odd, odd_shown, usual, usual_shown, others))
+        if first == "operation":
             advice = (
                 "every rank must make the same collective calls in the same order; did a rank skip a "
                 "call, or make one the others did not?"
@@ -331,6 +335,28 @@ class Meeting:
                 argument=first,
                 ranks=tuple(ranks),
             )
+        )
+
+    def _skipped_call(
+        self,
+        ranks: list[int],
+        odd: int,
+        odd_shown: Mapping[str, str],
+        usual: int,
+        usual_shown: Mapping[str, str],
+        others: list[str],
+    ) -> MismatchError:
+        """The same operation from different lines: ranks paired different calls, so one of
+        them skipped a call (or made an extra one); the arguments that differ as a result are
+        named last, as a consequence, not as the cause."""
+        then = f" (as a result its arguments differ too: {', '.join(others)})" if others else ""
+        return MismatchError(
+            f"{self.what} pairs different calls (call_site): {_ranks(ranks)} made it as "
+            f"{odd_shown.get('call_site')}, rank {usual} as {usual_shown.get('call_site')}{then}; "
+            f"this is rank {self.rank}. A rank skipped a collective call, or made one the others "
+            "did not: every rank must make the same collective calls in the same order",
+            argument="call_site",
+            ranks=tuple(ranks),
         )
 
     def finish(self, error: BaseException | None, grace: float) -> None:
