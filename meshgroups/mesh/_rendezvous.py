@@ -22,10 +22,9 @@ Every wait is bounded by the timeout *and* watches liveness (``meshgroups.mesh._
 the first ``WATCHERS`` ranks to arrive at a phase (every rank in a world of up to
 ``WATCH_ALL_UP_TO``) poll the state key, look at the ranks still absent every ``LOOK_EVERY``
 seconds and log "still waiting for ..." every ``report_every`` seconds; when an absent rank has
-exited or stopped responding, a watcher decides the phase (``abandoned`` with the gone ranks)
-and every rank raises the same ``RanksGoneError`` naming them. The others wait on the key.
-A timeout names the ranks that never arrived and what each last published; a lost store
-connection is a ``StoreConnectionError``. O(1) store operations per rank on the success path.
+exited or stopped responding, a watcher decides the phase (``abandoned`` with the gone ranks):
+every rank raises the same ``RanksGoneError`` naming them. A timeout names the ranks that never
+arrived (and their last words), a lost store is a ``StoreConnectionError``. O(1) store ops a rank.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from meshgroups.errors import (
 from meshgroups.mesh._failure_records import failure_record, from_record, shared, waiting_on_peer
 from meshgroups.mesh._liveness import Liveness
 from meshgroups.mesh._options import DEFAULT_LEASE, DEFAULT_REPORT_EVERY
-from meshgroups.mesh._waiting import Lookout, gone_error
+from meshgroups.mesh._waiting import Lookout, gone_error, poll_key
 
 PREFIX = "meshgroups/rdzv"
 PHASES = ("state", "verify", "built")
@@ -159,9 +158,7 @@ class Meeting:
         return None
 
     def _watch(self, key: str, seconds: float, where: str, phase: str) -> bool:
-        """``_wait`` by polling (a short ``store.wait`` that times out logs a warning in torch
-        each time): the key, and through a ``Lookout`` the liveness of the ranks that have not
-        reached ``phase`` (O(members) store checks per look) and the "still waiting" line."""
+        """``_wait`` by polling the key (``poll_key``), watching the ranks not at ``phase``."""
         probe = self._probe()
         if probe is None:  # an invariant of this module, not a check of user input
             raise RuntimeError("meshgroups internal error: no liveness probe")
@@ -176,18 +173,9 @@ class Meeting:
             self.timeout,
             self.observer.unseen if self.observer is not None else None,
         )
-        deadline, pause = started + seconds, 0.001
-        while True:
-            if self.op("check", [key]):
-                return True
-            now = time.monotonic()
-            if now >= deadline:
-                return False
-            self.dead = lookout.gone()
-            if self.dead:
-                return False
-            time.sleep(min(pause, max(deadline - now, 0.0)))
-            pause = min(pause * 2, 0.02)
+        found = poll_key(lambda: bool(self.op("check", [key])), started + seconds, lookout)
+        self.dead = found or {}  # (None: the key is there)
+        return found is None
 
     def _wait_state(self, phase: str, done: str, where: str, started: float, late: bool = False) -> None:
         """Wait for ``phase``'s state key; return if it says ``done``, raise otherwise."""

@@ -138,6 +138,28 @@ class Lookout:
         )
 
 
+def poll_key(present: Callable[[], bool], deadline: float, lookout: Lookout) -> dict[int, str] | None:
+    """Poll ``present()`` (a store key's ``check``; a short ``store.wait`` that times out logs
+    a warning in torch each time) until ``deadline`` (``time.monotonic()``), looking through
+    ``lookout`` meanwhile (O(members) store checks per look, and the "still waiting" line).
+
+    Returns:
+        ``None``: the key is there; ``{}``: the deadline passed; else the ranks gone (how each).
+    """
+    pause = 0.001
+    while True:
+        if present():
+            return None
+        now = time.monotonic()
+        if now >= deadline:
+            return {}
+        gone = lookout.gone()
+        if gone:
+            return gone
+        time.sleep(min(pause, max(deadline - now, 0.0)))
+        pause = min(pause * 2, 0.02)
+
+
 def members_lookout(
     observer: Liveness | None, lease: float, members: Sequence[int], rank: int, where: str
 ) -> Lookout | None:
@@ -206,4 +228,13 @@ class CallLiveness:
         return members_lookout(self.observer, self.lease, members, self.rank, f"the close of {self.what}")
 
 
-__all__ = ["LOOK_EVERY", "CallLiveness", "Lookout", "describe", "gone_error", "members_lookout", "rank_list"]
+__all__ = [
+    "LOOK_EVERY",
+    "CallLiveness",
+    "Lookout",
+    "describe",
+    "gone_error",
+    "members_lookout",
+    "poll_key",
+    "rank_list",
+]
