@@ -113,7 +113,9 @@ def one_fake(method: str, strategy: str, world: int) -> dict[str, float]:
         if strategy == "local":
             new = rebuild(old, new_layout)
         else:  # rebuild() is for local meshes; a global one is rebuilt through the same cache
-            new = init_mesh(new_layout, flatten=FLATTEN, strategy=strategy, cache=cache, check=False)
+            new = init_mesh(
+                new_layout, flatten=FLATTEN, strategy=strategy, cache=cache, check=False, partial=True
+            )
             old.close()
         root = new.mesh
         seconds = time.process_time() - t0

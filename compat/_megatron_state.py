@@ -29,6 +29,16 @@ from meshgroups.compat.megatron_layout import MegatronPlan
 from meshgroups import MeshGroups
 
 
+def legacy_group(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """``MeshGroups.group``'s answer as Megatron gives it: ``None`` on a rank outside the group
+    (meshgroups answers torch's ``GroupMember.NON_GROUP_MEMBER`` there; Megatron keeps ``None``).
+
+    >>> legacy_group(dist.GroupMember.NON_GROUP_MEMBER) is None
+    True
+    """
+    return None if group == dist.GroupMember.NON_GROUP_MEMBER else group
+
+
 @dataclass
 class MegatronState:
     """The groups of one ``initialize_model_parallel`` call: its plan, the mesh that holds the
@@ -67,7 +77,7 @@ class MegatronState:
 
     def _find(self, name: str, gloo: bool) -> dist.ProcessGroup | None:
         if name == "dp_cp_ag":
-            return None if self.all_gather is None else self.all_gather.group("dp", "cp")
+            return None if self.all_gather is None else legacy_group(self.all_gather.group("dp", "cp"))
         if name == "inter_dist_opt" and self.plan.sizes["n_opt"] == 1:
             return None  # megatron-core builds no inter-instance group for one instance
         if name not in self.plan.fields:
@@ -75,7 +85,7 @@ class MegatronState:
         if gloo and (not self.mesh_groups.gloo_twins or name in self.no_gloo):
             return None
         dims = self.plan.fields[name]
-        return self.mesh_groups.group(*((dims,) if isinstance(dims, str) else dims), gloo=gloo)
+        return legacy_group(self.mesh_groups.group(*((dims,) if isinstance(dims, str) else dims), gloo=gloo))
 
     def ranks(self, name: str) -> list[int] | None:
         """This rank's global ranks in family ``name`` (``None``: no such group here).

@@ -21,6 +21,7 @@ from meshgroups.compat._errors import MegatronAssertionError
 from meshgroups.compat._megatron_state import (
     FUNCTIONS,
     SLOTS,
+    legacy_group,
     local_rank_of,
     lookup,
     override,
@@ -310,8 +311,8 @@ def create_all_gather_groups(
         _fits(expert, "expert tp × ep × gtp_remat × dp × pp", expert_sizes)
         mesh = own_communicators(expert, [("dp",)], timeout=timeout)
         state.extra.append(mesh)
-        expt = mesh.group("dp")
-    return built[0].group("dp", "cp"), expt
+        expt = legacy_group(mesh.group("dp"))
+    return legacy_group(built[0].group("dp", "cp")), expt
 
 
 def _fits(layout: Layout, what: str, sizes: dict[str, int]) -> None:
@@ -343,4 +344,7 @@ def own_communicators(layout: Layout, dim_sets: list[tuple[str, ...]], **options
     """
     backend = str(dist.get_backend())
     names: dict[int | str, object] = {"_".join(dims): backend for dims in dim_sets}
-    return init_mesh(layout, only=dim_sets, cache=GroupCache(), backend_override=names, **options)
+    # partial: Megatron's groups may cover part of the world (rank_offset, local_world_size)
+    return init_mesh(
+        layout, only=dim_sets, cache=GroupCache(), backend_override=names, partial=True, **options
+    )

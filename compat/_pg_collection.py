@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from meshgroups.compat._megatron_state import legacy_group
 from meshgroups.compat.megatron_layout import FIELD_DIMS, MegatronPlan
 
 from meshgroups import GroupCache, Layout, MeshGroups, Strategy, init_mesh
@@ -90,7 +91,18 @@ def collection_from_layout(
     base, field_dims, subsets = _plan_fields(layout)
     cache = cache if cache is not None else GroupCache()
     dim_sets = [tuple(d) for d in field_dims.values() if not isinstance(d, str)]
-    built = [init_mesh(base, only=dim_sets, subsets=subsets, strategy=strategy, timeout=timeout, cache=cache)]
+    # partial: a module's collection covers its own ranks only (rank_offset), Megatron's None elsewhere
+    built = [
+        init_mesh(
+            base,
+            only=dim_sets,
+            subsets=subsets,
+            strategy=strategy,
+            timeout=timeout,
+            cache=cache,
+            partial=True,
+        )
+    ]
     mg = built[0]
     names = {f.name for f in fields(cls)}
     values: dict[str, Any] = {}
@@ -98,12 +110,12 @@ def collection_from_layout(
         family = _FAMILY.get(name, name)
         if family in field_dims:
             dims = field_dims[family]
-            values[name] = mg.group(*((dims,) if isinstance(dims, str) else dims))
+            values[name] = legacy_group(mg.group(*((dims,) if isinstance(dims, str) else dims)))
     if isinstance(layout, MegatronPlan) and layout.sizes.get("n_opt", 1) == 1:
         values["inter_dist_opt"] = None  # megatron-core builds no inter-instance group then
     if "hcp" in names:
         levels = [level for level in (layout.hcp_levels if isinstance(layout, MegatronPlan) else ())]
-        values["hcp"] = [mg.group(*level) for level in levels] or None
+        values["hcp"] = [legacy_group(mg.group(*level)) for level in levels] or None
     values["dp_cp_ag"] = values["expt_dp_ag"] = None
     if all_gather:  # the same ranks as dp×cp (expert dp), communicators of their own
         from meshgroups.compat._parallel_state_versions import own_communicators
@@ -115,8 +127,8 @@ def collection_from_layout(
             timeout=timeout,
         )
         built.append(ag)
-        values["dp_cp_ag"] = ag.group("dp", "cp") if _resolves(base, ("dp", "cp")) else None
-        values["expt_dp_ag"] = ag.group("expt_dp") if _resolves(base, ("expt_dp",)) else None
+        values["dp_cp_ag"] = legacy_group(ag.group("dp", "cp")) if _resolves(base, ("dp", "cp")) else None
+        values["expt_dp_ag"] = legacy_group(ag.group("expt_dp")) if _resolves(base, ("expt_dp",)) else None
     pgs = cls(**{k: v for k, v in values.items() if k in names})
     object.__setattr__(pgs, "_meshes", built)
     return pgs

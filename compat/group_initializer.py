@@ -225,8 +225,14 @@ class ProcessGroupInitializer(metaclass=RefusalsReachEveryRank):
             raise ValueError(
                 f"rank={self.rank} but this process is rank {dist.get_rank()} of the default group"
             )
+        # The legacy contract: a layout over some ranks only, the others get ``None``s.
         built = init_mesh(
-            layout, backend="gloo" if use_cpu else backend, only=[dims], cache=_CACHE, strategy=_STRATEGY
+            layout,
+            backend="gloo" if use_cpu else backend,
+            only=[dims],
+            cache=_CACHE,
+            strategy=_STRATEGY,
+            partial=True,
         )
         ranks = built.ranks(*dims)
         if ranks is not None:

@@ -251,6 +251,7 @@ def _build(config: _Config) -> MegatronState:
         timeout=config.timeout,
         cache=GroupCache(),
         strategy=config.strategy,
+        partial=True,  # rank_offset/local_world_size: Megatron's groups over part of the world
     )
     all_gather = None
     if config.create_all_gather_group:

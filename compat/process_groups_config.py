@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from meshgroups.compat import parallel_state
 from meshgroups.compat._errors import AmbiguousAttributeError
+from meshgroups.compat._megatron_state import legacy_group
 from meshgroups.compat._megatron_version import megatron_version
 from meshgroups.compat.megatron_layout import FIELD_DIMS
 
@@ -113,12 +114,12 @@ class _ProcessGroupFields:
         for name, dims in mapping.items():
             dims_t = (dims,) if isinstance(dims, str) else tuple(dims)
             if mesh_groups.has(*dims_t) or name in explicit:
-                values[name] = mesh_groups.group(*dims_t)  # an explicit unknown name raises here
+                values[name] = legacy_group(mesh_groups.group(*dims_t))  # an unknown name raises here
         if "hcp" in names and "hcp" not in explicit:
             hcp_layout = mesh_groups.layout.views.get("hcp", mesh_groups.layout)
             levels = sorted(d for d in hcp_layout.names if d.startswith("hcp_"))
             if levels:
-                values["hcp"] = [mesh_groups.group(level) for level in levels]
+                values["hcp"] = [legacy_group(mesh_groups.group(level)) for level in levels]
         return cls(**values)
 
 

@@ -120,6 +120,29 @@ class MeshBuildError(RuntimeError):
     """
 
 
+class RanksGoneError(RendezvousTimeoutError, MeshBuildError):
+    """Ranks a collective call waits for have exited or stopped responding (their heartbeat
+    in the store stopped: SIGKILL, SIGSTOP, a lost host); raised on every waiting rank alike,
+    within seconds, instead of at the timeout. Also a ``RendezvousTimeoutError`` (the wait
+    ended) and a ``MeshBuildError`` (the call built nothing), so clauses for those catch it.
+
+    Args:
+        message: what was waited for and who is gone.
+        ranks: the ranks gone (attribute ``ranks``, in increasing order).
+        states: how each went (attribute): ``"exited"`` or ``"stopped responding (...)"``.
+
+    >>> RanksGoneError("rank 0: rank 3 exited", (3,), {3: "exited"}).states
+    {3: 'exited'}
+    """
+
+    def __init__(
+        self, message: str, ranks: tuple[int, ...] = (), states: dict[int, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.states = dict(states or {})
+
+
 class ConcurrentInitError(RuntimeError):
     """``init_mesh`` was called from a second thread while another call was in progress::
 
@@ -404,6 +427,7 @@ __all__ = [
     "MismatchError",
     "NameCountError",
     "PlanError",
+    "RanksGoneError",
     "RanksLostError",
     "RecoveryError",
     "RendezvousTimeoutError",

@@ -39,7 +39,7 @@ def _check_every_family(mg, lay, rank):
             expected = lay.group_of(rank, *dims).tolist()
         assert ranks == expected, (fam, ranks, expected)
         if expected is None:
-            assert group is None and mg.local_rank(*dims) is None
+            assert group == dist.GroupMember.NON_GROUP_MEMBER and mg.local_rank(*dims) is None
             assert mg.submesh(*dims).get_coordinate() is None  # a mesh on every rank, as in torch
             continue
         assert dist.get_process_group_ranks(group) == expected, fam
@@ -64,7 +64,8 @@ def worker_invariants(rank, world):
     assert mg.group("dp", "cp") is mg.group("dp")
     assert mg.view_mesh("expert")["pp"].get_group() is mg.mesh["pp"].get_group()
     assert mg.group("cp") is mg.group("edp") is mg.group("etp")  # size-1 dims share this rank alone
-    assert mg.group("first") is (mg.group("ep") if rank < 4 else None)  # equal rank set, one group
+    # equal rank set, one group; off it torch's non-member sentinel
+    assert mg.group("first") is (mg.group("ep") if rank < 4 else dist.GroupMember.NON_GROUP_MEMBER)
     assert mg.group("pp", "dp", "cp", "tp") is dist.group.WORLD  # spans the world in order
     # the DeviceMesh agrees with the layout
     assert mg.mesh.mesh_dim_names == lay.names
@@ -255,10 +256,11 @@ def worker_errors(rank, world):
             errors[name] = f"{type(exc).__name__}: {exc}"
     # the failed calls created nothing and left the ranks in step: a real build still works
     lay = Layout(dp=2, tp=1, rank_offset=2)  # part of the world: ranks 2 and 3
-    mg = init_mesh(lay, flatten=[("dp", "tp")], gloo_twins=True, timeout=scaled(20))
+    mg = init_mesh(lay, flatten=[("dp", "tp")], gloo_twins=True, timeout=scaled(20), partial=True)
     member = rank in (2, 3)
     assert (mg.mesh.get_coordinate() is None) == (not member)
-    assert (mg.group("dp") is None) == (not member) and (mg.ranks("dp") is None) == (not member)
+    outside = mg.group("dp") == dist.GroupMember.NON_GROUP_MEMBER
+    assert outside == (not member) and (mg.ranks("dp") is None) == (not member)
     assert mg.size("dp") == 2
     if member:
         assert mg.group("dp", gloo=True) is mg.group("dp")  # backend is gloo: the twin is the group

@@ -72,10 +72,11 @@ def test_subset_non_member_gets_a_mesh_and_none_groups(fake_rank):
     lay = Layout(pp=4, dp=32, tp=8)
     mg = init_mesh(lay, subsets={"embd": (lay.select("pp", [0, -1]), "pp")}, strategy="local")
     assert mg.ranks("embd") == [5, 773] and mg.local_rank("embd") == 0
-    mg_far = init_mesh(Layout(tp=8, rank_offset=512), strategy="local")
-    # every rank gets a mesh, as in torch; this rank's group is None
+    mg_far = init_mesh(Layout(tp=8, rank_offset=512), strategy="local", partial=True)
+    # every rank gets a mesh, as in torch; this rank's group is torch's non-member sentinel
     assert mg_far.mesh.get_coordinate() is None and mg_far.mesh.mesh.tolist() == list(range(512, 520))
-    assert mg_far.group("tp") is None and mg_far.ranks("tp") is None and mg_far.size("tp") == 8
+    assert mg_far.group("tp") == dist.GroupMember.NON_GROUP_MEMBER
+    assert mg_far.ranks("tp") is None and mg_far.size("tp") == 8
     embd = mg.submesh("embd")
     assert embd.get_coordinate() == (0,) and embd.mesh.tolist() == [5, 773]
 

@@ -138,17 +138,22 @@ def test_failures_then_retries_never_cross_wire():
 
 
 def worker_late_and_missing(rank, world):
+    import re
     import threading
 
-    from meshgroups import ConcurrentInitError, RendezvousTimeoutError, init_mesh
+    from meshgroups import ConcurrentInitError, RanksGoneError, RendezvousTimeoutError, init_mesh
 
     out = {}
     # 1. Rank 3 never arrives; no timeout given: the default group's (scaled(4) s) bounds the wait.
     if rank != 3:
         exc, elapsed = _timed(lambda: init_mesh(LAYOUT))
-        assert isinstance(exc, RendezvousTimeoutError), repr(exc)
-        assert "rank 3 never arrived" in str(exc), str(exc)
-        assert 0.95 * scaled(4) <= elapsed < scaled(4 + 3), elapsed
+        assert isinstance(exc, RendezvousTimeoutError) and not isinstance(exc, RanksGoneError), repr(exc)
+        assert "rank 3 never arrived" in str(exc) and f"timeout {scaled(4):g}s" in str(exc), str(exc)
+        # The timeout decided it, not liveness (rank 3 is alive): the rank that gave up did so at
+        # its own deadline. (This rank's own wait may be shorter: under load it may have entered
+        # the call late, after the decider, and it ends at the decision.)
+        gave_up = float(re.search(r"gave up after ([0-9.]+)s", str(exc)).group(1))
+        assert gave_up >= scaled(4) - 0.1 and elapsed < scaled(4 + 3), (gave_up, elapsed)
         out["missing"] = elapsed
     else:
         time.sleep(scaled(5))
@@ -199,8 +204,8 @@ def worker_rank_dies(rank, world, victim):
     exc, elapsed = _timed(lambda: init_mesh(LAYOUT, timeout=scaled(3)))
     expected = StoreConnectionError if victim == 0 else RendezvousTimeoutError
     assert isinstance(exc, expected), repr(exc)
-    if victim != 0:
-        assert f"rank {victim} never arrived" in str(exc), str(exc)
+    if victim != 0:  # named as gone (liveness), not after the timeout
+        assert f"rank {victim} never reached" in str(exc) and f"rank {victim} exited" in str(exc), str(exc)
         # rank 0 hosts the store: it waits for the other survivors before its process exits
         from meshgroups.mesh._torch_seam import default_store
 
@@ -218,7 +223,7 @@ def worker_rank_dies(rank, world, victim):
 
 
 def test_a_rank_that_dies_is_reported_not_waited_for():
-    assert run(worker_rank_dies, 4, 3, timeout=90, may_exit={3})[:3] == ["RendezvousTimeoutError"] * 3
+    assert run(worker_rank_dies, 4, 3, timeout=90, may_exit={3})[:3] == ["RanksGoneError"] * 3
 
 
 def test_losing_the_store_host_is_not_a_timeout():
@@ -333,7 +338,7 @@ def worker_dies_creating_groups(rank, world, victim):
 def test_issue18_case6_the_dead_rank_is_named_everywhere():
     results = run(worker_dies_creating_groups, 4, 2, timeout=scaled(120), may_exit={2})
     survivors = [out for rank, out in enumerate(results) if rank != 2]
-    assert {name for name, _, _ in survivors} == {"MeshBuildError"}, survivors
+    assert {name for name, _, _ in survivors} == {"RanksGoneError"}, survivors  # a MeshBuildError
     for _name, message, leftover in survivors:
         assert "rank 2 never reported" in message and "last published" in message, message
         assert "failed on rank" not in message, message  # a survivor is never blamed

@@ -108,10 +108,12 @@ def _partial_meshes(rank, p):
     import copy
     import pickle
 
+    import torch.distributed as dist
+
     from meshgroups import Layout, init_mesh
 
     quarter = np.asarray(p["quarter"])
-    mg = init_mesh(Layout.from_grid(quarter, ("x",)), timeout=60)
+    mg = init_mesh(Layout.from_grid(quarter, ("x",)), timeout=60, partial=True)
     mesh = mg.mesh
     _conform(mesh, quarter, rank, ("x",))
     _conform(mesh._flatten("x_alias"), quarter, rank, ("x_alias",), dtensor=False)
@@ -132,12 +134,12 @@ def _partial_meshes(rank, p):
             ("c1", "c2"),
             dtensor=False,
         )
-    assert mg.group("x") is (None if rank not in quarter else mesh.get_group())
+    assert mg.group("x") is (dist.GroupMember.NON_GROUP_MEMBER if rank not in quarter else mesh.get_group())
     assert mg.ranks("x") == (quarter.tolist() if rank in quarter else None)
     mg.close()
 
     one = np.full((1, 1, 1, 1), p["one"])
-    mg = init_mesh(Layout.from_grid(one, ("a", "b", "c", "d")), timeout=60)
+    mg = init_mesh(Layout.from_grid(one, ("a", "b", "c", "d")), timeout=60, partial=True)
     mesh = mg.mesh
     _conform(mesh, one, rank, ("a", "b", "c", "d"))
     _conform(mesh["a", "b"]._flatten(), one.reshape(1), rank, ("a_b",), dtensor=False)
@@ -156,7 +158,7 @@ def _partial_meshes(rank, p):
     mg.close()
 
     pair = np.asarray(p["pair"])  # what DeviceMesh("cpu", [0, 2]) is, as a layout
-    mg = init_mesh(Layout.from_grid(pair, ("pair",)), timeout=60)
+    mg = init_mesh(Layout.from_grid(pair, ("pair",)), timeout=60, partial=True)
     _conform(mg.mesh, pair, rank, ("pair",))
     _conform(mg.mesh._unflatten(0, (2, 1), ("p1", "p2")), pair.reshape(2, 1), rank, ("p1", "p2"))
     mg.close()
@@ -176,9 +178,8 @@ def _partial_meshes(rank, p):
         _conform(
             sub._unflatten(0, (2, len(grid) // 2), ("s1", "s2")), grid.reshape(2, -1), rank, ("s1", "s2")
         )
-        assert (mg.group(name) is None) == (rank not in grid) and (mg.local_rank(name) is None) == (
-            rank not in grid
-        )
+        outside = mg.group(name) == dist.GroupMember.NON_GROUP_MEMBER
+        assert outside == (rank not in grid) and (mg.local_rank(name) is None) == (rank not in grid)
     _group_descs(mg)
     mg.close()
 
@@ -191,7 +192,7 @@ def _group_descs(mg):
     for family in mg.families:
         dims = (family,) if isinstance(family, str) else family
         group = mg.group(*dims)
-        if group is None or group is dist.group.WORLD:
+        if group == dist.GroupMember.NON_GROUP_MEMBER or group is dist.group.WORLD:
             continue
         label = family if isinstance(family, str) else "_".join(family)
         owner.setdefault(id(group), f"mesh_{label}")

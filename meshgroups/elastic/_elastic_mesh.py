@@ -18,8 +18,6 @@ from meshgroups.elastic._plans import RecoveryPlan, plan_grow, plan_shrink, plan
 from meshgroups.elastic._recover import rebuild
 from meshgroups.elastic._verdict import (
     KEY,
-    Heartbeat,
-    Staleness,
     Verdict,
     agree_lost,
     commit,
@@ -40,6 +38,7 @@ from meshgroups.mesh import (
     init_mesh,
     merge_options,
     set_cohort,
+    start_heartbeat,
 )
 
 
@@ -48,7 +47,8 @@ class Elastic(Closeable):
     and the verdicts.
 
     - ``Elastic(...)`` is collective over the layout's ranks and the spares (every one calls it):
-      it starts a heartbeat thread and builds the layout with ``strategy="local"``.
+      it starts the process's heartbeat (the liveness every meshgroups wait uses) and builds
+      the layout with ``strategy="local"``.
     - ``step()`` guards one training step: an exception inside (a collective that lost its peer:
       gloo's ``Connection closed by peer``, or a timeout) is published, the ranks agree who is
       lost (``agree_lost``), and every survivor raises ``RanksLostError`` naming the same ranks
@@ -98,10 +98,13 @@ class Elastic(Closeable):
             beating) but has not reported (default: twice ``timeout`` plus 5 s: a rank blocked
             in a collective with a failed peer reports when that collective times out).
         heartbeat: seconds between heartbeats; stale_after: a rank whose heartbeat did not
-            change for this long is dead (default ``max(10 * heartbeat, 5)``).
+            change for this long stopped responding and is lost — dead, or stopped
+            (SIGSTOP); a rank that exited is lost at once (default ``max(5 * heartbeat, 5)``,
+            ``MeshOptions.lease``'s default). Every wait of the meshes built here uses them.
         device_type, backend: as for ``init_mesh``.
         options: a ``MeshOptions`` instead of ``timeout``, ``device_type`` and ``backend``
-            (its strategy ``"auto"`` or ``"local"``: every mesh is built with ``"local"``).
+            (its strategy ``"auto"`` or ``"local"``: every mesh is built with ``"local"``;
+            its ``heartbeat`` and ``lease`` are replaced by ``heartbeat`` and ``stale_after``).
 
     Raises:
         TypeError: ``options`` together with one of the keywords it replaces.
@@ -142,12 +145,19 @@ class Elastic(Closeable):
         self.dim = dim if dim is not None else replicate_dim(layout)
         wait = as_timedelta(given.timeout, default_timeout())
         self.verdict_timeout = _seconds("verdict_timeout", verdict_timeout, 2 * wait.total_seconds() + 5)
-        self.stale_after = _seconds(
-            "stale_after", stale_after, max(10 * _seconds("heartbeat", heartbeat, 1.0), 5.0)
-        )
+        beat = _seconds("heartbeat", heartbeat, 1.0)
+        self.stale_after = _seconds("stale_after", stale_after, max(5 * beat, MeshOptions().lease))
         # One value for every mesh this object builds (the main mesh, the members' group, each
-        # rebuild): local synchronisation, because after a loss the ranks hold different groups.
-        self.options = given.replace(timeout=wait, strategy="local")
+        # rebuild): local synchronisation, because after a loss the ranks hold different groups;
+        # layouts over part of the ranks (spares, dropped replicas) by design; the liveness of
+        # every wait is this object's heartbeat and lease.
+        self.options = given.replace(
+            timeout=wait,
+            strategy="local",
+            partial=True,
+            heartbeat=beat,
+            lease=max(self.stale_after, 2 * beat),
+        )
         self.flatten: tuple[tuple[str, ...], ...] = tuple(tuple(f) for f in flatten)
         self.store = default_store()
         self._enter_epoch(0)
@@ -156,7 +166,7 @@ class Elastic(Closeable):
         self.plan: RecoveryPlan | None = None  # the last shrink / substitute / grow plan
         # the replica indices whose state must be filled after the last grow() / substitute()
         self.grown: tuple[int, ...] = ()
-        self._beat = Heartbeat(self.store, self.rank, heartbeat)
+        self.liveness = start_heartbeat(self.store, beat)  # this process's observer of the world
         self.cache = GroupCache()
         self.cohort = self._cohort(tuple(sorted({*self.members, *self.spares})), 0)
         set_cohort(self.cohort)
@@ -171,16 +181,16 @@ class Elastic(Closeable):
 
     # ------------------------------------------------------------------ live ranks
     def _cohort(self, members: Sequence[int], epoch: int, group: dist.ProcessGroup | None = None) -> Cohort:
-        """The cohort of ``members``, whose collective calls stop waiting for a rank whose
-        heartbeat stopped (a rank dying during a recovery is seen in ``stale_after`` seconds,
-        not after the whole meeting timeout)."""
-        return Cohort(
-            tuple(members), epoch, group, watch=lambda: Staleness(self.store, self.stale_after).stale
-        )
+        """The cohort of ``members``, whose collective calls stop waiting for a rank that is gone
+        (a rank dying during a recovery is seen at once, or in ``stale_after`` seconds if it
+        stopped responding, not after the whole meeting timeout)."""
+        liveness, lease = self.liveness, self.stale_after
+        return Cohort(tuple(members), epoch, group, watch=lambda: lambda ranks: liveness.gone(ranks, lease))
 
     @property
     def live_group(self) -> dist.ProcessGroup | None:
-        """A process group over the live members (``None`` on a spare)."""
+        """A process group over the live members (on a spare torch's ``NON_GROUP_MEMBER``, as
+        ``MeshGroups.group`` gives a non-member; ``None`` once closed)."""
         return None if self._world is None else self._world.group("member")
 
     # live_group's name before 0.4.1 (MeshGroups.group is a method looking a group up by dims)
@@ -240,6 +250,7 @@ class Elastic(Closeable):
             self.rank,
             timeout=self.verdict_timeout,
             stale_after=self.stale_after,
+            observer=self.liveness,
         )
 
     def _fail(self, exc: BaseException | None) -> StepFailedError:
@@ -251,6 +262,7 @@ class Elastic(Closeable):
             self.rank,
             timeout=self.verdict_timeout,
             stale_after=self.stale_after,
+            observer=self.liveness,
         )
         self.verdicts.append(verdict)
         self._enter_epoch(self.epoch + 1)
@@ -397,9 +409,9 @@ class Elastic(Closeable):
         return destroyed
 
     def _release(self) -> int:
-        # close(): stop the heartbeat, close the meshes, leave the cohort
+        # close(): close the meshes, leave the cohort (the heartbeat is the process's: it beats
+        # until the process exits, for every meshgroups wait)
         destroyed = self._drop_meshes()
-        self._beat.stop()
         set_cohort(None)
         return destroyed
 

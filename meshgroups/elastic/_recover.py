@@ -132,6 +132,7 @@ def rebuild(
         opts = _keywords(options, old, flatten)
         if not opts:
             raise MeshConfigError("rebuild without an old mesh needs options= (init_mesh's arguments)")
+        opts["partial"] = True  # a new layout after a loss leaves ranks out: those become spares
         shrunk = call.members is not None and len(call.members) < dist.get_world_size()
         if opts.get("strategy") != "local" and (shrunk or old is None):
             raise MeshConfigError(

@@ -9,25 +9,26 @@ When a guarded step fails on a rank (``Elastic.step()``), the rank publishes the
   compare-and-set, so a check-in either lands before the decision (the rank is a survivor) or
   finds the key closed (the rank was declared lost: ``ExcludedError``) — never both, on no rank;
 - a rank decides once every member has checked in (nobody lost), or every member still missing
-  has a stale heartbeat (its ``Heartbeat`` thread stopped: the process died), or the verdict's
-  timeout passed (the missing ranks hung). The lost ranks are the members missing from the
-  closed roll.
+  is gone by the liveness every meshgroups wait uses (``meshgroups.mesh._liveness``: exited, or
+  its heartbeat stopped for ``stale_after`` seconds — dead, or stopped with SIGSTOP), or the
+  verdict's timeout passed (the missing ranks hung). The lost ranks are the members missing
+  from the closed roll.
 
 A merely slow rank is never lost by some and alive by others: there is one roll. A rank that is
 slow past the timeout is lost everywhere, and learns it when it checks in (``ExcludedError``).
 
-Heartbeats run on a thread with a connection of their own (``store.clone()``): a rank blocked
-inside a gloo collective still beats (gloo waits release the GIL), so only dead (or frozen)
-processes go stale. Staleness is judged by each observer's own clock (a value that did not
-change for ``stale_after`` seconds), so clocks need not agree.
+Heartbeats are the process's own (``meshgroups.mesh._liveness.start_heartbeat``), on a thread
+with a connection of their own: a rank blocked inside a gloo collective still beats (gloo waits
+release the GIL), so only dead (or frozen) processes go stale. Staleness is judged by each
+observer's own clock (a value that did not change for ``stale_after`` seconds), so clocks need
+not agree; a rank that exited cleanly, or whose process is gone on this machine, is lost at once.
 
-Store keys live under ``meshgroups/elastic/_plans/``; O(members) store operations per check-in round,
+Store keys live under ``meshgroups/elastic/``; O(members) store operations per check-in round,
 polled every ``poll`` seconds.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from meshgroups.errors import ExcludedError, StepAbortedError
+from meshgroups.mesh import Heartbeat, Liveness, Staleness, heartbeat_key
 
 KEY = "meshgroups/elastic"
 _CLOSED = "closed\n"
@@ -59,46 +61,6 @@ class Verdict:
     lost: tuple[int, ...]
     why: str
     cause: str
-
-
-class Heartbeat:
-    """A daemon thread that bumps ``meshgroups/elastic/_plans/hb/<rank>`` every ``interval`` seconds
-    through its own store connection; ``stop()`` ends it::
-
-        >>> import torch.distributed as dist
-        >>> beat = Heartbeat(dist.HashStore(), rank=3, interval=0.05)
-        >>> beat.stop()
-    """
-
-    def __init__(self, store: dist.Store, rank: int, interval: float) -> None:
-        if not interval > 0:
-            raise ValueError(f"heartbeat interval must be positive seconds, got {interval!r}")
-        self.rank, self.interval = rank, float(interval)
-        self._store = store.clone()  # type: ignore[attr-defined]
-        self._stop = threading.Event()
-        self._store.add(heartbeat_key(rank), 1)  # exists before anyone reads it
-        self._thread = threading.Thread(target=self._run, name=f"meshgroups-heartbeat-{rank}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self._store.add(heartbeat_key(self.rank), 1)
-            except Exception:
-                # Keep beating: one failed ``add`` (a store slow to answer on a loaded host) must
-                # not make a live rank look dead forever. A store that is gone is the main
-                # thread's news (its own store calls fail).
-                continue
-
-    def stop(self) -> None:
-        """Stop beating (others will see this rank go stale)."""
-        self._stop.set()
-        self._thread.join(timeout=self.interval * 2 + 1)
-
-
-def heartbeat_key(rank: int) -> str:
-    """The store key whose counter ``rank``'s heartbeat thread keeps raising."""
-    return f"{KEY}/hb/{rank}"
 
 
 def _key(epoch: int, name: str) -> str:
@@ -195,18 +157,27 @@ def agree_lost(
     timeout: float,
     stale_after: float,
     poll: float = 0.05,
+    observer: Liveness | None = None,
 ) -> Verdict:
     """Check in for ``epoch`` and return its verdict over ``members``, decided once through
     ``store`` and the same on every live rank: the members that checked in before the decision
-    survive. It is decided when every member checked in, or every missing one's heartbeat is
-    older than ``stale_after`` seconds (dead), or ``timeout`` seconds passed (hung); bounded by
-    ``timeout`` plus a few store round trips, polling every ``poll`` seconds. Rank 1 never
-    checks in, and never beat::
+    survive. It is decided when every member checked in, or every missing one is gone (its
+    process exited, or its heartbeat is older than ``stale_after`` seconds: stopped
+    responding), or ``timeout`` seconds passed (hung); bounded by ``timeout`` plus a few store
+    round trips, polling every ``poll`` seconds. ``observer``: the process's liveness observer
+    (it remembers earlier looks); default a new one. A member that never beat (no meshgroups
+    call yet) is not judged: it is waited for up to ``timeout``. Rank 1 beat once, then
+    stopped (SIGKILL, SIGSTOP), and never checks in::
 
         >>> import torch.distributed as dist
         >>> from meshgroups.elastic import agree_lost
-        >>> agree_lost(dist.HashStore(), epoch=1, members=[0, 1], rank=0, timeout=5.0, stale_after=0.1)
-        Verdict(epoch=1, survivors=(0,), lost=(1,), why='heartbeat stopped for 0.1s', cause='')
+        >>> from meshgroups.mesh import heartbeat_key
+        >>> store = dist.HashStore()
+        >>> store.add(heartbeat_key(1), 1)
+        1
+        >>> v = agree_lost(store, epoch=1, members=[0, 1], rank=0, timeout=5.0, stale_after=0.1)
+        >>> v.survivors, v.lost, v.why.split(" (")[0]
+        ((0,), (1,), 'rank 1 stopped responding')
 
     Raises:
         ExcludedError: this rank checked in after the decision (it is among the lost).
@@ -219,7 +190,7 @@ def agree_lost(
     roll = _check_in(store, roll_key, rank)
     if rank not in _ranks_of(roll):
         raise _excluded(epoch, rank, roll)
-    watch = Staleness(store, stale_after)
+    watch = observer if observer is not None else Liveness(store, stale_after)
     why = ""
     pause = poll
     while not roll.startswith(_CLOSED):
@@ -229,9 +200,9 @@ def agree_lost(
         if not missing:
             why = "every member reported"
         else:
-            stale = watch.stale(missing)
-            if len(stale) == len(missing):
-                why = f"heartbeat stopped for {stale_after:g}s"
+            gone = watch.gone(missing, stale_after)
+            if len(gone) == len(missing):
+                why = _describe(gone)
             elif now - started >= timeout:
                 why = f"did not report within {timeout:g}s"
         if why:
@@ -248,30 +219,6 @@ def agree_lost(
     return Verdict(epoch, survivors, lost, _closed_why(roll), "" if cause == _ABSENT else cause)
 
 
-class Staleness:
-    """Which ranks' heartbeats stopped: a value that did not change for ``stale_after`` seconds
-    of this observer's clock (from the first look)."""
-
-    def __init__(self, store: dist.Store, stale_after: float) -> None:
-        self.store, self.stale_after = store, stale_after
-        self.seen: dict[int, tuple[int, float]] = {}  # rank -> (value, when it last changed here)
-        self.beating: set[int] = set()  # ranks whose heartbeat key exists
-
-    def stale(self, ranks: Sequence[int]) -> list[int]:
-        now = time.monotonic()
-        # (multi_get would block on a rank that never beat: such a rank reads as 0, unchanging)
-        beating = [r for r in ranks if r in self.beating or self.store.check([heartbeat_key(r)])]
-        self.beating.update(beating)
-        values = (
-            dict(zip(beating, self.store.multi_get([heartbeat_key(r) for r in beating]))) if beating else {}
-        )
-        for r in ranks:
-            v = int(values[r].decode() or 0) if r in values else 0
-            if r not in self.seen or self.seen[r][0] != v:
-                self.seen[r] = (v, now)
-        return [r for r in ranks if now - self.seen[r][1] >= self.stale_after]
-
-
 def commit(
     store: dist.Store,
     epoch: int,
@@ -282,11 +229,12 @@ def commit(
     timeout: float,
     stale_after: float,
     poll: float = 0.02,
+    observer: Liveness | None = None,
 ) -> None:
     """Wait until every member reached commit ``number`` of ``epoch`` (then nobody failed the
     step's collectives, and each may apply it), or raise ``StepAbortedError`` as soon as a failure
-    is published or a member goes stale, or after ``timeout`` seconds. One ``add`` per rank;
-    the last arrival deletes the previous commit's keys."""
+    is published or a member is gone (exited, or stopped responding), or after ``timeout``
+    seconds. One ``add`` per rank; the last arrival deletes the previous commit's keys."""
     base = _key(epoch, f"commit/{number}")
     if int(store.add(f"{base}/count", 1)) == len(members):
         store.set(f"{base}/done", "1")
@@ -295,7 +243,7 @@ def commit(
                 store.delete_key(_key(epoch, f"commit/{number - 1}/{name}"))
         return
     started, pause = time.monotonic(), poll
-    watch = Staleness(store, stale_after)
+    watch = observer if observer is not None else Liveness(store, stale_after)
     while True:
         # (polled: a short store.wait that times out logs a warning in torch each time)
         if store.check([f"{base}/done"]):
@@ -303,17 +251,20 @@ def commit(
         # (done again after a failure: the last arrival sets it before anyone can go on and fail)
         if failure_published(store, epoch) and not store.check([f"{base}/done"]):
             raise StepAbortedError(f"rank {rank}: a peer failed in epoch {epoch} before commit {number}")
-        stale = watch.stale([r for r in members if r != rank])
-        if stale:
-            raise StepAbortedError(
-                f"rank {rank}: the heartbeat of rank(s) {stale} stopped before commit {number}"
-            )
+        gone = watch.gone([r for r in members if r != rank], stale_after)
+        if gone:
+            raise StepAbortedError(f"rank {rank}: {_describe(gone)} before commit {number}")
         if time.monotonic() - started > timeout:
             raise StepAbortedError(
                 f"rank {rank}: not every member reached commit {number} within {timeout:g}s"
             )
         time.sleep(pause)
         pause = min(pause * 1.5, 0.25)
+
+
+def _describe(gone: dict[int, str]) -> str:
+    """``{3: "exited"}`` as the verdict's words (one line: it is stored in the roll)."""
+    return ", ".join(f"rank {r} {how}" for r, how in sorted(gone.items()))
 
 
 def _excluded(epoch: int, rank: int, roll: str) -> ExcludedError:

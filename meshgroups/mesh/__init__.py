@@ -3,7 +3,8 @@
 
 Three steps, a private module each: a torch-free plan (``_plan``) → a creation strategy
 (``_strategies``) → the ``MeshGroups`` result (``_mesh_groups``); every collective entry point
-follows one protocol (``_collective``), over the live ranks (``_cohort``); private torch APIs
+follows one protocol (``_collective``), over the live ranks (``_cohort``), watching their
+liveness (``_liveness``: heartbeats in the store, one observer per process); private torch APIs
 only in ``_torch_seam/``. Everything a user calls is imported from here, and loads torch on first
 use, so ``import meshgroups.mesh`` is cheap::
 
@@ -30,6 +31,14 @@ if TYPE_CHECKING:
         set_call_numbering,
     )
     from meshgroups.mesh._groups import GroupCache, GroupKey
+    from meshgroups.mesh._liveness import (
+        Heartbeat,
+        Liveness,
+        Staleness,
+        heartbeat_key,
+        start_heartbeat,
+        world_liveness,
+    )
     from meshgroups.mesh._mesh_groups import MeshGroups, init_mesh, layout_of, set_group_timeout
     from meshgroups.mesh._options import MeshOptions, merge_options
     from meshgroups.mesh._plan import SubsetSpec, as_timedelta
@@ -50,6 +59,7 @@ if TYPE_CHECKING:
         standalone_group,
         unregister_world,
     )
+    from meshgroups.mesh._waiting import Lookout, gone_error
 
 # name -> its private module, imported on first use (the public names first, then the ones
 # meshgroups' packages above this one take from here: the collective protocol's pieces, the
@@ -75,6 +85,14 @@ _WHERE = {
     "call_numbering": "_collective",
     "set_call_numbering": "_collective",
     "GroupKey": "_groups",
+    "Heartbeat": "_liveness",
+    "Liveness": "_liveness",
+    "Lookout": "_waiting",
+    "Staleness": "_liveness",
+    "gone_error": "_waiting",
+    "heartbeat_key": "_liveness",
+    "start_heartbeat": "_liveness",
+    "world_liveness": "_liveness",
     "SubsetSpec": "_plan",
     "as_timedelta": "_plan",
     "StridedShard": "_torch_seam",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -22,6 +23,7 @@ from meshgroups.errors import DeviceTypeError, MeshConfigError, WorldSizeError, 
 from meshgroups.layout import Layout
 from meshgroups.mesh._collective import Call, collective_call
 from meshgroups.mesh._groups import GroupCache, GroupHandle
+from meshgroups.mesh._options import DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_REPORT_EVERY, check_settings
 from meshgroups.mesh._plan import BackendConfig, BuildPlan, SubsetSpec, as_timedelta, make_plan
 from meshgroups.mesh._strategies import Builder, CreationStrategy, build_families, make_strategy
 from meshgroups.mesh._torch_seam import (
@@ -33,6 +35,7 @@ from meshgroups.mesh._torch_seam import (
     held_group_count,
     is_backend_options,
 )
+from meshgroups.mesh._watched_store import WatchedStore, use_watched
 
 _COUNTERS = ("group_count", "held")
 
@@ -65,6 +68,10 @@ def build(
     labels: Mapping[Hashable, str] | None = None,
     operation: str = "init_mesh",
     refusal: str | None = None,
+    partial: bool = False,
+    heartbeat: float = DEFAULT_HEARTBEAT,
+    lease: float = DEFAULT_LEASE,
+    report_every: float = DEFAULT_REPORT_EVERY,
 ) -> Built:
     """One collective call of ``operation`` (or a part of the call already running on this
     thread): validate, meet, create the groups. ``refusal``: a ``TypeError`` message the caller
@@ -72,6 +79,10 @@ def build(
     with collective_call(operation) as call:
         if refusal is not None:
             raise TypeError(refusal)
+        liveness = check_settings(heartbeat, lease, report_every)
+        call.use_liveness(*liveness)  # first: the call's waits below use them
+        if not isinstance(partial, bool):
+            raise TypeError(f"partial must be True or False, got {partial!r}")
         world_size = dist.get_world_size()
         fake = default_backend_name() == "fake"
         if check is not None and not isinstance(check, bool):
@@ -100,12 +111,16 @@ def build(
             timeout=timeout_td,
             backend_override=overrides,
             labels=labels,
+            partial=partial,
+            liveness=liveness,
         )
         for key, (name, _) in overrides.items():  # after the keys, as torch: a bad key is told first
             if name is not None:
                 check_backend_name(name, f"backend_override[{key!r}]")
         for spec in plan.specs:
             check_in_world(spec.layout, world_size, spec.key)
+        if not partial:
+            check_covers(layout, call.members, world_size)
         creator.validate(plan.specs)
         return run(plan, creator, cache if cache is not None else GroupCache(), call, not fake)
 
@@ -122,7 +137,8 @@ def build_more(
     """A later collective build of families over ``layout`` with the options of an earlier
     ``plan`` (a mesh's ``init_mesh``) and its cache, as part of the call running on this thread;
     ``labels`` name the families (their group description, torch's ``mesh_<name>``),
-    ``backend_override`` is keyed by those names."""
+    ``backend_override`` is keyed by those names. ``layout`` is one the mesh holds (its main
+    layout, a view, a subset's), so its coverage was settled when the mesh was built."""
     return build(
         layout,
         device_type=plan.device_type,
@@ -137,6 +153,10 @@ def build_more(
         check=None,
         backend_override=backend_override,
         labels=labels,
+        partial=True,
+        heartbeat=plan.liveness[0],
+        lease=plan.liveness[1],
+        report_every=plan.liveness[2],
     )
 
 
@@ -188,8 +208,11 @@ def run(plan: BuildPlan, creator: CreationStrategy, cache: GroupCache, call: Cal
     advance_group_count(agreed["group_count"])
     builder = Builder(cache, backend=plan.backend, timeout=plan.timeout, gloo_twins=plan.gloo_twins)
     prefix = call.creation_prefix()
+    # gloo connects while it creates (a dead member would hold the others until the timeout):
+    # its waits watch liveness. Other backends connect later, outside this call.
+    watched = WatchedStore.for_call(call) if eager_gloo(plan.backend) else None
     try:
-        with creation_store_prefix(prefix):
+        with use_watched(watched), creation_store_prefix(prefix, watched):
             if call.enabled and creator.name == "local":
                 for _ in range(agreed["held"] - held_group_count()):
                     builder.pad()  # level the held-group counts that hashed names depend on
@@ -322,6 +345,35 @@ def check_in_world(layout: Layout, world_size: int, key: Any) -> None:
                 f"but found {layout.world_size} ranks!",
             )
         raise WorldSizeError(message)
+
+
+def check_covers(layout: Layout, members: Sequence[int] | None, world_size: int) -> None:
+    """Refuse a layout over part of the world (or of a cohort's live ranks) unless the caller
+    opted in (``partial=True``): ranks outside it would be in none of its groups.
+
+    Args:
+        layout: the main layout (already checked to lie inside the world).
+        members: the cohort's ranks, ``None`` for the whole world.
+        world_size: the default group's size.
+
+    Raises:
+        MeshConfigError: the layout leaves ranks out, naming them and the opt-in.
+    """
+    everyone = range(world_size) if members is None else members
+    if members is None and layout.world_size == world_size:
+        return  # ranks are distinct and inside the world: all of it (O(1))
+    ranks = layout.grid.ravel()
+    if members is not None and len(ranks) == len(members) and (np.sort(ranks) == np.asarray(members)).all():
+        return
+    left_out = np.setdiff1d(np.asarray(everyone), ranks)
+    shown = ", ".join(map(str, left_out[:8].tolist())) + (", …" if len(left_out) > 8 else "")
+    where = "world" if members is None else "cohort of live ranks"
+    raise MeshConfigError(
+        f"{layout!r} covers {layout.world_size} of the {len(everyone)} ranks of the {where}: rank(s) "
+        f"{shown} would be in none of its groups (group() gives them torch's GroupMember.NON_GROUP_MEMBER, "
+        "which torch's collectives skip). If that is meant, pass partial=True (init_mesh(..., partial=True) "
+        f"or MeshOptions(partial=True)); else size the layout to the {len(everyone)} ranks"
+    )
 
 
 def check_new_name(name: object, taken: Iterable[str], what: str = "") -> None:

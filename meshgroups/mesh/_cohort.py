@@ -12,7 +12,7 @@ Torch-free: the group over the members (``group``) is filled in by ``meshgroups.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,10 +30,10 @@ class Cohort:
         group: a process group over ``members`` (the survivors' world-wide group), or ``None``
             until one is built.
         watch: makes a liveness probe for one wait: ``watch()`` returns a function that,
-            called repeatedly with the ranks still awaited, returns those of them known dead
-            (``meshgroups.Elastic`` passes heartbeat staleness). With it, a meeting of a
-            collective call stops waiting for a rank that died instead of running into its
-            timeout; ``None``: wait the timeout out.
+            called repeatedly with the ranks still awaited, returns those of them gone (a
+            ``{rank: how}`` dict, or a list), in place of the process's own liveness observer
+            with the call's lease: ``meshgroups.Elastic`` passes the observer with its
+            ``stale_after``. ``None``: the process's observer.
 
     After ranks 4 and 5 of 8 died (the first verdict: epoch 1)::
 
@@ -46,7 +46,7 @@ class Cohort:
     members: tuple[int, ...]
     epoch: int
     group: Any = field(default=None, compare=False, repr=False)
-    watch: Callable[[], Callable[[Sequence[int]], list[int]]] | None = field(
+    watch: Callable[[], Callable[[Sequence[int]], Mapping[int, str] | list[int]]] | None = field(
         default=None, compare=False, repr=False
     )
 

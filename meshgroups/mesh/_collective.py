@@ -18,6 +18,8 @@ initializers' ``init_dist_group``) runs inside ``collective_call(operation)``:
 4. A failed call is **closed** before the next starts: each rank waits (bounded by the call's
    timeout) until every rank that entered it has left, and the last one out deletes the call's
    store keys. So the identical retry, right away, works.
+5. Every wait watches **liveness** (heartbeats in the store): a rank gone ends it on every rank
+   (``RanksGoneError``); one late but alive is logged ("still waiting for ...") now and then.
 
 Calls nest: a ``collective_call`` opened while another is active on the same thread is part of
 it (``initialize_model_parallel`` calls ``init_mesh``; the number is taken once). A second
@@ -43,8 +45,9 @@ import torch.distributed as dist
 from meshgroups.errors import ConcurrentInitError, StoreConnectionError
 from meshgroups.mesh._cohort import current_cohort
 from meshgroups.mesh._failure_records import is_shared, shared
-from meshgroups.mesh._rendezvous import PREFIX, Meeting
+from meshgroups.mesh._rendezvous import NAME_MISSING_UP_TO, PREFIX, Meeting
 from meshgroups.mesh._torch_seam import default_backend_name, default_store, default_timeout
+from meshgroups.mesh._waiting import CallLiveness
 
 F = TypeVar("F", bound=Callable[..., Any])
 _OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -85,8 +88,8 @@ def _call_site() -> tuple[str, str]:
     return "?", "?"
 
 
-class Call:
-    """One collective call on this rank: its number, operation and meetings.
+class Call(CallLiveness):
+    """One collective call on this rank: its number, operation, meetings and liveness.
 
     Args:
         operation: the operation's name (``"init_mesh"``, ``"flatten"``, ...).
@@ -118,6 +121,7 @@ class Call:
         self.sweep_prefixes: list[str] = []
         self._compared: dict[str, str] = {}
         self.started = time.monotonic()
+        self._init_liveness()
 
     # ------------------------------------------------------------------ for entry points
     def compare(self, **arguments: object) -> None:
@@ -181,25 +185,16 @@ class Call:
             self.last_words,
             self.members,
             self.watch,
+            site=self.site,
+            observer=self.observer,
+            lease=self.lease,
+            report_every=self.report_every,
         )
         self.meetings.append(meeting)
         return meeting
 
     def _key(self, name: str) -> str:
         return f"{self.base}/{name}"
-
-    def progress(self, text: str) -> None:
-        """Publish what this rank is doing, so a rank that dies is named with its last words."""
-        if self.enabled:
-            self._op("set", f"meshgroups/last/{self.rank}", f"{self.what} ({self.site}): {text}")
-
-    def last_words(self, ranks: list[int]) -> str:
-        words = []
-        for r in ranks[:4]:
-            key = f"meshgroups/last/{r}"
-            if self._op("check", [key]):
-                words.append(f"; rank {r} last published: {self._op('get', key).decode()}")
-        return "".join(words)
 
     def _op(self, method: str, *args: Any) -> Any:
         try:
@@ -214,6 +209,7 @@ class Call:
 
     def enter(self) -> None:
         if self.enabled:
+            self._enter_liveness()
             self.progress("entered")
             self._op("add", self._key("entered"), 1)
 
@@ -257,13 +253,18 @@ class Call:
                     self._op("delete_key", key)
         mine = int(self._op("add", self._key("left"), 1))
         if failed:
-            # Closed before the next call starts: wait (bounded) for every rank that entered.
+            # Closed before the next call starts: wait (bounded) for every rank that entered,
+            # but not for ranks gone meanwhile (a rank that exited never leaves).
             deadline = time.monotonic() + self.timeout.total_seconds()
             pause = 0.002
+            members = self.members if self.members is not None else range(self.world_size)
+            lookout = self._close_lookout(list(members)) if self.world_size <= NAME_MISSING_UP_TO else None
             while time.monotonic() < deadline:
                 entered, left = self._peek("entered"), self._peek("left")
                 if entered is None or left is None or left >= entered - gone:
                     break  # every rank that entered has left (or the last one swept the keys)
+                if lookout is not None:
+                    gone = max(gone, len(lookout.gone()))
                 time.sleep(pause)
                 pause = min(pause * 2, 0.1)
         # The last rank out sweeps; when ranks are gone (dead: they never leave), the last survivor.

@@ -24,7 +24,13 @@ from meshgroups.mesh._build import Built, build, check_device_index, check_new_n
 from meshgroups.mesh._collective import collective_call
 from meshgroups.mesh._families import Families
 from meshgroups.mesh._groups import GroupCache, GroupKey
-from meshgroups.mesh._options import MeshOptions, merge_options
+from meshgroups.mesh._options import (
+    DEFAULT_HEARTBEAT,
+    DEFAULT_LEASE,
+    DEFAULT_REPORT_EVERY,
+    MeshOptions,
+    merge_options,
+)
 from meshgroups.mesh._plan import SubsetSpec
 from meshgroups.mesh._root_meshes import RootMeshes
 from meshgroups.mesh._torch_seam import (
@@ -46,10 +52,12 @@ class MeshGroups(Closeable):
     a subset) are treated as torch treats ranks outside a ``DeviceMesh``: ``mesh``,
     ``view_mesh`` and ``submesh`` still give a ``DeviceMesh`` (every rank gets one), whose
     ``get_coordinate()`` is ``None``, on which DTensor ops are no-ops, and whose ``_flatten``,
-    ``_unflatten`` and slicing take part in the collective calls like the members'. The
-    meshgroups lookups that name *this rank's* group answer ``None`` there instead, because
-    there is no such group: ``group``, ``ranks`` and ``local_rank`` (and ``group(gloo=True)``).
-    ``size`` always answers.
+    ``_unflatten`` and slicing take part in the collective calls like the members'. There,
+    ``group`` (and ``group(gloo=True)``) gives torch's own ``GroupMember.NON_GROUP_MEMBER``, what
+    ``dist.new_group`` gives a rank outside the group: torch's collectives skip it (with a
+    warning), never ``None``, which torch reads as the whole world. ``ranks`` and
+    ``local_rank`` answer ``None`` (there is no such group); ``size`` always answers. A layout
+    over part of the world is built only with ``partial=True``.
 
     ``close()`` (or leaving a ``with init_mesh(...) as mg:`` block) destroys every process group
     this mesh created, except those another live ``MeshGroups`` still uses through a shared
@@ -67,9 +75,9 @@ class MeshGroups(Closeable):
         ([2, 3], DeviceMesh((tp=2), 'cpu', stride=(1,)))
         >>> mg.close()  # destroys the groups it created: dp's and tp's
         2
-        >>> outside = init_mesh(Layout(tp=2))  # ranks 0 and 1 only
-        >>> outside.group("tp"), outside.ranks("tp"), outside.mesh.get_coordinate()
-        (None, None, None)
+        >>> outside = init_mesh(Layout(tp=2), partial=True)  # ranks 0 and 1 only: opted in
+        >>> outside.group("tp") is dist.GroupMember.NON_GROUP_MEMBER, outside.ranks("tp")
+        (True, None)
         >>> outside.close()
         0
         >>> dist.destroy_process_group()
@@ -103,6 +111,10 @@ class MeshGroups(Closeable):
             strategy=plan.strategy,
             check=self._families.check,
             backend_override={k: v for k, v in plan.backend_override.items()} or None,
+            partial=plan.partial,
+            heartbeat=plan.liveness[0],
+            lease=plan.liveness[1],
+            report_every=plan.liveness[2],
         )
 
     @property
@@ -222,16 +234,18 @@ class MeshGroups(Closeable):
             return False
         return tuple(d for d in owner.names if d in dims) in self._families.handles
 
-    def group(self, *dims: str, gloo: bool = False) -> dist.ProcessGroup | None:
-        """This rank's group varying ``dims`` (or the subset named ``dims[0]``); ``None`` if this
-        rank is in none. ``gloo=True`` gives the gloo twin (``init_mesh(gloo_twins=True)``)."""
+    def group(self, *dims: str, gloo: bool = False) -> dist.ProcessGroup:
+        """This rank's group varying ``dims`` (or the subset named ``dims[0]``). On a rank in
+        none of them: torch's ``GroupMember.NON_GROUP_MEMBER`` (as ``dist.new_group`` gives a
+        non-member), which torch's collectives skip with a warning — never ``None``, which
+        torch reads as the whole world. ``gloo=True`` gives the gloo twin
+        (``init_mesh(gloo_twins=True)``)."""
         self._check_open("group()")
         handle = self._families.handles[self._families.key_of(self.layout, dims)]
-        if gloo:
-            if handle.ranks is not None and handle.gloo is None:
-                raise MeshConfigError("no gloo twins were built; pass init_mesh(..., gloo_twins=True)")
-            return handle.gloo
-        return handle.group
+        if gloo and handle.ranks is not None and handle.gloo is None:
+            raise MeshConfigError("no gloo twins were built; pass init_mesh(..., gloo_twins=True)")
+        group = handle.gloo if gloo else handle.group
+        return dist.GroupMember.NON_GROUP_MEMBER if group is None else group  # type: ignore[return-value]
 
     def _ranks(self, dims: tuple[str, ...]) -> tuple[int, ...] | None:
         self._check_open("_ranks()")
@@ -294,6 +308,10 @@ def init_mesh(
     cache: GroupCache | None = None,
     check: bool | None = None,
     backend_override: Mapping[int | str, object] | None = None,
+    partial: bool = False,
+    heartbeat: float = DEFAULT_HEARTBEAT,
+    lease: float = DEFAULT_LEASE,
+    report_every: float = DEFAULT_REPORT_EVERY,
     options: MeshOptions | None = None,
 ) -> MeshGroups:
     """Build ``layout`` on the initialised default process group. Call it on every rank, the
@@ -345,8 +363,20 @@ def init_mesh(
             ``{dim name or index: backend name | backend options | (name, options)}``, e.g.
             ``{"tp": "gloo", 0: ("gloo", opts)}``; keys may also be a view's dim, a declared
             flattened dim (``"dp_cp"``) or a subset name. Part of the cross-rank check.
+        partial: allow a layout over part of the world (a rank offset, fewer ranks, or part
+            of a cohort's live ranks). Refused by default, naming the ranks left out: on them
+            ``group()`` is torch's ``GroupMember.NON_GROUP_MEMBER``. Subsets need no opt-in.
+        heartbeat, lease, report_every: how liveness is watched (``MeshOptions``' fields, which
+            say why the defaults are 1 s, 5 s and 10 s): seconds between this rank's
+            heartbeats, without a heartbeat before a rank *stopped responding*, between two
+            "still waiting" lines.
         options: all of the above but ``flatten``, ``subsets``, ``only`` and ``cache`` as one
             ``MeshOptions`` value (then leave those keywords at their defaults).
+
+    Every wait of the call watches liveness: a rank that has exited or stopped responding
+    (no heartbeat for ``lease`` seconds) ends it on every rank with ``RanksGoneError`` within
+    seconds; a rank alive but late is logged ("still waiting for ranks ...", with the call's
+    number and site) every ``report_every`` seconds; the timeout stays the last bound.
 
     Raises:
         RuntimeError: the default process group is not initialised.
@@ -359,6 +389,7 @@ def init_mesh(
         MismatchError: ranks passed different arguments, or made different calls at this call
             number (``argument`` is then ``"operation"`` or ``"call_site"``), named with the ranks.
         RendezvousTimeoutError: a rank never arrived, or arrived after the others gave up.
+        RanksGoneError: a rank the call waits for exited or stopped responding (named, with how).
         StoreConnectionError: the connection to the store was lost (e.g. rank 0 died).
         MeshBuildError: a rank failed while creating groups; every rank destroyed what the call
             created, and retrying the same call on every rank is safe.
@@ -374,7 +405,10 @@ def init_mesh(
             "init_mesh needs an initialised default process group: call dist.init_process_group first"
         )
     # build() opens the collective call: numbered first, errors published, a failed call closed
-    keywords = MeshOptions(device_type, backend, timeout, gloo_twins, strategy, check, backend_override)
+    keywords = MeshOptions(  # (in the order of its fields)
+        *(device_type, backend, timeout, gloo_twins, strategy, check, backend_override),
+        *(partial, heartbeat, lease, report_every),
+    )
     opts, refusal = merge_options(options, keywords)
     built = build(
         layout, flatten=flatten, subsets=subsets, only=only, cache=cache, refusal=refusal, **opts.kwargs()

@@ -22,6 +22,15 @@ from datetime import timedelta
 from types import MappingProxyType
 from typing import Any
 
+from meshgroups.errors import MeshConfigError
+
+#: Seconds between two heartbeats of a rank (``MeshOptions.heartbeat``).
+DEFAULT_HEARTBEAT = 1.0
+#: Seconds without a heartbeat after which a rank stopped responding (``MeshOptions.lease``).
+DEFAULT_LEASE = 5.0
+#: Seconds between two "still waiting" lines of one wait (``MeshOptions.report_every``).
+DEFAULT_REPORT_EVERY = 10.0
+
 
 @dataclass(frozen=True)
 class MeshOptions:
@@ -40,6 +49,17 @@ class MeshOptions:
         check: ``None``/``True``: the cross-rank check runs; ``False`` only on the fake backend.
         backend_override: torch's per-dim backend choice (``init_mesh``'s argument); stored
             read-only.
+        partial: allow a layout over part of the world (or of the live ranks): ranks outside
+            it get torch's ``GroupMember.NON_GROUP_MEMBER`` from ``group()``. Off by default, so
+            a layout that leaves ranks out by mistake is refused instead of built.
+        heartbeat: seconds between two heartbeats of this rank in the store (1 s: a lease of a
+            few beats is then a few seconds, at one store ``add`` a second).
+        lease: a rank whose heartbeat did not change for this long *stopped responding*; every
+            wait then raises ``RanksGoneError`` naming it (5 s: five missed beats, which a
+            loaded host does not miss in a row; at least two heartbeats). A rank that exits is
+            seen at once, without the lease.
+        report_every: seconds between two "still waiting for ranks ..." log lines of a wait on
+            ranks that are alive but late (10 s).
 
     Example::
 
@@ -54,6 +74,10 @@ class MeshOptions:
     strategy: str = "auto"
     check: bool | None = None
     backend_override: Mapping[Any, object] | None = None
+    partial: bool = False
+    heartbeat: float = DEFAULT_HEARTBEAT
+    lease: float = DEFAULT_LEASE
+    report_every: float = DEFAULT_REPORT_EVERY
 
     def __post_init__(self) -> None:
         # A caller's dict must not change the value afterwards (it is compared across ranks).
@@ -96,6 +120,31 @@ class MeshOptions:
         return out
 
 
+def check_settings(heartbeat: object, lease: object, report_every: object) -> tuple[float, float, float]:
+    """The liveness options as floats, refused unless each is a positive, finite number of
+    seconds and ``lease`` is at least two heartbeats.
+
+    Raises:
+        TypeError: not a number. ValueError (``MeshConfigError``): out of range.
+
+    >>> check_settings(1, 5, 10)
+    (1.0, 5.0, 10.0)
+    """
+    out = []
+    for name, value in (("heartbeat", heartbeat), ("lease", lease), ("report_every", report_every)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+        if not 0 < value < float("inf"):
+            raise MeshConfigError(f"{name}={value!r} must be a positive, finite number of seconds")
+        out.append(float(value))
+    if out[1] < 2 * out[0]:
+        raise MeshConfigError(
+            f"lease={lease!r} must be at least twice heartbeat={heartbeat!r}: a rank is judged to have "
+            "stopped responding only after it missed at least two heartbeats"
+        )
+    return out[0], out[1], out[2]
+
+
 def merge_options(options: object, keywords: MeshOptions) -> tuple[MeshOptions, str | None]:
     """``options=`` and the option keywords of one call, as one value, and the complaint when
     both were given (raised by the caller inside its collective call, so every rank sees it).
@@ -130,4 +179,4 @@ def merge_options(options: object, keywords: MeshOptions) -> tuple[MeshOptions, 
     return options, None
 
 
-__all__ = ["MeshOptions", "merge_options"]
+__all__ = ["MeshOptions", "check_settings", "merge_options"]

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 from meshgroups.errors import BackendOverrideError, MeshConfigError, torch_says
 from meshgroups.layout import Layout
+from meshgroups.mesh._options import DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_REPORT_EVERY
 
 SubsetSpec = tuple[Layout, "str | Sequence[str]"]
 #: A family's backend as torch's ``backend_override`` gives it: (backend name, backend options);
@@ -68,6 +69,11 @@ class BuildPlan:
     _subset_digest: str = field(default="", repr=False)
     #: ``{family label: (backend, options)}`` as resolved from ``init_mesh(backend_override=)``
     backend_override: Mapping[str, BackendConfig] = field(default_factory=dict)
+    #: whether the layout may leave ranks out (``MeshOptions.partial``); not compared
+    partial: bool = False
+    #: ``(heartbeat, lease, report_every)`` of the waits (``MeshOptions``); not compared: a
+    #: rank's own settings (an observer never judges a rank before 2.5 of its own beats)
+    liveness: tuple[float, float, float] = (DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_REPORT_EVERY)
 
     def digests(self) -> dict[str, str]:
         """``{argument: digest}`` in the order arguments are reported when they differ."""
@@ -187,6 +193,8 @@ def make_plan(
     timeout: timedelta,
     backend_override: Mapping[int | str, BackendConfig] | None = None,
     labels: Mapping[Hashable, str] | None = None,
+    partial: bool = False,
+    liveness: tuple[float, float, float] = (DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_REPORT_EVERY),
 ) -> BuildPlan:
     """Validate the torch-free arguments of ``init_mesh`` and list the families to build.
 
@@ -254,6 +262,8 @@ def make_plan(
         only=only_t,
         _subset_digest=_digest(subset_state),
         backend_override=resolved,
+        partial=partial,
+        liveness=liveness,
     )
 
 

@@ -18,9 +18,13 @@ A meeting has three phases, each a barrier whose outcome is decided exactly once
    the ranks that never reported (dead or hung: a peer stuck in gloo's connect reports when its
    own timeout ends, so this wait lasts a grace period longer).
 
-Every wait is bounded; a timeout names the ranks that never arrived and what each last
-published; a lost store connection is a ``StoreConnectionError``. O(1) store operations per
-rank on the success path.
+Every wait is bounded by the timeout *and* watches liveness (``meshgroups.mesh._liveness``):
+the first ``WATCHERS`` ranks to arrive at a phase (every rank in a world of up to
+``WATCH_ALL_UP_TO``) poll the state key, look at the ranks still absent every ``LOOK_EVERY``
+seconds and log "still waiting for ..." every ``report_every`` seconds; when an absent rank has
+exited or stopped responding, a watcher decides the phase (``abandoned`` with the gone ranks):
+every rank raises the same ``RanksGoneError`` naming them. A timeout names the ranks that never
+arrived (and their last words), a lost store is a ``StoreConnectionError``. O(1) store ops a rank.
 """
 
 from __future__ import annotations
@@ -33,18 +37,25 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshgroups.errors import MeshBuildError, MismatchError, RendezvousTimeoutError, StoreConnectionError
+from meshgroups.errors import (
+    MeshBuildError,
+    MismatchError,
+    RendezvousTimeoutError,
+    StoreConnectionError,
+)
 from meshgroups.mesh._failure_records import failure_record, from_record, shared, waiting_on_peer
+from meshgroups.mesh._liveness import Liveness
+from meshgroups.mesh._options import DEFAULT_LEASE, DEFAULT_REPORT_EVERY
+from meshgroups.mesh._waiting import Lookout, gone_error, poll_key
 
 PREFIX = "meshgroups/rdzv"
 PHASES = ("state", "verify", "built")
 #: Worlds up to this size get the exact list of missing ranks in a timeout message.
 NAME_MISSING_UP_TO = 4096
-#: Seconds between two looks of a liveness probe at the ranks a meeting still awaits (cohorts of
-#: up to 512 ranks; proportionally longer above).
-LIVENESS_POLL = 0.5
 #: How many of a phase's first arrivals watch the others' liveness (the rest wait on the key).
 WATCHERS = 2
+#: Worlds (or cohorts) up to this size: every rank watches, so every rank logs who it waits for.
+WATCH_ALL_UP_TO = 16
 
 
 class Meeting:
@@ -60,7 +71,12 @@ class Meeting:
         timeout: timedelta,
         last_words: Callable[[list[int]], str] = lambda ranks: "",
         members: Sequence[int] | None = None,
-        watch: Callable[[], Callable[[Sequence[int]], list[int]]] | None = None,
+        watch: Callable[[], Callable[[Sequence[int]], Any]] | None = None,
+        *,
+        site: str = "",
+        observer: Liveness | None = None,
+        lease: float = DEFAULT_LEASE,
+        report_every: float = DEFAULT_REPORT_EVERY,
     ) -> None:
         self.store = store
         self.rank = rank
@@ -73,14 +89,20 @@ class Meeting:
         # that publishes the reference arguments.
         self.members: Sequence[int] = tuple(members) if members is not None else range(world_size)
         self.leader = self.members[0]
-        # A liveness probe per wait (a cohort's, ``meshgroups.mesh._cohort.Cohort.watch``): a rank that
-        # died is not waited for until the timeout.
+        # Liveness (``meshgroups.mesh._liveness``): a rank that died is not waited for until the
+        # timeout. A cohort's own probe (``Cohort.watch``) wins over the process's observer.
         self.watch = watch
-        self.dead: list[int] = []  # the awaited ranks the probe found dead in the last wait
+        self.site = f" ({site})" if site else ""
+        self.observer, self.lease, self.report_every = observer, lease, report_every
+        self.dead: dict[int, str] = {}  # the awaited ranks found gone in the last wait, and how
         self.arrival = 0  # this rank's place in the order of arrival at the current phase (1: first)
 
     def _key(self, name: str) -> str:
         return f"{self.base}/{name}"
+
+    def state_key(self, phase: str) -> str:
+        """The key that holds ``phase``'s outcome once it is decided."""
+        return self._key(phase)
 
     # ------------------------------------------------------------------ store access
     def lost(self, exc: BaseException, where: str = "during") -> StoreConnectionError:
@@ -110,13 +132,14 @@ class Meeting:
         return first if first.startswith("failed") else mine
 
     def _wait(self, key: str, seconds: float, where: str, phase: str) -> bool:
-        """Wait for ``key``; False when the wait timed out, or (with a liveness probe, on one of
-        the first ``WATCHERS`` ranks to arrive) as soon as a rank that has not reached ``phase``
-        is dead (then named in ``self.dead``). The other ranks wait on the key, which the
-        watcher that sees the death sets."""
-        self.dead = []
-        if self.watch is not None and self.world_size <= NAME_MISSING_UP_TO and 0 < self.arrival <= WATCHERS:
-            return self._watch(key, seconds, phase)
+        """Wait for ``key``; False when the wait timed out, or (on a watching rank: one of the
+        first ``WATCHERS`` to arrive, any in a small world) as soon as a rank that has not
+        reached ``phase`` is gone (then named in ``self.dead``). The other ranks wait on the
+        key, which the watcher that sees the death sets."""
+        self.dead = {}
+        watching = 0 < self.arrival <= WATCHERS or self.world_size <= WATCH_ALL_UP_TO
+        if self._probe() is not None and self.world_size <= NAME_MISSING_UP_TO and watching:
+            return self._watch(key, seconds, where, phase)
         try:
             self.store.wait([key], timedelta(seconds=max(seconds, 0.001)))
             return True
@@ -125,30 +148,34 @@ class Meeting:
                 raise self.lost(exc, f"at {where} of") from None
             return False
 
-    def _watch(self, key: str, seconds: float, phase: str) -> bool:
-        """``_wait`` by polling (a short ``store.wait`` that times out logs a warning in torch
-        each time): the key, and every ``LIVENESS_POLL`` seconds (longer for large cohorts) the
-        probe on the ranks that have not reached ``phase``: O(members) store checks per look,
-        on ``WATCHERS`` ranks only."""
-        if self.watch is None:  # an invariant of this module, not a check of user input
-            raise RuntimeError("meshgroups internal error: self.watch is None")
-        dead_of = self.watch()
-        look_every = LIVENESS_POLL * max(1.0, self.world_size / 512)
-        deadline, pause, next_look = time.monotonic() + seconds, 0.005, 0.0
-        while True:
-            if self.op("check", [key]):
-                return True
-            now = time.monotonic()
-            if now >= deadline:
-                return False
-            if now >= next_look:
-                absent = self._absent(phase) or []
-                self.dead = list(dead_of(absent)) if absent else []
-                if self.dead:
-                    return False
-                next_look = now + look_every
-            time.sleep(min(pause, max(deadline - now, 0.0)))
-            pause = min(pause * 2, 0.1)
+    def _probe(self) -> Callable[[Sequence[int]], Any] | None:
+        """The liveness probe of one wait: ``ranks -> gone ranks`` (a dict saying how, or a list)."""
+        if self.watch is not None:
+            return self.watch()
+        if self.observer is not None:
+            observer, lease = self.observer, self.lease
+            return lambda ranks: observer.gone(ranks, lease)
+        return None
+
+    def _watch(self, key: str, seconds: float, where: str, phase: str) -> bool:
+        """``_wait`` by polling the key (``poll_key``), watching the ranks not at ``phase``."""
+        probe = self._probe()
+        if probe is None:  # an invariant of this module, not a check of user input
+            raise RuntimeError("meshgroups internal error: no liveness probe")
+        started = time.monotonic()
+        lookout = Lookout(
+            lambda: self._absent(phase),
+            f"{where} of {self.what}{self.site}",
+            self.rank,
+            probe,
+            self.report_every,
+            started,
+            self.timeout,
+            self.observer.unseen if self.observer is not None else None,
+        )
+        found = poll_key(lambda: bool(self.op("check", [key])), started + seconds, lookout)
+        self.dead = found or {}  # (None: the key is there)
+        return found is None
 
     def _wait_state(self, phase: str, done: str, where: str, started: float, late: bool = False) -> None:
         """Wait for ``phase``'s state key; return if it says ``done``, raise otherwise."""
@@ -171,26 +198,27 @@ class Meeting:
                     f"rank {r} failed before {where} of {self.what} ({cls}: {msg}); this is rank {self.rank}"
                 ),
             )
-        _, who, after, dead_json = (state + "\n[]").split("\n")[:4]
-        dead = json.loads(dead_json)
-        if dead:  # the probe saw them die: no point waiting the timeout out
-            died = RendezvousTimeoutError(
-                f"rank {self.rank}: {_ranks(dead)} died before {where} of {self.what} (seen dead by rank "
-                f"{who} after {after}s of waiting: {'their' if len(dead) > 1 else 'its'} heartbeat stopped)"
-                f"{self.last_words(dead)}"
+        _, who, after, dead_json = (state + "\n{}").split("\n")[:4]
+        dead = _gone(dead_json)
+        if dead:  # the probe saw them go: no point waiting the timeout out
+            died = gone_error(
+                self.rank,
+                dead,
+                f"never reached {where} of {self.what}{self.site}",
+                f"{self.last_words(sorted(dead))}; seen by rank {who} after {after}s of waiting",
             )
             died._mg_gone = len(dead)  # type: ignore[attr-defined]  # not waited for at the close
             raise shared(died)
         if late:
             raise shared(
                 RendezvousTimeoutError(
-                    f"rank {self.rank} reached {where} of {self.what} after rank {who} gave up waiting "
+                    f"rank {self.rank} reached {where} of {self.what}{self.site} after rank {who} gave up waiting "
                     f"({after}s); every rank raises, none builds groups alone"
                 )
             )
         raise shared(
             RendezvousTimeoutError(
-                f"rank {self.rank}: {self._missing(phase)} at {where} of {self.what} (rank {who} gave up "
+                f"rank {self.rank}: {self._missing(phase)} at {where} of {self.what}{self.site} (rank {who} gave up "
                 f"after {after}s; this rank waited {time.monotonic() - started:.1f}s, timeout "
                 f"{self.timeout.total_seconds():g}s); is it called on every rank, with the same timeout?"
             )
@@ -341,7 +369,8 @@ class Meeting:
         ):
             absent = self._absent("built")
             count = int(self.op("add", self._key("built/count"), 0))
-            verdict = f"silent\n{json.dumps(absent)}\n{self.world_size - count}"
+            dead = json.dumps({str(r): how for r, how in self.dead.items()})
+            verdict = f"silent\n{json.dumps(absent)}\n{self.world_size - count}\n{dead}"
             self.op("compare_set", self._key("built"), "", verdict)
         self._decide_built(started)
 
@@ -356,13 +385,24 @@ class Meeting:
             )
         self._raise_recorded("first")
         if state.startswith("silent"):
-            _, absent_json, n_absent = state.split("\n")
+            _, absent_json, n_absent, dead_json = (state + "\n{}").split("\n")[:4]
             absent = json.loads(absent_json)
+            dead = _gone(dead_json)
+            waited = f"this rank waited {time.monotonic() - started:.1f}s"
+            error: MeshBuildError
+            if dead:  # decided as soon as they went: ranks alive but not there yet are not named
+                error = gone_error(
+                    self.rank,
+                    dead,
+                    f"never reported the end of group creation of {self.what}{self.site}",
+                    f"{self.last_words(sorted(dead))}; {waited}. {self._after_failure()}",
+                )
+                error._mg_gone = len(dead)  # type: ignore[attr-defined]  # not waited for at the close
+                raise shared(error)
             who = _ranks(absent) if absent is not None else f"{n_absent} of {self.world_size} ranks"
             error = MeshBuildError(
-                f"{who} never reported the end of group creation of {self.what} (dead or hung"
-                f"{self.last_words(absent or [])}; this rank waited {time.monotonic() - started:.1f}s). "
-                + self._after_failure()
+                f"{who} never reported the end of group creation of {self.what}{self.site} (dead or hung"
+                f"{self.last_words(absent or [])}; {waited}). " + self._after_failure()
             )
             error._mg_gone = int(n_absent)  # type: ignore[attr-defined]  # not waited for at the close
             raise shared(error)
@@ -395,6 +435,14 @@ class Meeting:
         names = ["ref", "bad", "fail/first", "fail/second"] + [f"max/{c}" for c in counters]
         names += [f"{phase}{suffix}" for phase in PHASES for suffix in ("", "/count")]
         return [self._key(n) for n in names]
+
+
+def _gone(text: str) -> dict[int, str]:
+    """The gone ranks of a record: ``{"3": "exited"}`` (or a list, from an older record)."""
+    value = json.loads(text or "{}")
+    if isinstance(value, list):
+        return {int(r): "stopped responding" for r in value}
+    return {int(r): str(how) for r, how in value.items()}
 
 
 def _ranks(ranks: list[int]) -> str:

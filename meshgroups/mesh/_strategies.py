@@ -40,6 +40,7 @@ from meshgroups.mesh._cohort import current_cohort
 from meshgroups.mesh._groups import GroupCache, GroupHandle, GroupKey, backend_key
 from meshgroups.mesh._plan import GroupSpec, options_tag
 from meshgroups.mesh._torch_seam import SPLIT_GROUP_SORTS, bound_device_id
+from meshgroups.mesh._watched_store import keep, watching
 
 Groups = list["dist.ProcessGroup | None"]
 Strategy = Literal["auto", "global", "local", "split"]
@@ -100,17 +101,19 @@ class Builder:
         options = self.options if backend == self.backend else None
         # torch lets an explicit timeout win over the options' own (device_mesh passes it too)
         timeout = getattr(options, "_timeout", None) or self.timeout
-        group = dist.new_group(
-            ranks,
-            timeout=timeout,
-            backend=real_backend(backend),
-            pg_options=options,
-            use_local_synchronization=local,
-            sort_ranks=False,
-            group_desc=self.desc,
-        )
+        with watching(ranks):  # its creation stops waiting for a member that is gone
+            group = dist.new_group(
+                ranks,
+                timeout=timeout,
+                backend=real_backend(backend),
+                pg_options=options,
+                use_local_synchronization=local,
+                sort_ranks=False,
+                group_desc=self.desc,
+            )
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             return None
+        keep(group)
         self.cache.created += 1
         return group
 

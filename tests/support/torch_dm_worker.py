@@ -40,7 +40,8 @@ def _build(device_type: str, grid: Any, names: Any, backend_override: Any) -> An
 
     layout = Layout.from_grid(grid, _names(grid.ndim, names))
     _BUILT[0] += 1
-    mg = init_mesh(layout, device_type, backend_override=backend_override)
+    # torch's DeviceMesh may cover part of the world: so may these
+    mg = init_mesh(layout, device_type, backend_override=backend_override, partial=True)
     _OPEN.append(mg)
     return mg.mesh
 

@@ -43,6 +43,7 @@ from meshgroups.mesh._torch_seam.c10d import (  # noqa: E402
     is_backend_options,
     set_group_timeout,
     shrink_nccl_group,
+    world_registered,
 )
 from meshgroups.mesh._torch_seam.meshes import (  # noqa: E402
     detach_builder,
@@ -94,4 +95,5 @@ __all__ = [
     "shrink_nccl_group",
     "unregister_builder",
     "use_collective_calls",
+    "world_registered",
 ]

@@ -20,6 +20,12 @@ def default_store() -> dist.Store:
     return _c10d._get_default_store()
 
 
+def world_registered(group: object) -> bool:
+    """Whether ``group`` is still a live world of this process (``destroy_process_group`` or a
+    transfer world's ``unregister_world`` removes it from torch's table)."""
+    return group in _c10d._world.pg_map
+
+
 def held_group_count() -> int:
     """How many groups this process belongs to. torch names groups created with
     ``use_local_synchronization=True`` by hashing their ranks *and this count*, so every member
@@ -48,7 +54,7 @@ def advance_group_count(value: int) -> None:
 
 
 @contextmanager
-def creation_store_prefix(prefix: str) -> Iterator[None]:
+def creation_store_prefix(prefix: str, wrap: dist.Store | None = None) -> Iterator[None]:
     """Groups created inside get their connection keys under ``prefix`` in the default store.
 
     torch derives a new group's store as ``PrefixStore(name, default store)``; hashed names
@@ -64,7 +70,8 @@ def creation_store_prefix(prefix: str) -> Iterator[None]:
     own salt is rank-local state — the number of groups this rank holds in 2.13, its group
     counter in 2.14, which moves on every ``new_group`` call a rank makes — and after an elastic
     loss the survivors have made different numbers of calls (kept groups are not re-created).
-    The prefix is the same on every rank of the call."""
+    The prefix is the same on every rank of the call. ``wrap``: a store over the default store
+    (``meshgroups.mesh._watched_store``) that the new groups see instead of it."""
     default_pg = _c10d._get_default_group()
     backend, store = _c10d._world.pg_map[default_pg]
     hash_ranks = _c10d._hash_ranks_to_str
@@ -76,7 +83,7 @@ def creation_store_prefix(prefix: str) -> Iterator[None]:
         text = f"{prefix}|{','.join(map(str, key))}|{made[key]}"
         return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
 
-    _c10d._world.pg_map[default_pg] = (backend, dist.PrefixStore(prefix, store))
+    _c10d._world.pg_map[default_pg] = (backend, dist.PrefixStore(prefix, wrap if wrap is not None else store))
     _c10d._hash_ranks_to_str = call_hash
     try:
         yield

@@ -97,8 +97,8 @@ class Job(Closeable):
         >>> from meshgroups.transfer import init_job
         >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
         >>> with init_job({"trainer": Layout(dp=2, tp=2), "rollout": Layout(tp=4, rank_offset=4)}) as job:
-        ...     job.roles(5), job["rollout"].ranks("tp"), job["trainer"].group("tp")
-        (('rollout',), [4, 5, 6, 7], None)
+        ...     job.roles(5), job["rollout"].ranks("tp"), job["trainer"].group("tp") is dist.GroupMember.NON_GROUP_MEMBER
+        (('rollout',), [4, 5, 6, 7], True)
         >>> dist.destroy_process_group()
     """
 
@@ -185,7 +185,7 @@ def init_job(
     Args:
         layouts: ``{"trainer": Layout(...), "rollout": Layout(...)}``, built in this order, each
             its own root mesh; ranks outside a layout get its mesh with coordinate ``None``
-            and ``None`` groups.
+            and torch's ``GroupMember.NON_GROUP_MEMBER`` as groups.
         sharing: ``"disjoint"`` (no rank in two layouts), ``"colocated"`` (every layout over the
             same ranks) or ``"any"``; checked before anything is built.
         flatten: per layout name, the flattened dim sets to build (``{"trainer": [("dp", "cp")]}``).
@@ -238,15 +238,17 @@ def init_job(
             flatten=digest_text(repr(sorted((n, [tuple(d) for d in f]) for n, f in flat.items()))),
         )
         cache = GroupCache()
+        # each layout of a job covers part of the world (trainer and rollout ranks): partial
+        per_layout = merged.replace(partial=True)
         meshes: dict[str, MeshGroups] = {}
         try:
             for name, layout in layouts.items():  # each joins this call (one number, one protocol)
-                meshes[name] = init_mesh(layout, flatten=flat.get(name, ()), cache=cache, options=merged)
+                meshes[name] = init_mesh(layout, flatten=flat.get(name, ()), cache=cache, options=per_layout)
         except BaseException:
             for mg in meshes.values():
                 mg.close()
             raise
-        return Job(meshes, cache, sharing, merged)
+        return Job(meshes, cache, sharing, per_layout)
 
 
 def _check_job(

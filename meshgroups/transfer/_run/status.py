@@ -5,6 +5,12 @@ arguments and the next point-to-point tag it may use; one all-reduce (MAX) tells
 failed, whether the digests agree, and the first tag of the call. A failure anywhere becomes
 the same ``TransferError`` on every rank.
 
+**Liveness.** The exchange waits like every meshgroups wait (the liveness of ``meshgroups.mesh``): while
+the all-reduce is pending, the other ranks' heartbeats are looked at every half second, so a
+rank that exited or stopped responding ends the wait within seconds (the timeout stays the last
+bound), and the ``TransferError`` names it (``ranks``, and how it went); a rank alive but late
+is logged ("still waiting for ...") every ``report_every`` seconds.
+
 **Tags.** Every execute call and every (bucket, step) of it sends and receives with its own
 tag: ``first + 2 * bucket + step``, where ``first`` is the maximum over the ranks of their next
 free tag, agreed at the check before the first bucket. Each rank then moves its next free tag
@@ -22,12 +28,14 @@ Tags wrap after 2^31 - 2 steps of one process (``TAG_SPACE``).
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from meshgroups.errors import TransferError
+from meshgroups.errors import RanksGoneError, TransferError
+from meshgroups.mesh import Liveness, Lookout, default_store, gone_error, world_liveness
 
 #: Tags live in [1, TAG_SPACE]; gloo takes non-negative 32-bit ints.
 TAG_SPACE = 2**31 - 2
@@ -64,6 +72,61 @@ class Status:
         # NCCL reduces CUDA tensors only; everything else takes CPU ones
         nccl = "nccl" in str(dist.get_backend(group)).lower()
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.liveness: Liveness | None = None
+        try:
+            self.liveness = world_liveness(default_store())
+        except (RuntimeError, ValueError, AttributeError):  # no store to look through (fake backend)
+            pass
+
+    def wait(self, work: dist.Work, bound: timedelta, what: str) -> None:
+        """Wait for ``work`` up to ``bound``, looking at the other ranks' liveness meanwhile;
+        raises ``RanksGoneError`` when one is gone, ``TimeoutError`` at the bound, and the
+        work's own error."""
+        started = time.monotonic()
+        deadline, pause = started + bound.total_seconds(), 0.0005
+        lookout = self._lookout(what, started, bound)
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(f"a rank did not reach {what} within {bound}")
+            gone = lookout.gone() if lookout is not None else {}
+            if gone:
+                raise gone_error(dist.get_rank(), gone, f"never answered {what}")
+            time.sleep(min(pause, max(deadline - now, 0.0)))
+            pause = min(pause * 2, 0.02)
+        work.wait()  # its own error, if it failed (a peer's connection closed)
+
+    def _lookout(self, what: str, started: float, bound: timedelta) -> Lookout | None:
+        if self.liveness is None:
+            return None
+        liveness, me = self.liveness, dist.get_rank()
+        others = [r for r in self.ranks if r != me]
+        return Lookout(
+            others,
+            what,
+            me,
+            lambda ranks: liveness.gone(ranks),
+            liveness.report_every,
+            started,
+            bound,
+            liveness.unseen,
+        )
+
+    def gone(self) -> dict[int, str]:
+        """The ranks of the status group that are gone, looked for up to a lease (after a
+        failed exchange: a peer's closed connection is seen before its heartbeat stops)."""
+        if self.liveness is None:
+            return {}
+        me = dist.get_rank()
+        deadline = time.monotonic() + self.liveness.lease + 1.0
+        while True:
+            try:
+                gone = self.liveness.gone([r for r in self.ranks if r != me])
+            except dist.DistError:
+                return {}  # the store is unreachable (its host ended): nothing more to learn
+            if gone or time.monotonic() >= deadline:
+                return gone
+            time.sleep(0.25)
 
     def exchange(
         self, failed: bool, digest: int = 0, tag: int = 0, timeout: timedelta | None = None
@@ -75,8 +138,8 @@ class Status:
         t[self.size], t[self.size + 1], t[self.size + 2] = digest, -digest, tag
         bound = timeout if timeout is not None else self.timeout
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        if work is not None and work.wait(bound) is False:
-            raise TimeoutError(f"a rank did not reach the status exchange within {bound}")
+        if work is not None:
+            self.wait(work, bound, "the status exchange of a weight transfer")
         flags = t.tolist()
         failed_ranks = [self.ranks[i] for i in range(self.size) if flags[i]]
         return failed_ranks, flags[self.size] == -flags[self.size + 1], int(flags[self.size + 2])
@@ -85,8 +148,8 @@ class Status:
         """Each of ``values`` summed over the status group (one small all-reduce)."""
         t = torch.tensor(values, dtype=torch.int64, device=self.device)
         work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        if work is not None and work.wait(self.timeout) is False:
-            raise TimeoutError(f"a rank did not reach the status exchange within {self.timeout}")
+        if work is not None:
+            self.wait(work, self.timeout, "the status exchange of a weight transfer")
         return [int(v) for v in t.tolist()]
 
     def reasons(self, error: BaseException | None) -> list[str | None]:
@@ -112,14 +175,9 @@ def agree(
     try:
         failed, same, top = status.exchange(error is not None, digest, tag, bound)
     except Exception as exc:
-        raise TransferError(
-            f"weight transfer: rank {dist.get_rank()} got no status from every rank in {where(bucket, stage)} "
-            f"({type(exc).__name__}: {exc}) within {bound}; a rank is gone or stuck",
-            (),
-            bucket,
-            stage,
-            tuple(done),
-        ) from (error or exc)
+        raise no_status(status, exc, f"in {where(bucket, stage)}", bucket, stage, tuple(done)) from (
+            error or exc
+        )
     if not failed and same:
         return top
     reasons = status.reasons(error)
@@ -138,6 +196,40 @@ def agree(
     ) from error
 
 
+def no_status(
+    status: Status, exc: BaseException, when: str, bucket: int, stage: str, done: tuple[str, ...]
+) -> TransferError:
+    """The ``TransferError`` of an exchange that did not complete: naming the ranks gone
+    (``ranks``) when liveness knows them (a peer's closed connection is seen first: its
+    heartbeat is looked for, up to a lease), else what the exchange raised (a timeout: the
+    ranks were alive throughout the wait)."""
+    if isinstance(exc, RanksGoneError):
+        gone = exc.states
+    elif isinstance(exc, TimeoutError):
+        # the wait watched liveness throughout and saw nobody gone: the timeout is the news (a
+        # rank that ends after it, its own call failed too, is a consequence, not the cause)
+        gone = {}
+    else:
+        gone = status.gone()
+    if gone:
+        how = ", ".join(f"rank {r} {state}" for r, state in sorted(gone.items()))
+        return TransferError(
+            f"weight transfer: rank {dist.get_rank()} got no status from every rank {when}: {how}",
+            tuple(sorted(gone)),
+            bucket,
+            stage,
+            done,
+        )
+    return TransferError(
+        f"weight transfer: rank {dist.get_rank()} got no status from every rank {when} "
+        f"({type(exc).__name__}: {exc}); a rank is gone or stuck",
+        (),
+        bucket,
+        stage,
+        done,
+    )
+
+
 def where(bucket: int, stage: str) -> str:
     """How a ``TransferError`` names the place of a failure.
 
@@ -151,4 +243,14 @@ def where(bucket: int, stage: str) -> str:
     return "the check before the first bucket" if bucket < 0 else f"bucket {bucket} ({stage})"
 
 
-__all__ = ["TAG_SPACE", "Status", "TransferError", "agree", "claim_tags", "next_tag", "step_tag", "where"]
+__all__ = [
+    "TAG_SPACE",
+    "Status",
+    "TransferError",
+    "agree",
+    "claim_tags",
+    "next_tag",
+    "no_status",
+    "step_tag",
+    "where",
+]

@@ -57,7 +57,7 @@ from meshgroups.transfer._run.fanout_groups import TransferGroups
 from meshgroups.transfer._run.fp8 import quantize_blocks
 from meshgroups.transfer._run.jobs import Job, digest_text
 from meshgroups.transfer._run.packing import PackBuffers
-from meshgroups.transfer._run.status import Status
+from meshgroups.transfer._run.status import Status, no_status
 from meshgroups.transfer._run.sync_delta import move
 from meshgroups.transfer._run.sync_state import Tensors, check_buffers, merge, read, slices
 from meshgroups.transfer._run.torch_io import local_weights
@@ -318,14 +318,7 @@ class WeightSync(Closeable):
         try:
             changed, _, _ = status.exchange(mine)
         except Exception as exc:
-            raise TransferError(
-                f"weight sync: rank {dist.get_rank()} got no answer from every rank asking whether the "
-                f"weights changed ({type(exc).__name__}: {exc}); a rank is gone or stuck",
-                (),
-                -1,
-                "check",
-                (),
-            ) from exc
+            raise no_status(status, exc, "asking whether the weights changed", -1, "check", ()) from exc
         return bool(changed)
 
     # ------------------------------------------------------------------ moving
