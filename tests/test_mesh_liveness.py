@@ -429,3 +429,32 @@ def test_world_e_a_clean_exit_is_marked_in_the_store():
     from .support.dist import free_port
 
     assert run(worker_e, 2, free_port(), backend=None, timeout=120, port_retries=0)[0] is True
+
+
+def test_world_f_torchrun_ranks_that_exit_before_their_first_call():
+    """Under torchrun, ranks that leave before any meshgroups call (no heartbeat ever) are named
+    as exited by the survivors on their host from the launcher's own facts (the agent's workers),
+    not after the timeout, which is set to half an hour here."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from .support.dist import free_port
+
+    job = Path(__file__).parent / "support" / "exit_before_first_call_job.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+           str(job), str(scaled(PG_TIMEOUT)), str(HB), str(LEASE)]  # fmt: skip
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=scaled(180), env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = sorted(
+        (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")),
+        key=lambda r: r["rank"],
+    )
+    assert [r["rank"] for r in rows] == [0, 1], out.stdout + out.stderr
+    for r in rows:
+        assert r["error"] is not None and r["ranks"] == [2, 3], r
+        assert all("before its first meshgroups call" in r["states"][k] for k in ("2", "3")), r
+        assert r["elapsed"] < BOUND, r  # seconds, not the half hour

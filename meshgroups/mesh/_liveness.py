@@ -11,8 +11,10 @@ a ``Liveness`` observer about the ranks it still awaits, and a rank is
 - **exited**: its counter holds ``EXITED``, or (same host) its process is gone — seen at once;
 - **stopped responding**: its counter did not change for ``lease`` seconds of the observer's
   own clock (SIGKILL on another host, SIGSTOP, a frozen machine) — seen after ``lease``;
-- **not yet seen**: it never made a meshgroups call, so it has no counter; it is waited for
-  (the timeout stays the last bound) and named in the "still waiting" lines.
+- **not yet seen**: it never made a meshgroups call, so it has no counter; under ``torchrun``, a
+  rank of the observer's own host whose worker process is gone is **exited** all the same (the
+  launcher tells it: ``meshgroups.mesh._launcher``); otherwise it is waited for (the timeout
+  stays the last bound) and named in the "still waiting" lines.
 
 Staleness is judged by each observer's own clock (a value that did not change), so clocks need
 not agree; an observer remembers what it saw across waits, so a rank that died long ago is
@@ -43,6 +45,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from meshgroups.mesh._launcher import exited_before_first_call
 from meshgroups.mesh._options import DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_REPORT_EVERY
 from meshgroups.mesh._torch_seam import world_registered
 
@@ -266,6 +269,8 @@ class Liveness:
                 if quiet >= self._lease_for(r, lease):
                     why = "; its process is stopped" if state == "stopped" else ""
                     out[r] = f"stopped responding (no heartbeat for {quiet:.1f}s{why})"
+        for r in exited_before_first_call(r for r in ranks if r not in self.beating):
+            out[r] = "exited before its first meshgroups call (torchrun's worker of that rank has no process)"
         return out
 
     def unseen(self, ranks: Iterable[int]) -> list[int]:
