@@ -39,10 +39,10 @@ import torch.distributed as dist
 
 from meshgroups.errors import TransferError, VersionError
 from meshgroups.mesh import as_timedelta, default_timeout
-from meshgroups.transfer._run.buckets import Buckets, Part, parts_by_bucket
+from meshgroups.transfer._run.buckets import Buckets, Part
 from meshgroups.transfer._run.delta_codec import DENSE, MODES, SPARSE, apply, digest, encode
 from meshgroups.transfer._run.delta_state import DeltaPolicy, DeltaStats, Shadows
-from meshgroups.transfer._run.execute import Progress, Report
+from meshgroups.transfer._run.execute import Progress, Report, take_local
 from meshgroups.transfer._run.pairing import check_pairing
 from meshgroups.transfer._run.status import TAG_SPACE, Status, agree, claim_tags, next_tag
 from meshgroups.transfer._run.steps import LocalTensors, as_bytes, parts_of_step
@@ -110,17 +110,7 @@ def execute_delta(
     buckets = Buckets(0, (), (), ())
     local = LocalTensors(me, pairs, plan.src, plan.dst)
     try:
-        if groups is not None and groups.broken:
-            raise RuntimeError(f"these TransferGroups cannot be used: {groups.broken}; build new ones")
-        buckets = Buckets.of([d for _, d in pairs], bucket_bytes)
-        index = {d.name: i for i, (_, d) in enumerate(pairs)}
-        parts = parts_by_bucket(plan.for_rank(me), index, buckets)
-        mine = [p for ps in parts.values() for p in ps]
-        needs = {("src" if p.step == 0 and p.src == me else "dst", p.w) for p in mine}
-        needs |= {("dst", p.w) for p in mine if p.src == p.dst == me}
-        for side, w in sorted(needs):
-            local.take(side, w, src_tensors if side == "src" else dst_buffers)
-        report.weights = tuple(sorted({pairs[p.w][1].name for p in mine}))
+        buckets, parts = take_local(plan, me, local, groups, bucket_bytes, src_tensors, dst_buffers, report)
     except Exception as exc:
         error = error or exc
     text = repr(([(s, d) for s, d in pairs], plan.src.fingerprint(), plan.dst.fingerprint(), bucket_bytes,

@@ -223,20 +223,7 @@ def execute(
     buckets = Buckets(0, (), (), ())
     local = LocalTensors(me, pairs, src, dst)
     try:
-        if groups is not None and groups.broken:
-            raise MeshConfigError(
-                f"these TransferGroups cannot be used: {groups.broken}; build new ones "
-                "(groups.close(), then job.transfer_groups(plan) or TransferGroups(plan))"
-            )
-        buckets = Buckets.of([d for _, d in pairs], bucket_bytes)
-        index = {d.name: i for i, (_, d) in enumerate(pairs)}
-        parts = parts_by_bucket(plan.for_rank(me), index, buckets)
-        mine = [p for ps in parts.values() for p in ps]
-        needs = {("src" if p.step == 0 and p.src == me else "dst", p.w) for p in mine}
-        needs |= {("dst", p.w) for p in mine if p.src == p.dst == me}
-        for side, w in sorted(needs):
-            local.take(side, w, src_tensors if side == "src" else dst_buffers)
-        report.weights = tuple(sorted({pairs[p.w][1].name for p in mine}))
+        buckets, parts = take_local(plan, me, local, groups, bucket_bytes, src_tensors, dst_buffers, report)
     except Exception as exc:
         error = error or exc
     extra = (bucket_bytes, None if groups is None else groups.sets, bool(packed), bool(overlap))
@@ -271,6 +258,36 @@ def execute(
             pack_bufs.clear()
         raise
     return report
+
+
+def take_local(
+    plan: TransferPlan,
+    me: int,
+    local: LocalTensors,
+    groups: TransferGroups | None,
+    bucket_bytes: int,
+    src_tensors: Mapping[str, Any],
+    dst_buffers: Mapping[str, Any],
+    report: Report,
+) -> tuple[Buckets, dict[int, list[Part]]]:
+    """This rank's part of a transfer (``execute``'s and the delta's): the buckets, this rank's
+    slices by bucket, and the local tensors they read and write, checked (``local.take``)."""
+    if groups is not None and groups.broken:
+        raise MeshConfigError(
+            f"these TransferGroups cannot be used: {groups.broken}; build new ones "
+            "(groups.close(), then job.transfer_groups(plan) or TransferGroups(plan))"
+        )
+    pairs = plan.weights
+    buckets = Buckets.of([d for _, d in pairs], bucket_bytes)
+    index = {d.name: i for i, (_, d) in enumerate(pairs)}
+    parts = parts_by_bucket(plan.for_rank(me), index, buckets)
+    mine = [p for ps in parts.values() for p in ps]
+    needs = {("src" if p.step == 0 and p.src == me else "dst", p.w) for p in mine}
+    needs |= {("dst", p.w) for p in mine if p.src == p.dst == me}
+    for side, w in sorted(needs):
+        local.take(side, w, src_tensors if side == "src" else dst_buffers)
+    report.weights = tuple(sorted({pairs[p.w][1].name for p in mine}))
+    return buckets, parts
 
 
 class _BucketRunner:
@@ -373,4 +390,4 @@ class _BucketRunner:
         self._agree_transfer(status, error, digest, b, done)
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Progress", "Report", "TransferError", "execute"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "Progress", "Report", "TransferError", "execute", "take_local"]
