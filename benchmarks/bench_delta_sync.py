@@ -23,31 +23,8 @@ import socket
 import statistics
 import time
 
-
-def _shapes(layers: int, hidden: int) -> dict[str, tuple[int, ...]]:
-    kv, ffn = hidden // 2, 2 * hidden
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (4 * hidden, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        for name, shape in (
-            ("self_attn.q_proj.weight", (hidden, hidden)),
-            ("self_attn.k_proj.weight", (kv, hidden)),
-            ("self_attn.v_proj.weight", (kv, hidden)),
-            ("self_attn.o_proj.weight", (hidden, hidden)),
-            ("mlp.gate_proj.weight", (ffn, hidden)),
-            ("mlp.up_proj.weight", (ffn, hidden)),
-            ("mlp.down_proj.weight", (hidden, ffn)),
-            ("input_layernorm.weight", (hidden,)),
-            ("post_attention_layernorm.weight", (hidden,)),
-        ):
-            shapes[f"{p}.{name}"] = shape
-    return shapes
-
-
-def _axis(name: str) -> int | None:
-    if "norm" in name:
-        return None
-    return 1 if ("o_proj" in name or "down_proj" in name) else 0
+from bench_weight_sync import _axis
+from bench_weight_sync import _names as _shapes
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
