@@ -43,6 +43,7 @@ import torch.distributed as dist
 from meshgroups import _deprecated
 from meshgroups.elastic._plans import RecoveryPlan, plan_grow, plan_shrink, plan_substitute, replicate_dim
 from meshgroups.elastic._recover import rebuild
+from meshgroups.elastic._unblock import StepWatcher, own_store, publish_state, severed_pairs, store_port
 from meshgroups.elastic._verdict import (
     KEY,
     Verdict,
@@ -139,6 +140,17 @@ class Elastic:
         self.grown: tuple[int, ...] = ()
         self.liveness = start_heartbeat(self.store, beat)  # this process's observer of the world
         self.cache = GroupCache()
+        # Wakes this rank when it is blocked in a collective with a peer that left a failed
+        # step (meshgroups.elastic._unblock); the rank pairs it severed break groups that the
+        # next rebuild replaces.
+        self._watcher = StepWatcher(
+            own_store(self.store),
+            self.rank,
+            self.cache,
+            poll=min(0.05, beat),
+            keep_port=store_port(self.store),
+        )
+        self._broken: set[tuple[int, int]] = set()
         self.cohort = self._cohort(tuple(sorted({*self.members, *self.spares})), 0)
         set_cohort(self.cohort)
         self.mg: MeshGroups | None = init_mesh(
@@ -188,10 +200,13 @@ class Elastic:
         if self.is_spare:
             raise MeshConfigError(f"rank {self.rank} is a spare: call standby(), not step()")
         self._steps += 1
+        self._watcher.arm(self.epoch, self.members)
         try:
             yield
         except Exception as exc:
             raise self._fail(exc) from exc
+        finally:
+            self._watcher.disarm()
         # A peer failed in this step (or before) while this rank got through. A failure in a
         # later step (this rank was still finishing this one) is not this step's: the next step
         # meets it as every rank did (its collectives fail, commit() aborts).
@@ -222,6 +237,10 @@ class Elastic:
         )
 
     def _fail(self, exc: BaseException | None) -> StepFailedError:
+        self._watcher.disarm()  # nothing severed after this rank's check-in
+        publish_state(
+            self.store, self.epoch, self.rank, self.cache
+        )  # before the failure: a reader finds both
         publish_failure(self.store, self.epoch, self.rank, exc, step=self._steps)
         verdict = agree_lost(
             self.store,
@@ -233,6 +252,7 @@ class Elastic:
             observer=self.liveness,
         )
         self.verdicts.append(verdict)
+        self._broken |= severed_pairs(self.store, verdict.epoch)  # complete: read after the close
         self._enter_epoch(self.epoch + 1)
         self.members = verdict.survivors
         self.cohort = self._cohort(self.members, self.epoch)
@@ -277,7 +297,14 @@ class Elastic:
             with collective_call("Elastic.rebuild") as call:  # one call: the mesh and the world group
                 if site is not None:
                     call.site_key = call.site = site
-                mg = rebuild(self.mg, layout, options=self.options, flatten=self.flatten, cache=self.cache)
+                mg = rebuild(
+                    self.mg,
+                    layout,
+                    options=self.options,
+                    flatten=self.flatten,
+                    cache=self.cache,
+                    broken=self._broken,
+                )
                 self.mg = mg
                 self._world = self._world_mesh(ranks)
         except Exception as exc:
@@ -285,6 +312,7 @@ class Elastic:
             # ranks, then the same RanksLostError everywhere; the old mesh is still open, so a
             # retry (shrink() again) starts from it.
             raise self._fail(exc) from exc
+        self._broken = set()
         if old_world is not None:
             old_world.close()
         self.cohort.group = self.live_group
@@ -376,6 +404,7 @@ class Elastic:
         Returns the number of process groups destroyed on this rank. (The heartbeat is the
         process's: it beats until the process exits, for every meshgroups wait.)"""
         destroyed = self._drop_meshes()
+        self._watcher.close()
         set_cohort(None)
         return destroyed
 
