@@ -6,7 +6,7 @@ run on this CPU engine. Its scheme is measured here in meshgroups' harness inste
 separate worlds the real engine uses: 4 trainer processes in a world of their own (a Llama-shaped
 model, HF names, FSDP2 dp=2 × TP tp=2, fp32) and 2 "engine" processes in another (vLLM's fused
 layout at tp=2: ``qkv_proj``, ``gate_up_proj``, vocab-parallel embedding, built by
-``meshgroups.engines.vllm.destination`` as a vLLM worker would), joined by a ``TransferWorld``:
+``meshgroups.engines.vllm._destination`` as a vLLM worker would), joined by a ``TransferWorld``:
 
 - **meshgroups**: ``WeightSync.sync()`` in the transfer world (each worker receives its shard);
 - **full broadcast** (the ``nccl`` scheme): per weight, ``full_tensor()`` over the trainer's
@@ -61,7 +61,7 @@ def _model(layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int):
 
 def _params(model, tp: int):
     """The vLLM worker's parameters (what ``read_params`` reads from a vLLM Llama)."""
-    from meshgroups.engines.vllm.destination import Param
+    from meshgroups.engines.vllm._destination import Param
 
     out = []
     for name, p in model.named_parameters():
@@ -95,8 +95,8 @@ def worker(rank: int, ports: list[int], args: argparse.Namespace, layers: int, q
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from meshgroups import Layout
-    from meshgroups.engines.vllm.destination import destinations
-    from meshgroups.engines.worlds import TransferWorld
+    from meshgroups.engines._worlds import TransferWorld
+    from meshgroups.engines.vllm._destination import destinations
     from meshgroups.transfer._run.sync import WeightSync
 
     torch.set_num_threads(1)

@@ -18,6 +18,8 @@ from meshgroups.errors import LayoutError
 
 __all__ = [
     "AlreadyInitializedError",
+    "AmbiguousAttributeError",
+    "AmbiguousCallError",
     "MegatronAssertionError",
     "MegatronRuntimeError",
     "NotInitializedError",
@@ -40,3 +42,15 @@ class NotInitializedError(RuntimeError, AssertionError):
 
 class AlreadyInitializedError(RuntimeError, AssertionError):
     """``initialize_model_parallel`` called again before ``destroy_model_parallel``."""
+
+
+class AmbiguousCallError(TypeError, ValueError):
+    """A call megatron-core 0.16 and 0.19 read differently, made while compat does not know which
+    of them the caller is written for (no served megatron-core installed, no
+    ``set_megatron_version``); the message names both readings."""
+
+
+class AmbiguousAttributeError(AttributeError, AmbiguousCallError):
+    """An attribute read that megatron-core 0.16 and 0.19 answer differently (an unset
+    ``ProcessGroupCollection`` field: ``AttributeError`` in 0.16, ``None`` in 0.19) while the
+    version is unknown; ``hasattr`` reads it as absent, as 0.16 code expects."""

@@ -17,7 +17,7 @@ from types import ModuleType
 from typing import Any
 
 import torch.distributed as dist
-from meshgroups.compat.megatron_api import API, FIELD_WHAT
+from meshgroups.compat._megatron_api import API, FIELD_WHAT
 
 __all__ = ["make_function"]
 
@@ -56,6 +56,23 @@ def make_function(api_name: str, ps: ModuleType, module_name: str) -> Callable[.
             if api.kind == "rank0" and not dist.is_initialized():
                 return 0
             return int(ps.local_rank_of(name))
+
+    elif api.kind in ("size_or0", "rank_or0"):
+
+        def fn() -> int:
+            if not dist.is_available() or not dist.is_initialized():
+                return 0
+            group = ps.lookup(name, check_initialized=False)
+            if group is None:
+                return 0
+            return len(ps.ranks_of(name)) if api.kind == "size_or0" else int(ps.local_rank_of(name))
+
+    elif api.kind == "ranks":
+
+        def fn(check_initialized: bool = True) -> list[int] | None:
+            if ps.lookup(name, check_initialized) is None:
+                return None
+            return list(ps.ranks_of(name))
 
     elif api.kind == "src":
 

@@ -18,7 +18,7 @@ import inspect
 import re
 from types import ModuleType
 
-from meshgroups.compat.megatron_api import API, Api
+from meshgroups.compat._megatron_api import API, Api
 
 ARGS = {
     "check_initialized": "raise ``NotInitializedError`` (an ``AssertionError``, also a ``ValueError``) "
@@ -63,6 +63,15 @@ ARGS = {
     "pp_ranks": "the global ranks of one pipeline, first stage first",
     "parallel_size": "the grid's sizes, fastest-varying first",
     "mask": "per dim of the grid, whether it varies within a group",
+    "with_gtp_remat": "megatron-core 0.19: the full data-distribution group, which spans "
+    "gtp_remat (``False``: the replicate group without it)",
+    "with_egtp_remat": "megatron-core 0.19: the group merged across expert gtp_remat peers",
+    "gtp_remat_size": "megatron-core 0.19: generalized tensor parallelism, the ranks that shard "
+    "each weight and re-gather it (a dim after tp; counts toward the model size)",
+    "expert_gtp_remat_size": "megatron-core 0.19: gtp_remat of the experts (a dim after ep)",
+    "rank_offset": "megatron-core 0.19: the first global rank the groups cover",
+    "local_world_size": "megatron-core 0.19: the number of ranks the groups cover (default: the world)",
+    "for_expert_parallelism": "also create the expert data-parallel all-gather groups (with ep > 1)",
 }
 # ``world_size`` and ``rank``: a setter's value, else what the name says.
 SETTER_ARGS = {
@@ -81,6 +90,10 @@ RETURNS = {
     "rank0": "This rank's index in that group (the value set by the matching setter, if any; 0 "
     "without ``torch.distributed``).",
     "src": "The global rank of the first member of this rank's group.",
+    "size_or0": "The size of that group (0 without the group or without ``torch.distributed``).",
+    "rank_or0": "This rank's index in that group (0 without the group or without ``torch.distributed``).",
+    "ranks": "The global ranks of this rank's group of that family (``None`` where it has none and "
+    "``check_initialized`` is False).",
 }
 
 

@@ -7,9 +7,10 @@
     from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(2, 2)         # checked, deduplicated groups
 
-``install`` makes ``megatron.core.parallel_state`` and ``megatron.core.process_groups_config``
-resolve to ``meshgroups.compat.parallel_state`` / ``process_groups_config``: a finder first on
-``sys.meta_path`` answers those two names with the compat modules, so Python still imports
+``install`` makes ``megatron.core.parallel_state``, ``megatron.core.process_groups_config`` and
+(for megatron-core 0.19) ``megatron.core.hyper_comm_grid`` resolve to ``meshgroups.compat.parallel_state`` /
+``process_groups_config`` / ``hyper_comm_grid``: a finder first on
+``sys.meta_path`` answers those names with the compat modules, so Python still imports
 ``megatron`` and ``megatron.core`` first and binds the submodule attributes as usual, and every
 ``from megatron.core.parallel_state import ...`` in megatron-core's models, DDP, schedules and
 megatron_fsdp binds compat's functions. It also sets the group-creation strategy
@@ -26,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from meshgroups.compat import parallel_state, process_groups_config
+from meshgroups.compat import hyper_comm_grid, parallel_state, process_groups_config
 
 from meshgroups import Strategy
 
@@ -35,7 +36,12 @@ __all__ = ["install", "installed", "uninstall"]
 _ALIASES: dict[str, ModuleType] = {
     "megatron.core.parallel_state": parallel_state,
     "megatron.core.process_groups_config": process_groups_config,
+    "megatron.core.hyper_comm_grid": hyper_comm_grid,
 }
+# megatron-core 0.16's HyperCommGrid has other private helpers its tests read: compat's (0.19's)
+# stands in for it only for megatron-core 0.19 (``_active`` is chosen at install()).
+_SINCE_019 = {"megatron.core.hyper_comm_grid"}
+_active: set[str] = set()
 # While installed: the sys.modules entries the aliases replaced, and the modules present before.
 _saved: dict[str, ModuleType | None] | None = None
 _before: set[str] = set()
@@ -47,7 +53,7 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname in _ALIASES:
+        if fullname in _active:
             return importlib.machinery.ModuleSpec(fullname, self)
         return None
 
@@ -94,8 +100,12 @@ def install(strategy: Strategy = "global") -> None:
             "megatron.core was imported before meshgroups.compat.megatron.install(): call install() "
             "first (megatron-core binds its parallel_state functions when it is imported)"
         )
+    from meshgroups.compat._megatron_version import megatron_version
+
+    _active.clear()
+    _active.update(n for n in _ALIASES if n not in _SINCE_019 or megatron_version() == "0.19")
     _before = set(sys.modules)
-    _saved = {name: sys.modules.get(name) for name in _ALIASES}
+    _saved = {name: sys.modules.get(name) for name in _active}
     sys.meta_path.insert(0, _FINDER)
 
 

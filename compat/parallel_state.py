@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -38,13 +37,13 @@ from typing import Any
 import torch.distributed as dist
 from meshgroups.compat._errors import (
     AlreadyInitializedError,
+    AmbiguousCallError,
     MegatronAssertionError,
     MegatronRuntimeError,
     NotInitializedError,
 )
-from meshgroups.compat.megatron_api import API, GLOBALS
-from meshgroups.compat.megatron_layout import MegatronPlan, megatron_plan
-from meshgroups.compat.megatron_state import (
+from meshgroups.compat._megatron_api import API, GLOBALS
+from meshgroups.compat._megatron_state import (
     FUNCTIONS,
     SLOTS,
     MegatronState,
@@ -54,6 +53,10 @@ from meshgroups.compat.megatron_state import (
     require,
     set_override,
 )
+from meshgroups.compat._megatron_version import megatron_version, set_megatron_version
+from meshgroups.compat._parallel_state_versions import own_communicators, read_options_16, read_options_19
+from meshgroups.compat._versioned import versioned
+from meshgroups.compat.megatron_layout import MegatronPlan, megatron_plan
 
 from meshgroups import GroupCache, MeshGroups, Strategy, init_mesh
 from meshgroups.mesh import collective_entry
@@ -115,8 +118,9 @@ def megatron_config(
             f"(virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size}, "
             f"pipeline_model_parallel_size={pipeline_model_parallel_size})"
         )
+    world = options["local_world_size"]
     plan = megatron_plan(
-        dist.get_world_size(),
+        dist.get_world_size() if world is None else world,
         tensor_model_parallel_size,
         pipeline_model_parallel_size,
         context_parallel_size=options["context_parallel_size"],
@@ -128,15 +132,21 @@ def megatron_config(
         get_embedding_ranks=options["get_embedding_ranks"],
         get_position_embedding_ranks=options["get_position_embedding_ranks"],
         hybrid_context_parallel=options["hybrid_context_parallel"],
+        gtp_remat_size=options["gtp_remat_size"],
+        expert_gtp_remat_size=options["expert_gtp_remat_size"],
+        rank_offset=options["rank_offset"],
     )
     if SLOTS.state is not None:
         raise AlreadyInitializedError(
             "model parallel groups are already initialized; call destroy_model_parallel() first"
         )
+    # megatron-core 0.19 builds no gloo group under gtp_remat, and none for the expert
+    # data-parallel groups under expert gtp_remat
+    gloo = bool(options["create_gloo_process_groups"]) and plan.sizes["gtp_remat"] == 1
     return _Config(
         plan,
         virtual_pipeline_model_parallel_size,
-        bool(options["create_gloo_process_groups"]),
+        gloo,
         bool(options["create_all_gather_group"]),
         _timeout(options["distributed_timeout_minutes"]),
         options["strategy"] or _DEFAULT_STRATEGY[0],
@@ -163,54 +173,46 @@ def _timeout(minutes: object) -> timedelta:
     return timedelta(minutes=minutes)
 
 
-@collective_entry("initialize_model_parallel")  # numbered first: an error on one rank reaches all
-def initialize_model_parallel(
-    tensor_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    virtual_pipeline_model_parallel_size: int | None = None,
-    pipeline_model_parallel_comm_backend: str | None = None,
-    use_sharp=False,
-    context_parallel_size: int = 1,
-    hierarchical_context_parallel_sizes: list[int] | None = None,
-    hybrid_context_parallel=False,
-    expert_model_parallel_size: int = 1,
-    num_distributed_optimizer_instances: int = 1,
-    expert_tensor_parallel_size: int | None = None,
-    nccl_communicator_config_path: str | None = None,
-    distributed_timeout_minutes: int = 30,
-    order: str = "tp-cp-ep-dp-pp",
-    get_embedding_ranks: Callable[..., list[int]] | None = None,
-    get_position_embedding_ranks: Callable[..., list[int]] | None = None,
-    create_gloo_process_groups=True,
-    high_priority_stream_groups: list[str] | None = None,
-    sharp_enabled_group: str | None = None,
-    create_all_gather_group: bool | None = False,
-    *,
-    strategy: Strategy | None = None,
-) -> None:
-    """Build megatron-core's model- and data-parallel groups on the default process group.
+def _initialize(options: dict[str, Any]) -> None:
+    config = megatron_config(
+        options["tensor_model_parallel_size"],
+        options["pipeline_model_parallel_size"],
+        options["virtual_pipeline_model_parallel_size"],
+        options,
+    )
+    SLOTS.state = _build(config)
 
-    megatron-core's parameters, in its positional order. The data-parallel size is
-    ``world_size // (tp × pp × cp)``, the expert data-parallel size ``world_size // (expert_tp ×
-    ep × pp)``. ``strategy`` (meshgroups' own, keyword-only): ``"global"`` (every rank makes
-    every creation call, as megatron-core does), ``"local"`` (each rank creates only its own
-    groups: per-rank start-up flat in the world size) or ``"split"``; default:
+
+# megatron-core's parameters in the positional order of the caller's version (0.16:
+# ``..., expert_model_parallel_size, num_distributed_optimizer_instances, ...,
+# create_all_gather_group``; 0.19: ``..., expert_model_parallel_size, gtp_remat_size,
+# expert_gtp_remat_size, num_distributed_optimizer_instances, ..., rank_offset,
+# local_world_size``); numbered first as a collective call, so an error on one rank reaches all.
+initialize_model_parallel = versioned(
+    "initialize_model_parallel",
+    {"0.16": read_options_16, "0.19": read_options_19},
+    __name__,
+    then=_initialize,
+    wrap=collective_entry("initialize_model_parallel"),
+)
+initialize_model_parallel.__doc__ = """Build megatron-core's model- and data-parallel groups on the default process group.
+
+    megatron-core's parameters, in the positional order of the version the caller is written
+    for (``set_megatron_version``). The data-parallel size is ``world_size // (tp × pp × cp ×
+    gtp_remat)``, the expert data-parallel size ``world_size // (expert_tp × ep × pp ×
+    expert_gtp_remat)``. ``strategy`` (meshgroups' own, keyword-only): ``"global"`` (every rank
+    makes every creation call, as megatron-core does), ``"local"`` (each rank creates only its
+    own groups: per-rank start-up flat in the world size) or ``"split"``; default:
     ``set_default_strategy`` (``"global"``).
 
     Raises:
         AssertionError (also ``ValueError``): what megatron-core asserts (no default group,
-            already initialised, optimizer instances not dividing dp×cp, ...).
+            already initialised, optimizer instances not dividing dp×cp, gtp_remat with several
+            optimizer instances, ...).
         RuntimeError (also ``ValueError``): sizes that don't divide the world; vpp without pp.
         NotImplementedError: SHARP, UCC, NCCL communicator configs, high-priority streams.
+        AmbiguousCallError: the version is unknown and the call reads differently in 0.16 and 0.19.
     """
-    options = dict(locals())
-    config = megatron_config(
-        tensor_model_parallel_size,
-        pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size,
-        options,
-    )
-    SLOTS.state = _build(config)
 
 
 def _build(config: _Config) -> MegatronState:
@@ -224,21 +226,19 @@ def _build(config: _Config) -> MegatronState:
         timeout=config.timeout,
         cache=GroupCache(),
         strategy=config.strategy,
+        partial=True,  # rank_offset/local_world_size: Megatron's groups over part of the world
     )
     all_gather = None
     if config.create_all_gather_group:
-        try:  # a second cache: the same ranks as dp×cp, but a communicator of its own
-            all_gather = init_mesh(
-                plan.layout,
-                only=[("dp", "cp")],
-                timeout=config.timeout,
-                cache=GroupCache(),
-                strategy=config.strategy,
+        try:  # the same ranks as dp×cp, but a communicator of its own
+            all_gather = own_communicators(
+                plan.layout, [("dp", "cp")], timeout=config.timeout, strategy=config.strategy
             )
         except BaseException:
             mesh_groups.close()
             raise
-    state = MegatronState(plan, mesh_groups, all_gather)
+    no_gloo = frozenset({"expt_dp", "intra_expt_dp"} if plan.sizes["expt_gtp_remat"] > 1 else ())
+    state = MegatronState(plan, mesh_groups, all_gather, no_gloo=no_gloo)
     if config.virtual_pipeline_model_parallel_size is not None:
         set_override("_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK", 0)
         set_override(
@@ -250,8 +250,9 @@ def _build(config: _Config) -> MegatronState:
 
 
 def is_initialized() -> bool:
-    """Useful for code that runs with or without model parallelism."""
-    return SLOTS.state is not None
+    """Useful for code that runs with or without model parallelism (False on a rank outside
+    the ranks ``rank_offset`` / ``local_world_size`` gave the groups, as in megatron-core)."""
+    return SLOTS.state is not None and SLOTS.state.group("dp") is not None
 
 
 def is_unitialized() -> bool:
@@ -265,16 +266,20 @@ def is_unitialized() -> bool:
 
 
 def model_parallel_is_initialized() -> bool:
-    """True between ``initialize_model_parallel`` and ``destroy_model_parallel``."""
-    return SLOTS.state is not None
+    """True between ``initialize_model_parallel`` and ``destroy_model_parallel`` on a rank that
+    has tensor-, pipeline- and data-parallel groups (not one outside ``rank_offset`` /
+    ``local_world_size``)."""
+    state = SLOTS.state
+    return state is not None and all(state.group(f) is not None for f in ("tp", "pp", "dp"))
 
 
 def destroy_model_parallel() -> None:
     """Destroy every group ``initialize_model_parallel`` created and reset the module state."""
     state = SLOTS.reset()
     if state is not None and dist.is_initialized():
-        if state.all_gather is not None:
-            state.all_gather.close()
+        for extra in [state.all_gather, *state.extra]:
+            if extra is not None:
+                extra.close()
         state.mesh_groups.close()
 
 
@@ -300,7 +305,7 @@ def __getattr__(name: str) -> Any:
     """megatron-core's module globals (``_MODEL_PARALLEL_GROUP``, ``_PIPELINE_GLOBAL_RANKS``,
     ...), read off the state: ``None`` before initialisation and after destroy."""
     if name == "_global_process_group_list":
-        from meshgroups.compat.megatron_helpers import created_groups
+        from meshgroups.compat._megatron_helpers import created_groups
 
         return None if SLOTS.state is None else [*created_groups, *held_groups()]
     if name not in GLOBALS:
@@ -319,12 +324,21 @@ def __getattr__(name: str) -> Any:
 
 
 # The custom (argument-dependent) functions, the helpers and the memory buffers.
-from meshgroups.compat.megatron_buffers import *  # noqa: E402, F403
-from meshgroups.compat.megatron_buffers import _set_global_memory_buffer, _set_global_symmetric_memory_buffer  # noqa: E402, F401
-from meshgroups.compat.megatron_helpers import *  # noqa: E402, F403
-from meshgroups.compat.parallel_state_ranks import *  # noqa: E402, F403
+from meshgroups.compat._megatron_buffers import *  # noqa: E402, F403
+from meshgroups.compat._megatron_buffers import _set_global_memory_buffer, _set_global_symmetric_memory_buffer  # noqa: E402, F401
+from meshgroups.compat._megatron_helpers import *  # noqa: E402, F403
+from meshgroups.compat._parallel_state_ranks import *  # noqa: E402, F403
+from meshgroups.compat._parallel_state_versions import *  # noqa: E402, F403  (after: per version)
 
-__all__ = [*sorted(API), "RankGenerator", "get_mesh_groups", "set_default_strategy"]  # noqa: F405
+__all__ = [  # noqa: F405
+    *sorted(API),
+    "AmbiguousCallError",
+    "RankGenerator",
+    "get_mesh_groups",
+    "megatron_version",
+    "set_default_strategy",
+    "set_megatron_version",
+]
 
 from meshgroups.compat._megatron_docs import complete as _complete_docs  # noqa: E402
 

@@ -24,14 +24,17 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from meshgroups.compat import parallel_state
+from meshgroups.compat._errors import AmbiguousAttributeError
+from meshgroups.compat._megatron_state import legacy_group
+from meshgroups.compat._megatron_version import megatron_version
 from meshgroups.compat.megatron_layout import FIELD_DIMS
-from meshgroups.compat.megatron_state import legacy_group
 
 from meshgroups import MeshGroups
 
 __all__ = [
     "GradCommProcessGroups",
     "ModelCommProcessGroups",
+    "MultiModuleProcessGroupCollection",
     "ProcessGroupCollection",
     "ProcessGroupHelperMeta",
 ]
@@ -133,7 +136,7 @@ def _ranks(group: Any) -> list[int] | None:
 
 def _size(group: Any) -> str:
     if isinstance(group, list):
-        return str([_size(g) for g in group])
+        return f"[{', '.join(_size(g) for g in group)}]"
     try:
         return str(group.size())
     except Exception:  # a destroyed or foreign group: show what it is rather than fail
@@ -225,12 +228,41 @@ class GradCommProcessGroups(_ProcessGroupFields):
     }
 
 
+#: ProcessGroupCollection's fields that megatron-core 0.19 added (0.16 code never sees them set).
+FIELDS_SINCE_019 = (
+    "tp_ep_pp_with_egtp_remat",
+    "dp_cp_gtp_remat",
+    "dp_cp_ag",
+    "gtp_remat",
+    "expt_gtp_remat",
+    "expt_dp_gtp_remat",
+    "expt_dp_ag",
+)
+
+
+def _family(name: str, check: bool = False) -> Callable[[], Any]:
+    """A field's getter: its family's group, read version-neutrally (megatron-core's getter
+    with the arguments its version passes; ``check``: missing raises, as there)."""
+    from meshgroups.compat._megatron_state import lookup
+
+    return lambda: lookup(name, check)
+
+
 @dataclass(init=False, repr=False, eq=False)
 class ProcessGroupCollection(_ProcessGroupFields):
-    """megatron-core's current single collection: every model and gradient group, plus
-    ``tp_dp_cp`` (tensor × data × context) and ``intra_dist_opt`` (one distributed-optimizer
-    instance). Same behaviour as the two dataclasses above (unknown names rejected, unset
-    fields absent, ``use_mpu_process_groups(required_pgs)``, ``from_mesh_groups``)."""
+    """megatron-core's single collection: every model and gradient group, plus ``tp_dp_cp``
+    (tensor × data × context) and ``intra_dist_opt`` (one distributed-optimizer instance);
+    megatron-core 0.19's gtp_remat groups (``gtp_remat``, ``expt_gtp_remat``,
+    ``dp_cp_gtp_remat``, ``expt_dp_gtp_remat``, ``tp_ep_pp_with_egtp_remat``) and all-gather
+    communicators (``dp_cp_ag``, ``expt_dp_ag``). Same behaviour as the two dataclasses above
+    (unknown names rejected, ``use_mpu_process_groups(required_pgs)``, ``from_mesh_groups``),
+    per the caller's megatron-core version: an unset field is absent in 0.16 (``AttributeError``)
+    and reads as ``None`` in 0.19; ``from_layout`` builds every field from a layout without any
+    global state.
+
+        >>> ProcessGroupCollection(tp=None)
+        ProcessGroupCollection(empty)
+    """
 
     tp: torch.distributed.ProcessGroup = field(init=False)
     pp: torch.distributed.ProcessGroup = field(init=False)
@@ -244,24 +276,76 @@ class ProcessGroupCollection(_ProcessGroupFields):
     expt_tp: torch.distributed.ProcessGroup = field(init=False)
     tp_ep: torch.distributed.ProcessGroup = field(init=False)
     tp_ep_pp: torch.distributed.ProcessGroup = field(init=False)
+    tp_ep_pp_with_egtp_remat: torch.distributed.ProcessGroup = field(init=False)
     tp_dp_cp: torch.distributed.ProcessGroup = field(init=False)
     dp: torch.distributed.ProcessGroup = field(init=False)
     dp_cp: torch.distributed.ProcessGroup = field(init=False)
+    dp_cp_gtp_remat: torch.distributed.ProcessGroup = field(init=False)
+    dp_cp_ag: torch.distributed.ProcessGroup = field(init=False)
+    gtp_remat: torch.distributed.ProcessGroup = field(init=False)
+    expt_gtp_remat: torch.distributed.ProcessGroup = field(init=False)
     expt_dp: torch.distributed.ProcessGroup = field(init=False)
+    expt_dp_gtp_remat: torch.distributed.ProcessGroup = field(init=False)
+    expt_dp_ag: torch.distributed.ProcessGroup = field(init=False)
     intra_dp_cp: torch.distributed.ProcessGroup = field(init=False)
     intra_expt_dp: torch.distributed.ProcessGroup = field(init=False)
     inter_dist_opt: torch.distributed.ProcessGroup = field(init=False)
     intra_dist_opt: torch.distributed.ProcessGroup = field(init=False)
 
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for an unset field or a name that is no field: 0.19 reads an unset field
+        # as None, 0.16 as absent; with the version unknown, an error naming both.
+        if name not in {f.name for f in fields(self)}:
+            raise AttributeError(f"'ProcessGroupCollection' object has no attribute {name!r}")
+        version = megatron_version()
+        if version == "0.19":
+            return None
+        if version == "0.16":
+            raise AttributeError(f"ProcessGroupCollection.{name} was not set")
+        raise AmbiguousAttributeError(
+            f"ProcessGroupCollection.{name} was not set, which megatron-core 0.16 reports as a missing "
+            "attribute (hasattr is False) and 0.19 reads as None; which one your code is written for "
+            "is not known: call meshgroups.compat.parallel_state.set_megatron_version('0.16' or "
+            "'0.19') or install that megatron-core"
+        )
+
     def __repr__(self) -> str:
         """megatron-core's form: ``ProcessGroupCollection(tp(2), pp(None))`` — each set field
-        with its group's size — or ``ProcessGroupCollection(empty)``."""
-        active = [
-            f"{f.name}({'None' if self.__dict__[f.name] is None else _size(self.__dict__[f.name])})"
-            for f in fields(self)
-            if f.name in self.__dict__
-        ]
+        with its group's size (0.19: fields holding None left out, a list as ``hcp([2, 4])``) —
+        or ``ProcessGroupCollection(empty)``."""
+        newer = megatron_version() != "0.16"
+        active = []
+        for f in fields(self):
+            if f.name not in self.__dict__:
+                continue
+            value = self.__dict__[f.name]
+            if value is None and newer:
+                continue
+            active.append(f"{f.name}({'None' if value is None else _size(value)})")
         return f"ProcessGroupCollection({', '.join(active)})" if active else "ProcessGroupCollection(empty)"
+
+    @classmethod
+    def use_mpu_process_groups(cls, required_pgs: list[str] | None = None) -> Any:
+        """Use the process groups of ``meshgroups.compat.parallel_state``.
+
+        Args:
+            required_pgs: names of the fields to fill; None fills every field (of the caller's
+                megatron-core version: 0.16 has no gtp_remat or all-gather fields).
+        """
+        if required_pgs is None and megatron_version() == "0.16":
+            required_pgs = [f.name for f in fields(cls) if f.name not in FIELDS_SINCE_019]
+        return super().use_mpu_process_groups(required_pgs)
+
+    @staticmethod
+    def is_gtp_remat_active(process_group_dict: dict[str, Any]) -> bool:
+        """(megatron-core 0.19) True when the ``gtp_remat_group`` or ``expt_gtp_remat_group`` of
+        a ``setup_process_groups_for_*`` dictionary spans more than one rank.
+
+        Args:
+            process_group_dict: the dictionary.
+        """
+        groups = [process_group_dict.get("gtp_remat_group"), process_group_dict.get("expt_gtp_remat_group")]
+        return any(g is not None and g.size() > 1 for g in groups)
 
     @staticmethod
     def setup_process_groups_for_optimizer(
@@ -271,7 +355,7 @@ class ProcessGroupCollection(_ProcessGroupFields):
     ) -> dict[str, Any]:
         """The groups megatron-core's optimizer set-up needs, from ``pg_collection`` or (None)
         from ``parallel_state``; see ``pg_setup.for_optimizer``."""
-        from meshgroups.compat.pg_setup import for_optimizer
+        from meshgroups.compat._pg_setup import for_optimizer
 
         return for_optimizer(pg_collection, model_chunks, use_gloo_process_groups)
 
@@ -281,15 +365,45 @@ class ProcessGroupCollection(_ProcessGroupFields):
     ) -> dict[str, Any]:
         """The groups megatron-core's DDP needs, from ``pg_collection`` or (None) from
         ``parallel_state``; see ``pg_setup.for_ddp``."""
-        from meshgroups.compat.pg_setup import for_ddp
+        from meshgroups.compat._pg_setup import for_ddp
 
         return for_ddp(pg_collection, config, ddp_config)
+
+    @classmethod
+    def from_layout(cls, layout: Any, **options: Any) -> ProcessGroupCollection:
+        """Every field built from mesh sub-groups of ``layout`` (a ``megatron_plan`` or a
+        ``Layout`` with Megatron's dim names), without any global state; see
+        ``meshgroups.compat._pg_collection.collection_from_layout``."""
+        from meshgroups.compat._pg_collection import collection_from_layout
+
+        return collection_from_layout(layout, cls=cls, **options)
+
+    def close(self) -> None:
+        """Destroy the groups ``from_layout`` built for this collection (collective; a no-op for
+        a collection filled any other way)."""
+        from meshgroups.compat._pg_collection import close_collection
+
+        close_collection(self)
 
     _getters: ClassVar[dict[str, Callable[[], Any]]] = {
         **ModelCommProcessGroups._getters,
         **GradCommProcessGroups._getters,
-        "tp_dp_cp": lambda: parallel_state.get_tensor_and_data_parallel_group(
-            False, with_context_parallel=True
-        ),
-        "intra_dist_opt": lambda: parallel_state.get_intra_distributed_optimizer_instance_group(False),
+        "dp": _family("dp", check=True),
+        "dp_cp": _family("dp_cp", check=True),
+        "intra_dp_cp": _family("intra_dp_cp", check=True),
+        "expt_dp": _family("expt_dp"),
+        "intra_expt_dp": _family("intra_expt_dp"),
+        "tp_ep_pp": _family("tp_ep_pp"),
+        "tp_dp_cp": _family("tp_dp_cp"),
+        "intra_dist_opt": _family("intra_dist_opt"),
+        "tp_ep_pp_with_egtp_remat": _family("tp_ep_pp_with_egtp_remat"),
+        "dp_cp_gtp_remat": _family("dp_cp_gtp_remat", check=True),
+        "expt_dp_gtp_remat": _family("expt_dp_gtp_remat"),
+        "gtp_remat": _family("gtp_remat"),
+        "expt_gtp_remat": _family("expt_gtp_remat"),
+        "dp_cp_ag": lambda: None,
+        "expt_dp_ag": lambda: None,
     }
+
+
+from meshgroups.compat._pg_collection import MultiModuleProcessGroupCollection  # noqa: E402

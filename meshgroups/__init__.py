@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from meshgroups import _deprecated
 from meshgroups._version import __version__
 from meshgroups.errors import (
+    ClosedError,
     ConcurrentInitError,
     ExcludedError,
     LayoutError,
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from meshgroups.mesh import GroupCache, MeshGroups, MeshOptions, Strategy, init_mesh, layout_of
 
 __all__ = [
+    "ClosedError",
     "ConcurrentInitError",
     "Elastic",
     "ExcludedError",

@@ -60,7 +60,14 @@ def is_int(value: object) -> bool:
 
 
 def check_int(value: object, what: str) -> int:
-    """``value`` as an int; ``TypeError`` naming ``what`` for anything else (bools included)."""
+    """``value`` as an int; ``TypeError`` naming ``what`` for anything else (bools included)::
+
+    >>> check_int(4, "tp")
+    4
+    >>> check_int(True, "tp")
+    Traceback (most recent call last):
+    TypeError: tp must be an int, got True (bool)
+    """
     if not is_int(value):
         raise TypeError(f"{what} must be an int, got {short_repr(value)} ({type(value).__name__})")
     return int(cast(int, value))
@@ -203,7 +210,11 @@ def product(values: Iterable[int]) -> int:
 
 
 def formula(names: Sequence[str], sizes: Sequence[int]) -> str:
-    """``pp=2 × dp=2 × tp=4 = 16``: the product spelled out for error messages."""
+    """The product of ``sizes`` spelled out with their ``names``, for error messages::
+
+    >>> formula(("pp", "dp", "tp"), (2, 2, 4))
+    'pp=2 × dp=2 × tp=4 = 16'
+    """
     terms = " × ".join(f"{n}={s}" for n, s in zip(names, sizes))
     return terms if len(sizes) == 1 else f"{terms} = {product(sizes)}"
 

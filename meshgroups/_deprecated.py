@@ -98,6 +98,36 @@ MODULES: dict[str, str] = {
         ["elastic_mesh", "heal", "owners", "plans", "recover", "recovery_plan", "verdict"],
     ),
     **_private("meshgroups.render", ["figure", "formats", "spans", "widgets", "window"]),
+    **_private(
+        "meshgroups.cost",
+        ["model", "roles", "rules", "memory", "calls", "traffic", "enumerate", "report"],
+    ),
+    "meshgroups.engines.worlds": "meshgroups.engines._worlds",
+    **_private(
+        "meshgroups.compat",
+        [
+            "megatron_api",
+            "megatron_buffers",
+            "megatron_helpers",
+            "megatron_state",
+            "parallel_state_ranks",
+            "pg_setup",
+        ],
+    ),
+    **_private(
+        "meshgroups.engines.vllm",
+        [
+            "api",
+            "clients",
+            "destination",
+            "plugin",
+            "protocol",
+            "read",
+            "trainer",
+            "trainer_engine",
+            "worker",
+        ],
+    ),
     **_private("meshgroups.cli", ["app", "args", "cost", "demo", "elastic", "transfer"]),
     "meshgroups.transfer.spec": "meshgroups.transfer._spec",
     **_private(
@@ -156,6 +186,11 @@ NAMES: dict[tuple[str, str], tuple[str, str]] = {
     ("meshgroups.transfer.plan", "Plan"): ("meshgroups.transfer", "TransferPlan"),
     ("meshgroups.elastic.recovery_plan", "Status"): ("meshgroups.elastic._recovery_plan", "FamilyStatus"),
     ("meshgroups.elastic.verdict", "StepAborted"): ("meshgroups.elastic._verdict", "StepAbortedError"),
+    # the cost model's entry points 0.4.1 also answered from its memory module
+    **{
+        ("meshgroups.cost.memory", n): ("meshgroups.cost", n)
+        for n in ("RankMemory", "peak_memory", "rank_memory", "activation_bytes_per_layer")
+    },
     # the planner's internals 0.3/0.4 exported from meshgroups.transfer
     ("meshgroups.transfer", "Link"): ("meshgroups.transfer._names.mapped", "Link"),
     ("meshgroups.transfer", "Mapped"): ("meshgroups.transfer._names.mapped", "Mapped"),

@@ -104,6 +104,11 @@ def _is_old(path: str) -> bool:
     return False
 
 
+# Objects that moved to another package in 0.5.0, beyond the table's renames: the model
+# description cost and transfer share.
+MOVED_PACKAGE = {"meshgroups.cost.model": "meshgroups.models"}
+
+
 def _home(module: str) -> str:
     """Where the objects of a 0.4.1 module live now (the table moved them, nothing else)."""
     return _deprecated.MODULES.get(module, module)
@@ -120,11 +125,27 @@ def test_a_path_the_previous_release_showed_gives_the_same_object_with_one_warni
         if exc.name and not exc.name.startswith("meshgroups"):
             pytest.skip(f"{path} needs the optional {exc.name}")
         raise
-    assert len(caught) == (1 if _is_old(path) else 0), [str(w.message) for w in caught]
+    parts = path.split(".")
+    renamed_in_old_module = (".".join(parts[:-1]), parts[-1]) in _deprecated.NAMES and ".".join(
+        parts[:-1]
+    ) in _deprecated.MODULES
+    expected = (
+        2 if renamed_in_old_module else 1 if _is_old(path) else 0
+    )  # an old module's old name: both warn
+    assert len(caught) == expected, [str(w.message) for w in caught]
     if caught:
         assert _deprecated.REMOVED_IN in str(caught[0].message)
     if then["kind"] == "object":
-        assert (obj.__module__, obj.__qualname__) == (_home(then["module"]), then["qualname"]), path
+        # the same class or function: defined where the table moved its module (or, moved within
+        # its package since, beside it), under the same name
+        home = _home(then["module"])
+        assert obj.__qualname__ == then["qualname"], path
+        moved = MOVED_PACKAGE.get(then["module"])
+        assert (
+            obj.__module__ == home
+            or obj.__module__.rsplit(".", 1)[0] == home.rsplit(".", 1)[0]
+            or (moved is not None and obj.__module__.startswith(moved + "."))
+        ), path
     elif then["kind"] == "module":
         assert isinstance(obj, types.ModuleType)
         assert _deprecated.MODULES.get(obj.__name__, obj.__name__) == _home(then["name"])
@@ -135,7 +156,12 @@ def test_a_path_the_previous_release_showed_gives_the_same_object_with_one_warni
 @pytest.mark.parametrize("old", sorted(_deprecated.MODULES), ids=sorted(_deprecated.MODULES))
 def test_every_old_module_path_warns_once_and_answers_with_its_new_homes_objects(old):
     _forget_aliases()
-    new = importlib.import_module(_deprecated.MODULES[old])
+    try:
+        new = importlib.import_module(_deprecated.MODULES[old])
+    except ImportError as exc:
+        if exc.name and not exc.name.startswith("meshgroups"):
+            pytest.skip(f"{old} needs the optional {exc.name}")
+        raise
     names = getattr(new, "__all__", None) or [n for n in vars(new) if not n.startswith("_")]
     assert names
     with warnings.catch_warnings(record=True) as caught:

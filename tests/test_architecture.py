@@ -14,21 +14,35 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # The leaves every package may import: the typed errors, the shared input checks, the deprecation
-# table and the version (each imports nothing of meshgroups but errors).
-LEAVES = {"meshgroups.errors", "meshgroups._checks", "meshgroups._deprecated", "meshgroups._version"}
+# table, the closeable base of every object holding groups, and the version (each imports nothing
+# of meshgroups but errors).
+LEAVES = {
+    "meshgroups.errors",
+    "meshgroups._checks",
+    "meshgroups._deprecated",
+    "meshgroups._lifecycle",
+    "meshgroups._version",
+}
 
 # What each subsystem may import at module level (besides itself and the ``LEAVES``). Imports inside functions or ``if TYPE_CHECKING:`` are not layering:
 # they are how the numpy side reaches an optional renderer or the torch side lazily.
 ALLOWED = {
     "meshgroups.layout": set(),
+    "meshgroups.models": set(),  # the one model description: a leaf beside the layout core
     "meshgroups.render": {"meshgroups.layout"},
-    "meshgroups.cost": {"meshgroups.layout"},
+    "meshgroups.cost": {"meshgroups.layout", "meshgroups.models"},
     "meshgroups.mesh": {"meshgroups.layout"},
-    "meshgroups.transfer": {"meshgroups.layout", "meshgroups.mesh"},
+    "meshgroups.transfer": {"meshgroups.layout", "meshgroups.mesh", "meshgroups.models"},
     "meshgroups.elastic": {"meshgroups.layout", "meshgroups.mesh", "meshgroups.transfer"},
-    "meshgroups.engines": {"meshgroups.layout", "meshgroups.mesh", "meshgroups.transfer"},
+    "meshgroups.engines": {
+        "meshgroups.layout",
+        "meshgroups.mesh",
+        "meshgroups.transfer",
+        "meshgroups.models",
+    },
     "meshgroups.cli": {
         "meshgroups.layout",
+        "meshgroups.models",
         "meshgroups.render",
         "meshgroups.mesh",
         "meshgroups.elastic",
@@ -104,7 +118,12 @@ def test_imports_only_go_down_the_layers():
 def test_the_layout_core_and_the_renderer_import_no_torch_when_they_load():
     offenders = []
     for name, path, tree in SOURCES:
-        if _subsystem(name) not in ("meshgroups.layout", "meshgroups.render", "meshgroups.cost"):
+        if _subsystem(name) not in (
+            "meshgroups.layout",
+            "meshgroups.models",
+            "meshgroups.render",
+            "meshgroups.cost",
+        ):
             if name not in LEAVES:
                 continue
         offenders += [
@@ -346,3 +365,22 @@ def test_no_assert_statements_in_the_package():
         if isinstance(node, ast.Assert)
     ]
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_design_pages_picture_of_the_packages_is_what_the_imports_say():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import package_graph
+
+    text = (ROOT / "docs" / "design.md").read_text()
+    assert package_graph.shown(text) == package_graph.block(), "run: python tools/package_graph.py --write"
+
+
+def test_no_module_is_over_450_lines():
+    long = [
+        f"{path.relative_to(ROOT)}: {len(path.read_text().splitlines())} lines"
+        for _, path, _ in SOURCES
+        if len(path.read_text().splitlines()) > 450
+    ]
+    assert not long, long

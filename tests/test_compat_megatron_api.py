@@ -1,7 +1,8 @@
-"""meshgroups.compat's Megatron surface against megatron-core 0.16.1's: signatures (positional
-order, names, kinds, defaults) of every public function and class, the API table's coverage, the
-error classes, and the pure rank helpers — without processes. Compared with megatron-core itself
-when it is installed, else with the committed table tests/data/megatron_core_0.16.1_signatures.json."""
+"""meshgroups.compat's Megatron surface against megatron-core 0.16.1's and 0.19.1's: signatures
+(positional order, names, kinds, defaults) of every public function and class under each version,
+the API table's coverage, the error classes, and the pure rank helpers — without processes.
+Compared with megatron-core itself when that version is installed, else with the committed tables
+tests/data/megatron_core_<version>_signatures.json."""
 
 from __future__ import annotations
 
@@ -10,30 +11,37 @@ import json
 from pathlib import Path
 
 import pytest
+from meshgroups.compat import hyper_comm_grid as hcg
 from meshgroups.compat import parallel_state as ps
 from meshgroups.compat import process_groups_config as pgc
 from meshgroups.compat._errors import MegatronAssertionError, MegatronRuntimeError, NotInitializedError
-from meshgroups.compat.megatron_api import API, CLASSES, GLOBALS, PGC_API
+from meshgroups.compat._megatron_api import API, CLASSES, GLOBALS, PGC_API, SINCE
+from meshgroups.compat._megatron_version import installed_megatron_core, set_megatron_version
 
 from meshgroups import LayoutError
 
-from .support.megatron_signatures import TABLE, collect
+from .support.megatron_signatures import TABLES, collect, live
 
 HAVE_MCORE = (
     importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 )
-COMMITTED = json.loads((Path(__file__).parent / "data" / TABLE).read_text())
+INSTALLED = installed_megatron_core()[1]  # the served version of an installed megatron-core
+COMMITTED = {v: json.loads((Path(__file__).parent / "data" / t).read_text()) for v, t in TABLES.items()}
 
 
-def reference() -> dict[str, dict[str, list[list[str]]]]:
-    if not HAVE_MCORE:
-        return COMMITTED
-    from megatron.core import parallel_state, process_groups_config
+@pytest.fixture
+def served(request):
+    """Read calls as megatron-core ``request.param`` (skipped where another one is installed)."""
+    version = request.param
+    if INSTALLED not in (None, version):
+        pytest.skip(f"megatron-core {INSTALLED} is installed, which decides the version")
+    set_megatron_version(version)
+    yield version
+    set_megatron_version(None)
 
-    return {
-        "megatron.core.parallel_state": collect(parallel_state),
-        "megatron.core.process_groups_config": collect(process_groups_config),
-    }
+
+def reference(version: str) -> dict[str, dict[str, list[list[str]]]]:
+    return live() if INSTALLED == version else COMMITTED[version]
 
 
 def _without_our_keywords(theirs: list[list[str]], ours: list[list[str]]) -> list[list[str]]:
@@ -43,29 +51,41 @@ def _without_our_keywords(theirs: list[list[str]], ours: list[list[str]]) -> lis
     return ours[: len(theirs)]
 
 
-@pytest.mark.parametrize(
-    ("module_name", "module"),
-    [("megatron.core.parallel_state", ps), ("megatron.core.process_groups_config", pgc)],
-)
-def test_every_public_signature_equals_megatron_core(module_name, module):
-    theirs = reference()[module_name]
-    ours = collect(module, list(theirs))
-    for name, params in theirs.items():
-        assert name in ours, f"{module_name}.{name} is missing from meshgroups.compat"
-        assert _without_our_keywords(params, ours[name]) == params, name
+MODULES = {
+    "megatron.core.parallel_state": ps,
+    "megatron.core.process_groups_config": pgc,
+    "megatron.core.hyper_comm_grid": hcg,
+}
 
 
-def test_the_committed_table_is_megatron_core_0_16_1():
-    if not HAVE_MCORE:
-        pytest.skip("optional: pip install --no-deps megatron-core==0.16.1 packaging einops")
-    assert reference() == COMMITTED
+@pytest.mark.parametrize("served", ["0.16", "0.19"], indirect=True)
+def test_every_public_signature_equals_megatron_core(served):
+    compared = 0
+    for module_name, theirs in reference(served).items():
+        ours = collect(MODULES[module_name], list(theirs))
+        for name, params in theirs.items():
+            assert name in ours, f"{module_name}.{name} is missing from meshgroups.compat"
+            assert _without_our_keywords(params, ours[name]) == params, (served, name)
+            compared += 1
+    assert compared > 90
+
+
+@pytest.mark.parametrize("version", ["0.16", "0.19"])
+def test_the_committed_table_is_megatron_core(version):
+    if INSTALLED != version:
+        pytest.skip(f"optional: megatron-core {version} installed (docs/megatron-tests.md)")
+    assert live() == COMMITTED[version]
 
 
 def test_the_api_table_is_the_whole_surface():
-    functions = {n for n, p in COMMITTED["megatron.core.parallel_state"].items() if "." not in n}
-    assert set(API) | set(CLASSES) == functions
-    classes = {n for n in COMMITTED["megatron.core.process_groups_config"]}
-    assert set(PGC_API) == classes - {"ProcessGroupCollection.__init__", "ProcessGroupHelperMeta.__setattr__"}
+    tables = {v: t["megatron.core.parallel_state"] for v, t in COMMITTED.items()}
+    functions = {v: {n for n in t if "." not in n} for v, t in tables.items()}
+    assert set(API) | set(CLASSES) == functions["0.16"] | functions["0.19"]
+    assert {n for n, since in SINCE.items() if since == "0.16 only"} == functions["0.16"] - functions["0.19"]
+    assert {n for n, since in SINCE.items() if since == "0.19"} == functions["0.19"] - functions["0.16"]
+    classes = {n for t in COMMITTED.values() for n in t["megatron.core.process_groups_config"]}
+    constructors = {n for n in classes if n.endswith(("__init__", "__setattr__"))}
+    assert set(PGC_API) == classes - constructors
     for name in API:
         assert callable(getattr(ps, name)) and name in ps.__all__, name
 
@@ -163,8 +183,9 @@ def _loops(world, sizes, order, token):
     return groups
 
 
+@pytest.mark.parametrize("served", ["0.16"], indirect=True)
 @pytest.mark.parametrize("order", ORDERS)
-def test_rank_generator_over_masks(order):
+def test_rank_generator_over_masks(order, served):
     checked = 0
     for tp, cp, ep, pp in [(2, 1, 1, 2), (2, 2, 1, 2), (1, 1, 2, 2), (4, 2, 1, 1), (2, 1, 4, 1)]:
         sizes_in = {"cp": cp, "ep": ep, "pp": pp}
@@ -188,8 +209,8 @@ def test_rank_generator_over_masks(order):
 
 
 def test_rank_generator_equals_megatron_core():
-    if not HAVE_MCORE:
-        pytest.skip("optional: pip install --no-deps megatron-core==0.16.1 packaging einops")
+    if not HAVE_MCORE or INSTALLED is None:
+        pytest.skip("optional: megatron-core 0.16.1 or 0.19 installed")
     from megatron.core import parallel_state as mcore
 
     for order in ORDERS:
@@ -213,8 +234,30 @@ def test_docstring_examples_run():
     import doctest
 
     import torch
-    from meshgroups.compat import _errors, _generated, megatron_api, megatron_buffers, megatron_helpers
+    from meshgroups.compat import (
+        _errors,
+        _generated,
+        _megatron_api,
+        _megatron_buffers,
+        _megatron_helpers,
+        _megatron_version,
+        _parallel_state_versions,
+        _versioned,
+        hyper_comm_grid,
+        megatron_layout,
+    )
 
-    for module in (_errors, megatron_api, megatron_buffers, megatron_helpers, _generated):
+    for module in (
+        _errors,
+        _megatron_api,
+        _megatron_buffers,
+        _megatron_helpers,
+        _generated,
+        _versioned,
+        hyper_comm_grid,
+        megatron_layout,
+        _megatron_version,
+        _parallel_state_versions,
+    ):
         result = doctest.testmod(module, extraglobs={"torch": torch, "ps": ps})
         assert result.failed == 0, module.__name__

@@ -12,6 +12,7 @@ import os
 import warnings
 
 import pytest
+from meshgroups.compat._megatron_version import installed_megatron_core
 
 from .support.dist import run
 from .support.megatron_oracle import megatron_expected, row_of
@@ -23,6 +24,9 @@ HAVE_MCORE = (
     and importlib.util.find_spec("megatron.core") is not None
     and not os.environ.get("MESHGROUPS_NO_MEGATRON_REF")
 )
+# The scenario is 0.16 code (create_all_gather_group=...): with another megatron-core installed,
+# compat reads it as that version's (and refuses 0.16's keywords, as megatron-core would)
+OTHER_MCORE = installed_megatron_core()[1] not in (None, "0.16")
 
 
 def _oracle_checks(out: dict, rank: int) -> int:
@@ -131,6 +135,9 @@ def _differences(ours: dict, theirs: dict, path: str = "") -> list:
 
 
 @pytest.mark.timeout(1800)
+@pytest.mark.skipif(
+    OTHER_MCORE, reason="the scenario is megatron-core 0.16 code; another version is installed"
+)
 def test_megatron_style_world8():
     results = run(worker, 8, HAVE_MCORE, timeout=1700)
     assert all(r["checks"] > 200 for r in results)

@@ -77,6 +77,36 @@ def test_world_enumerates_with_a_budget(capsys, tmp_path):
     assert "ordered by memory" in out and "(first 3 of" in out
 
 
+def test_memory_knobs_and_the_fit_verdict(capsys):
+    argv = ["cost", "dp_shard=8", "--model", "llama3-8b", "--micro-batch", "2", "--precision", "fsdp2",
+            "--recompute", "op", "--separate-projections", "--budget-gib", "95", "--allocator-overhead", "1.2"]  # fmt: skip
+    assert _run(argv) == 0
+    out = capsys.readouterr().out
+    assert "at the loss backward" in out and "loss 23.48 GiB" in out and "transient 1.96 GiB" in out
+    assert "fits 95.00 GiB per rank: yes (reserved (allocated × 1.20): 81.57 GiB)" in out
+    assert _run([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (
+        data["fit"]["fits"]
+        and data["fit"]["overhead"] == 1.2
+        and data["peak_memory"]["phase"] == "loss backward"
+    )
+    # no recomputation: the same run does not fit, and says why
+    assert _run([a if a != "op" else "none" for a in argv]) == 0
+    assert "fits 95.00 GiB per rank: no" in capsys.readouterr().out
+    # uneven pipeline stages, an interleaved schedule, ZeRO-1, eager attention, custom dtypes
+    assert _run(["cost", "pp=2", "dp_replicate=2", "tp=2", "--model", "tiny", "--schedule", "interleaved",
+                 "--virtual-stages", "2", "--layers-per-stage", "1,1,1,1", "--micro-batches", "4", "--zero", "1",
+                 "--attention", "eager", "--compute-dtype", "bf16", "--reduce-dtype", "fp32", "--json"]) == 0  # fmt: skip
+    data = json.loads(capsys.readouterr().out)
+    assert data["peak_memory"]["total"] > 0 and data["fit"] is None
+    # the transfer presets' older names are the same models
+    assert _run(["cost", "tp=2", "--model", "llama-8b", "--json"]) == 0
+    old = json.loads(capsys.readouterr().out)
+    assert _run(["cost", "tp=2", "--model", "llama3-8b", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_memory"] == old["peak_memory"]
+
+
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
@@ -93,6 +123,13 @@ def test_world_enumerates_with_a_budget(capsys, tmp_path):
         (["cost", "tp=2", "--model", "tiny", "--budget-gib", "nan"], "--budget-gib"),
         (["cost", "tp=2", "--hf-config", "/nonexistent.json"], "cannot read"),
         (["cost", "tp=2"], "one of the arguments --model --hf-config is required"),
+        (["cost", "tp=2", "--model", "tiny", "--allocator-overhead", "0.9"], "--allocator-overhead must be"),
+        (["cost", "pp=2", "--model", "tiny", "--layers-per-stage", "1,x"], "--layers-per-stage must be"),
+        (
+            ["cost", "pp=2", "--model", "tiny", "--layers-per-stage", "1,1"],
+            "layers_per_stage=[1, 1] must have",
+        ),
+        (["cost", "tp=2", "--model", "tiny", "--recompute", "most"], "invalid choice: 'most'"),
     ],
 )
 def test_bad_values_exit_2_with_one_error_line(argv, says, capsys):

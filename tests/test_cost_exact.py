@@ -7,8 +7,8 @@ vocabulary-parallel embedding and head with torch's ``loss_parallel``), tensor-p
 ``dp_replicate``), trained with Adam over two micro-batches per step. A ``TorchDispatchMode``
 sees every ``c10d`` and ``_c10d_functional`` collective of the counted step (the one after a
 warm-up step) with its tensors and its group; each rank's bytes per group family must equal
-:func:`meshgroups.cost.calls.rank_payload`, and its parameter, gradient and Adam-moment
-bytes the local shards' (``to_local()``) as :func:`meshgroups.cost.rank_memory` gives them.
+:func:`meshgroups.cost._calls.rank_payload`, and its parameter, gradient and Adam-moment
+bytes the local shards' (``to_local()``) as :func:`meshgroups.cost.rank_states` gives them.
 The same job then runs torch's 1F1B pipeline schedule on ``dp_replicate=4 pp=2`` and compares
 each rank's send bytes with the ``pp`` family's.
 """
@@ -16,8 +16,8 @@ each rank's send bytes with the ``pp`` family's.
 from __future__ import annotations
 
 from meshgroups import Layout
-from meshgroups.cost import Model, Parallelism, Precision, collectives, rank_memory
-from meshgroups.cost.calls import rank_payload
+from meshgroups.cost import Model, Parallelism, Precision, collectives, rank_states
+from meshgroups.cost._calls import rank_payload
 
 from .support.dist import run
 
@@ -292,8 +292,12 @@ def test_bytes_of_every_collective_and_every_shard_match_real_fsdp2_tp_steps():
             measured, (params, grads, moments), ops = results[rank][0][i]
             want = rank_payload(expected, layout, rank, _plan(sp))
             assert measured == want, (sizes, sp, rank, ops)
-            mem = rank_memory(SPEC, layout, rank, _plan(sp))
-            assert (params, grads, moments) == (mem.params, mem.grads, mem.optimizer), (sizes, sp, rank)
+            st = rank_states(SPEC, layout, rank, _plan(sp))  # AdamW's 0-d steps: 4 bytes per tensor
+            assert (params, grads, moments) == (st.params, st.grads, st.optimizer - 4 * st.tensors), (
+                sizes,
+                sp,
+                rank,
+            )
     layout = Layout(**PIPELINE)
     expected = collectives(SPEC, layout, PIPELINE_PLAN)
     for rank in range(8):

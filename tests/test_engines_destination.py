@@ -1,4 +1,4 @@
-"""A vLLM worker's parameters as global weights and a name map (``meshgroups.engines.vllm.destination``;
+"""A vLLM worker's parameters as global weights and a name map (``meshgroups.engines.vllm._destination``;
 vLLM-free): shapes and placements per layer kind, fused parts sharded per part, kv heads
 replicated over more tp ranks than there are heads (repeated segments), the refusals — and the
 replicated-kv rule moving real data with ``WeightSync`` on 3 gloo processes.
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from meshgroups.engines.vllm.destination import (
+from meshgroups.engines.vllm._destination import (
     Param,
     destination,
     destinations,

@@ -54,7 +54,7 @@ def family_check(family, used) -> dict[str, Any]:
     """How the plan's name map (vLLM's names) relates to the family map: its stacks are the
     family's (vLLM 0.32 names routed experts ``experts.routed_experts.*``), its fused rules
     read the same trainer weights."""
-    from meshgroups.engines.vllm.destination import family_names
+    from meshgroups.engines.vllm._destination import family_names
 
     names = {alias: name for name in used for alias in family_names(name)}
     return {
@@ -180,6 +180,56 @@ def shard_trainer(model, mesh) -> None:
     fully_shard(model, mesh=mesh["dp"])
 
 
+def every_rank(outcome: str) -> list[str]:
+    import torch.distributed as dist
+
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, outcome)
+    return seen
+
+
+def attempt(fn) -> str:
+    try:
+        fn()
+        return "no error"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def refusals(args, model, llm, rank: int, result: dict[str, Any], new_sync):
+    """On the engine that serves version 1: a trainer lacking one weight, then a tied-head map
+    the trainer's untied head refutes — each refused on every trainer rank; then a new sync object
+    (its version taken from the engine) refused a stale ``version=``; it is returned, usable."""
+    from meshgroups import Layout
+    from meshgroups.engines.vllm._trainer import LLMClient, VLLMWeightSync
+    from meshgroups.transfer._names.families import hf_to_vllm
+
+    if rank == 0:
+        print("MESHGROUPS-REFUSALS-BEGIN", flush=True)
+    client = LLMClient(llm) if rank == 0 else None
+    lacking = {n: p for n, p in model.named_parameters() if n != MISSING}
+    out: dict[str, Any] = {}
+    out["missing"] = every_rank(
+        attempt(lambda: VLLMWeightSync(lacking, Layout(dp=2, tp=2), client, timeout=args.timeout))
+    )
+    tied = hf_to_vllm(model.config, tied_head=True)
+    out["tied_head"] = every_rank(
+        attempt(
+            lambda: VLLMWeightSync(model, Layout(dp=2, tp=2), client, timeout=args.timeout, name_map=tied)
+        )
+    )
+    sync = new_sync()
+    out["recovered_version"] = every_rank(str(sync.version))
+    out["stale"] = every_rank(attempt(lambda: sync.sync(version=1)))
+    out["version_after_stale"] = every_rank(str(sync.version))
+    result["refusals"] = out
+    return sync
+
+
+#: The weight the trainer of the refusal check lacks.
+MISSING = "model.layers.1.mlp.up_proj.weight"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -193,6 +243,7 @@ def main() -> None:
     )
     ap.add_argument("--bad-family", action="store_true", help="first a family map vLLM's layers refute")
     ap.add_argument("--identity", action="store_true", help="a first sync before any step: outputs unchanged")
+    ap.add_argument("--refusals", action="store_true", help="after step 1: refusals, then a new sync object")
     args = ap.parse_args()
 
     import torch
@@ -201,7 +252,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from meshgroups import Layout
-    from meshgroups.engines.vllm.trainer import LLMClient, VLLMWeightSync
+    from meshgroups.engines.vllm._trainer import LLMClient, VLLMWeightSync
     from meshgroups.transfer._run.status import TransferError
 
     torch.set_num_threads(1)
@@ -248,11 +299,25 @@ def main() -> None:
         dist.all_gather_object(outcomes, result["bad_family"])
         result["bad_family"] = outcomes
     t1 = time.monotonic()
-    # DeepSeek-V3's router bias is a buffer in transformers (a parameter in vLLM): sent as a weight
-    buffers = {n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
-    source = {**dict(model.named_parameters()), **buffers} if buffers else model
+    # DeepSeek-V3's router bias is a persistent buffer in transformers (a parameter in vLLM): the
+    # module's persistent buffers are read like its parameters
+    from meshgroups.transfer._run.sync_state import module_tensors
+
+    buffers = {n: b for n, b in module_tensors(model) if n.endswith("e_score_correction_bias")}
+
+    def new_sync() -> VLLMWeightSync:
+        return VLLMWeightSync(
+            model,
+            Layout(dp=2, tp=2),
+            LLMClient(llm) if rank == 0 else None,
+            cast=cast,
+            timeout=args.timeout,
+            bucket_bytes=256 << 10,  # several buckets: a fault lands mid-transfer
+            name_map=family,
+        )
+
     sync = VLLMWeightSync(
-        source,
+        model,
         Layout(dp=2, tp=2),
         LLMClient(llm) if rank == 0 else None,
         cast=cast,
@@ -301,10 +366,15 @@ def main() -> None:
         if rank == 0:
             again, _ = engine_outputs(llm)
             result["identity"] = compare(again, got)
-    for _ in range(args.steps):
+    for step in range(args.steps):
+        if args.refusals and step == 1:
+            sync.close()
+            sync = refusals(args, model, llm, rank, result, new_sync)
         train_step()
         t = time.monotonic()
         version = sync.sync()
+        if args.refusals and step == 1 and rank == 0:
+            print("MESHGROUPS-REFUSALS-END", flush=True)
         took = time.monotonic() - t
         state = full_state()
         if rank == 0:

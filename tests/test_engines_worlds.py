@@ -56,7 +56,7 @@ def worker_sync(rank: int, world: int, port_a: int, port_b: int, port_t: int, st
     import torch.distributed.distributed_c10d as c10d
 
     from meshgroups import Layout
-    from meshgroups.engines.worlds import TransferWorld
+    from meshgroups.engines._worlds import TransferWorld
     from meshgroups.transfer import Shard, Weight
     from meshgroups.transfer._run.sync import WeightSync
 
@@ -137,7 +137,7 @@ def worker_member_stops(rank: int, world: int, port_a: int, port_b: int, port_t:
     import torch
 
     from meshgroups import Layout
-    from meshgroups.engines.worlds import TransferWorld
+    from meshgroups.engines._worlds import TransferWorld
     from meshgroups.transfer import Shard, Weight
     from meshgroups.transfer._run.status import TransferError
     from meshgroups.transfer._run.sync import WeightSync

@@ -176,3 +176,18 @@ def test_options_and_option_keywords_together_are_refused(fake_rank):
     # the refused calls left the protocol in step: the next call builds
     with init_mesh(Layout(dp=2, tp=2)) as mg:
         assert mg.size() == 4 and mg.size("tp") == 2
+
+
+def test_close_releases_what_torch_has_not_destroyed():
+    """``close()`` skips groups torch destroyed itself: one the user destroyed by hand, and
+    every group once the default group is destroyed (torch's ``with_comms`` tests end so, and
+    torch >= 2.15's ``DeviceMesh.abort()`` does it per mesh). It neither raises nor counts them."""
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=8)
+    try:
+        mg = init_mesh(Layout(dp=2, cp=2, tp=2), flatten=[("dp", "cp")])
+        other = init_mesh(Layout(dp=4, tp=2))
+        dist.destroy_process_group(mg.group("tp"))
+        assert mg.close() == 3  # dp, cp and dp_cp; tp was gone already
+    finally:
+        dist.destroy_process_group()  # every group with it, other's too
+    assert other.close() == 0 and other.closed and other.close() == 0

@@ -14,7 +14,9 @@ Each placement (row-major and permuted) runs one job with every check:
   slices like the tuple;
 - ``backend_override`` by name, by index, on ``_flatten`` and ``_unflatten``, with gloo twins, and
   a mismatch on one rank -> ``MismatchError`` on every rank naming ``backend_override``;
-- ``group_desc`` of every group is torch's ``mesh_<dim>`` (flattened dims and subsets by name).
+- ``group_desc`` of every group is torch's ``mesh_<dim>`` (flattened dims and subsets by name);
+- groups torch destroyed itself (``destroy_process_group``; ``DeviceMesh.abort()`` on torch >=
+  2.15) are skipped by ``close()``, which releases the rest without raising.
 """
 
 from __future__ import annotations
@@ -106,10 +108,12 @@ def _partial_meshes(rank, p):
     import copy
     import pickle
 
+    import torch.distributed as dist
+
     from meshgroups import Layout, init_mesh
 
     quarter = np.asarray(p["quarter"])
-    mg = init_mesh(Layout.from_grid(quarter, ("x",)), timeout=60)
+    mg = init_mesh(Layout.from_grid(quarter, ("x",)), timeout=60, partial=True)
     mesh = mg.mesh
     _conform(mesh, quarter, rank, ("x",))
     _conform(mesh._flatten("x_alias"), quarter, rank, ("x_alias",), dtensor=False)
@@ -130,12 +134,12 @@ def _partial_meshes(rank, p):
             ("c1", "c2"),
             dtensor=False,
         )
-    assert mg.group("x") is (None if rank not in quarter else mesh.get_group())
+    assert mg.group("x") is (dist.GroupMember.NON_GROUP_MEMBER if rank not in quarter else mesh.get_group())
     assert mg.ranks("x") == (quarter.tolist() if rank in quarter else None)
     mg.close()
 
     one = np.full((1, 1, 1, 1), p["one"])
-    mg = init_mesh(Layout.from_grid(one, ("a", "b", "c", "d")), timeout=60)
+    mg = init_mesh(Layout.from_grid(one, ("a", "b", "c", "d")), timeout=60, partial=True)
     mesh = mg.mesh
     _conform(mesh, one, rank, ("a", "b", "c", "d"))
     _conform(mesh["a", "b"]._flatten(), one.reshape(1), rank, ("a_b",), dtensor=False)
@@ -154,7 +158,7 @@ def _partial_meshes(rank, p):
     mg.close()
 
     pair = np.asarray(p["pair"])  # what DeviceMesh("cpu", [0, 2]) is, as a layout
-    mg = init_mesh(Layout.from_grid(pair, ("pair",)), timeout=60)
+    mg = init_mesh(Layout.from_grid(pair, ("pair",)), timeout=60, partial=True)
     _conform(mg.mesh, pair, rank, ("pair",))
     _conform(mg.mesh._unflatten(0, (2, 1), ("p1", "p2")), pair.reshape(2, 1), rank, ("p1", "p2"))
     mg.close()
@@ -174,9 +178,8 @@ def _partial_meshes(rank, p):
         _conform(
             sub._unflatten(0, (2, len(grid) // 2), ("s1", "s2")), grid.reshape(2, -1), rank, ("s1", "s2")
         )
-        assert (mg.group(name) is None) == (rank not in grid) and (mg.local_rank(name) is None) == (
-            rank not in grid
-        )
+        outside = mg.group(name) == dist.GroupMember.NON_GROUP_MEMBER
+        assert outside == (rank not in grid) and (mg.local_rank(name) is None) == (rank not in grid)
     _group_descs(mg)
     mg.close()
 
@@ -189,7 +192,7 @@ def _group_descs(mg):
     for family in mg.families:
         dims = (family,) if isinstance(family, str) else family
         group = mg.group(*dims)
-        if group is None or group is dist.group.WORLD:
+        if group == dist.GroupMember.NON_GROUP_MEMBER or group is dist.group.WORLD:
             continue
         label = family if isinstance(family, str) else "_".join(family)
         owner.setdefault(id(group), f"mesh_{label}")
@@ -378,12 +381,44 @@ def _full_layout(rank, p):
         assert isinstance(error, RuntimeError) and "closed" in str(error), error
 
 
+def _after_torch_destroys(rank, p):
+    """Groups torch destroys behind meshgroups' back (the user's ``destroy_process_group``;
+    torch >= 2.15's ``DeviceMesh.abort()``, which torch's own ``test_abort_2d_mesh`` calls on a
+    meshgroups mesh in tests/support/torch_dm_harness.py): ``close()`` skips them, releases the
+    rest, and neither raises nor leaks; the layout builds again afterwards."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from meshgroups import Layout, init_mesh
+    from meshgroups.mesh._torch_seam import held_group_count
+
+    lay = Layout.from_grid(p["main"], ("dp", "cp", "tp"))
+    held = held_group_count()
+    mg = init_mesh(lay, flatten=[("dp", "cp")], timeout=60)
+    made = held_group_count() - held  # dp, cp, tp and dp_cp: those this rank is a member of
+    dist.destroy_process_group(mg.group("tp"))
+    assert mg.close() == made - 1 and held_group_count() == held and mg.close() == 0
+    if hasattr(DeviceMesh, "abort"):  # torch >= 2.15
+        mg = init_mesh(lay, flatten=[("dp", "cp")], timeout=60)
+        mesh = mg.mesh
+        names = {g.group_name for g in [*mesh.get_all_groups(), mesh["dp_cp"].get_group()]}
+        mesh.abort()  # every dim's group and the flattened dim's, torch-side
+        assert held_group_count() == held and not names & set(dist.distributed_c10d._world.pg_names.values())
+        assert mg.close() == 0 and mg.close() == 0
+    again = init_mesh(lay, flatten=[("dp", "cp")], timeout=60)
+    for dims in (("dp",), ("tp",), ("dp", "cp")):
+        _check_group(again.group(*dims), lay.group_of(rank, *dims), rank)
+    again.close()
+    assert held_group_count() == held
+
+
 def worker(rank, world, kind):
     import torch.distributed as dist
 
     p = PLACEMENTS[kind]
     _partial_meshes(rank, p)
     _full_layout(rank, p)
+    _after_torch_destroys(rank, p)
     dist.barrier()
     return True
 

@@ -91,6 +91,18 @@ PARAMETER_SETS = {
         {"sizes": {"dp": 3, "tp": 3}, "rank": -1, "ranks_per_node": 4, "color_by": "xx"},
         _random_layout_params(),
         {"sizes": {"ranks": LARGEST}, "rank": 1000, "ranks_per_node": 8, "color_by": "ranks"},  # one dim
+        # the cost view's knobs: a pipeline of an MoE model, recomputation, eager attention,
+        # Megatron's dtypes, a reserved-memory verdict
+        {
+            "sizes": {"pp": 2, "dp": 2, "tp": 2},
+            "cost_model": "tiny-moe",
+            "recompute": "op",
+            "attention": "eager",
+            "precision": "megatron",
+            "micro_batches": 2,
+            "allocator_overhead": 1.2,
+            "budget_mib": 2.0,
+        },
     ],
     "legacy_to_mesh.ipynb": [
         {},

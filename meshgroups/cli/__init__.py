@@ -3,8 +3,11 @@ per subcommand family: ``_elastic``, ``_transfer``, ``_cost``; ``_demo``: the de
 strict command-line values)::
 
     >>> from meshgroups.cli import main
-    >>> main(["show", "dp=2", "tp=2", "--json"]) == 0  # doctest: +SKIP
-    True
+    >>> main(["show", "dp=2", "tp=2", "--json"])  # doctest: +ELLIPSIS
+    {
+     "fingerprint": "85aae5a49ae509a5",
+    ...
+    0
 """
 
 from __future__ import annotations

@@ -418,6 +418,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status: 0 on success, 1 when a demo check fails or the plot extra is missing; a
         bad value exits with status 2 and the usage line (``SystemExit``), never a traceback.
+
+    >>> main(["show", "dp=2", "tp=2"])  # python -m meshgroups show dp=2 tp=2  # doctest: +ELLIPSIS
+    Layout(dp=2, tp=2)
+    ...
+    0
     """
     parser = build_parser()
     words = list(sys.argv[1:] if argv is None else argv)

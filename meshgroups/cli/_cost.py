@@ -3,6 +3,8 @@
     python -m meshgroups cost tp=8 dp_shard=4 pp=2 --model llama3-8b --topology node=8
     python -m meshgroups cost --world 64 --model mixtral-8x7b --topology node=8 --budget-gib 80
     python -m meshgroups cost --world 16 --hf-config config.json --seq-len 4096 --json
+    python -m meshgroups cost dp_shard=8 --model llama3-8b --precision fsdp2 --recompute op \
+        --separate-projections --budget-gib 95 --allocator-overhead 1.2
 
 Dims are ``role=size`` words (roles: pp, dp_replicate, dp_shard, ep, cp, tp), outermost first.
 Every bad value exits with status 2 and one ``error:`` line naming it and the rule. The CLI wires
@@ -22,21 +24,21 @@ import re
 from typing import Any
 
 from meshgroups.cost import (
+    ATTENTION,
     DTYPE_BYTES,
-    PRESETS,
+    RECOMPUTE,
     ROLES,
     SORT_KEYS,
-    Model,
     Parallelism,
     Precision,
     cost_report,
     enumerate_layouts,
     format_bytes,
-    preset,
     sort_candidates,
     table,
 )
 from meshgroups.layout import Layout, Topology
+from meshgroups.models import Model, preset, preset_names
 
 __all__ = ["add_parser", "run"]
 
@@ -57,6 +59,23 @@ def _count(what: str, high: int) -> Any:
         return value
 
     return parse
+
+
+def _overhead(text: str) -> float:
+    if not _NUMBER.fullmatch(text) or not 1 <= float(text) <= 16:
+        raise argparse.ArgumentTypeError(
+            f"--allocator-overhead must be a decimal number in 1..16 (reserved / allocated bytes), got {text!r}"
+        )
+    return float(text)
+
+
+def _split(text: str) -> tuple[int, ...]:
+    parts = text.split(",")
+    if not all(_DIGITS.fullmatch(p) for p in parts) or len(parts) > 1 << 12:
+        raise argparse.ArgumentTypeError(
+            f"--layers-per-stage must be layer counts in digits 0-9 separated by commas, got {text!r}"
+        )
+    return tuple(int(p) for p in parts)
 
 
 def _gib(text: str) -> float:
@@ -94,36 +113,150 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--world", type=_count("--world", MAX_CLI_WORLD), help="enumerate every layout of this many ranks"
     )
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", choices=sorted(PRESETS), help="a preset model")
+    source.add_argument(
+        "--model", choices=preset_names(aliases=True), help="a preset model (meshgroups.models.PRESETS)"
+    )
     source.add_argument("--hf-config", metavar="FILE", help="a Hugging Face config.json")
-    p.add_argument("--topology", help="levels of consecutive ranks, e.g. node=8,domain=32")
-    p.add_argument("--seq-len", type=_count("--seq-len", 1 << 24))
-    p.add_argument("--micro-batch", type=_count("--micro-batch", 1 << 16))
-    p.add_argument("--micro-batches", type=_count("--micro-batches", 1 << 16), default=1)
-    p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--schedule", choices=("1f1b", "interleaved"), default="1f1b")
-    p.add_argument("--virtual-stages", type=_count("--virtual-stages", 1 << 10), default=1)
-    for name, default in (
-        ("params", "bfloat16"),
-        ("grads", "float32"),
-        ("moments", "float32"),
-        ("activations", "bfloat16"),
+    p.add_argument(
+        "--topology", help="levels of consecutive ranks, e.g. node=8,domain=32 (default: one level)"
+    )
+    p.add_argument(
+        "--seq-len", type=_count("--seq-len", 1 << 24), help="tokens per sample (default: the model's)"
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=_count("--micro-batch", 1 << 16),
+        help="samples per micro-batch (default: the model's, 1)",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=_count("--micro-batches", 1 << 16),
+        default=1,
+        help="micro-batches per step: gradient accumulation, the pipeline's m (default 1)",
+    )
+    p.add_argument(
+        "--separate-projections",
+        action="store_true",
+        help="q, k, v and the MLP's gate and up as separate matrices (torchtitan, Hugging Face); "
+        "default: fused (Megatron)",
+    )
+    p.add_argument(
+        "--recompute",
+        choices=RECOMPUTE,
+        default="none",
+        help="what layers keep for backward: none, selective (Megatron's: the attention core), op "
+        "(torchtitan's op-level policy), layer (every --recompute-every-th layer whole), full (default none)",
+    )
+    p.add_argument(
+        "--recompute-every",
+        type=_count("--recompute-every", 1 << 16),
+        default=2,
+        help="the layer policy's k: layers k, 2k, ... recomputed (default 2)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION,
+        default="flash",
+        help="attention kernel: flash (FlashAttention/SDPA, no s² kept) or eager (default flash)",
+    )
+    p.add_argument(
+        "--sequence-parallel", action="store_true", help="tp with sequence parallelism (default off)"
+    )
+    p.add_argument(
+        "--no-vocab-parallel",
+        action="store_true",
+        help="the embedding, head and loss replicated over tp (default: cut along the vocabulary)",
+    )
+    p.add_argument(
+        "--schedule", choices=("1f1b", "interleaved"), default="1f1b", help="pipeline schedule (default 1f1b)"
+    )
+    p.add_argument(
+        "--virtual-stages",
+        type=_count("--virtual-stages", 1 << 10),
+        default=1,
+        help="model chunks per pipeline stage, interleaved only (default 1)",
+    )
+    p.add_argument(
+        "--layers-per-stage",
+        type=_split,
+        metavar="N,N,...",
+        help="layers of each model chunk in pipeline order, pp × virtual stages entries "
+        "(default: as even as the layers allow)",
+    )
+    p.add_argument(
+        "--zero",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        help="optimizer sharding over the data-parallel dims FSDP does not shard: 1 the master copy "
+        "and moments (Megatron's distributed optimizer), 2 the gradients too (default 0)",
+    )
+    p.add_argument(
+        "--no-reshard-after-forward",
+        action="store_true",
+        help="FSDP2 keeps each block gathered from forward to backward (default: reshard)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("megatron", "fsdp2", "custom"),
+        default="custom",
+        help="megatron: bf16 params, fp32 grads, master and moments; fsdp2: fp32 stored, bf16 gathered "
+        "and computed, fp32 reduced, no master; custom: the --*-dtype options (default custom)",
+    )
+    for name, default, what in (
+        ("params", "bfloat16", "parameters as stored"),
+        ("grads", "float32", "gradients as kept"),
+        ("moments", "float32", "Adam's moments"),
+        ("activations", "bfloat16", "activations kept and sent"),
     ):
-        p.add_argument(f"--{name}-dtype", choices=sorted(DTYPE_BYTES), default=default)
-    p.add_argument("--no-master", action="store_true", help="no fp32 master copy of the parameters")
-    p.add_argument("--budget-gib", type=_gib, help="memory per rank, GiB (with --world: which layouts fit)")
-    p.add_argument("--sort", choices=SORT_KEYS, default="slow", help="order of the --world table")
-    p.add_argument("--top", type=_count("--top", 1 << 20), default=20, help="rows of the --world table")
+        p.add_argument(
+            f"--{name}-dtype",
+            choices=sorted(DTYPE_BYTES),
+            default=default,
+            help=f"dtype of the {what} (default {default}; --precision custom)",
+        )
+    p.add_argument(
+        "--compute-dtype",
+        choices=sorted(DTYPE_BYTES),
+        help="dtype parameters are gathered and computed in (FSDP2's param_dtype; default: --params-dtype)",
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        choices=sorted(DTYPE_BYTES),
+        help="dtype gradients are reduced in (FSDP2's reduce_dtype; default: --grads-dtype)",
+    )
+    p.add_argument(
+        "--no-master", action="store_true", help="no fp32 master copy of the parameters (default: one)"
+    )
+    p.add_argument(
+        "--budget-gib",
+        type=_gib,
+        help="memory per rank, GiB: the fit verdict (with --world: which layouts fit)",
+    )
+    p.add_argument(
+        "--allocator-overhead",
+        type=_overhead,
+        default=1.0,
+        help="reserved / allocated bytes the fit verdict assumes; the prediction is peak allocated "
+        "(default 1.0: allocated compared as it is)",
+    )
+    p.add_argument(
+        "--sort", choices=SORT_KEYS, default="slow", help="order of the --world table (default slow)"
+    )
+    p.add_argument(
+        "--top", type=_count("--top", 1 << 20), default=20, help="rows of the --world table (default 20)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run, cost_parser=p)
     return p
 
 
 def _model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Model:
-    overrides = {
+    overrides: dict[str, Any] = {
         k: v for k, v in (("seq_len", args.seq_len), ("micro_batch", args.micro_batch)) if v is not None
     }
+    if args.separate_projections:
+        overrides["fused_projections"] = False
     try:
         if args.model:
             return preset(args.model).with_(**overrides)
@@ -187,40 +320,39 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, TypeError) as exc:
             parser.error(f"--topology {args.topology!r}: {exc}")
     try:
-        precision = Precision(
-            params=args.params_dtype,
-            grads=args.grads_dtype,
-            master=None if args.no_master else "float32",
-            moments=args.moments_dtype,
-            activations=args.activations_dtype,
-        )
         plan = Parallelism(
             sequence_parallel=args.sequence_parallel,
             schedule=args.schedule,
             virtual_stages=args.virtual_stages,
             micro_batches=args.micro_batches,
             recompute=args.recompute,
-            precision=precision,
+            recompute_every=args.recompute_every,
+            attention=args.attention,
+            vocab_parallel=not args.no_vocab_parallel,
+            zero=args.zero,
+            reshard_after_forward=not args.no_reshard_after_forward,
+            layers_per_stage=args.layers_per_stage,
+            precision=_precision(args),
         )
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     budget = None if args.budget_gib is None else args.budget_gib * 2**30
+    overhead = args.allocator_overhead
     if args.world is None:
         layout = _layout(parser, args.dims)
         try:
-            report = cost_report(model, layout, topology, plan)
+            report = cost_report(model, layout, topology, plan, budget, overhead)
         except (ValueError, TypeError) as exc:
             parser.error(str(exc))
-        if budget is not None:
-            report["budget"] = budget
-            report["fits"] = report["peak_memory"]["total"] <= budget  # type: ignore[index]
         if args.json:
             print(json.dumps(report, indent=1))
         else:
             print(_text(report))
         return 0
     try:
-        found = enumerate_layouts(model, args.world, topology, plan, budget=budget)
+        found = enumerate_layouts(
+            model, args.world, topology, plan, budget=budget, allocator_overhead=overhead
+        )
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     found = sort_candidates(found, args.sort)
@@ -229,8 +361,9 @@ def run(args: argparse.Namespace) -> int:
                           "candidates": [c.to_dict() for c in found]}, indent=1))  # fmt: skip
         return 0
     fits = sum(c.fits for c in found)
+    basis = "allocated" if overhead == 1.0 else f"allocated × {overhead:g}"
     print(f"{len(found)} layouts of {args.world} ranks admit {model.name or 'the model'}"
-          + (f"; {fits} fit {args.budget_gib:g} GiB per rank" if budget is not None else ""))  # fmt: skip
+          + (f"; {fits} fit {args.budget_gib:g} GiB per rank ({basis})" if budget is not None else ""))  # fmt: skip
     print(
         f"ordered by {'bytes over the slowest level crossed (not step time)' if args.sort == 'slow' else args.sort}; bytes are per step, all ranks\n"
     )
@@ -240,17 +373,39 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _precision(args: argparse.Namespace) -> Precision:
+    if args.precision == "fsdp2":
+        return Precision.fsdp2()
+    if args.precision == "megatron":
+        return Precision.megatron()
+    return Precision(
+        params=args.params_dtype,
+        grads=args.grads_dtype,
+        master=None if args.no_master else "float32",
+        moments=args.moments_dtype,
+        activations=args.activations_dtype,
+        compute=args.compute_dtype,
+        reduce=args.reduce_dtype,
+    )
+
+
 def _text(report: dict[str, Any]) -> str:
     peak = report["peak_memory"]
+    parts = ", ".join(
+        f"{k} {format_bytes(peak[k])}"
+        for k in ("params", "grads", "master", "optimizer", "activations", "loss", "transient")
+    )
     lines = [
         f"{report['layout']}  model {report['model']}  {report['topology'] or 'no topology'}",
-        f"peak memory per rank: {format_bytes(peak['total'])} (params {format_bytes(peak['params'])}, "
-        f"grads {format_bytes(peak['grads'])}, master {format_bytes(peak['master'])}, "
-        f"optimizer {format_bytes(peak['optimizer'])}, activations {format_bytes(peak['activations'])})",
+        f"peak memory per rank: {format_bytes(peak['total'])} at the {peak['phase']} ({parts}; peak allocated)",
         f"pipeline bubble: {report['bubble_fraction']:.3f} of the step",
     ]
-    if "fits" in report:
-        lines.append(f"fits {format_bytes(report['budget'])} per rank: {'yes' if report['fits'] else 'no'}")
+    verdict = report.get("fit")
+    if verdict:
+        lines.append(
+            f"fits {format_bytes(verdict['budget'])} per rank: {'yes' if verdict['fits'] else 'no'} "
+            f"({verdict['basis']}: {format_bytes(verdict['needed'])})"
+        )
     fams = report["traffic"]["families"]
     levels = list(report["traffic"]["by_level"])
     lines.append("")

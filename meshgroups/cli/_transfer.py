@@ -6,7 +6,7 @@ and per rank, from the plan (numpy only, no processes)::
     python -m meshgroups transfer --src tp=4 --dst tp=2 --dst-offset 4 --weights weights.json
     python -m meshgroups transfer --src dp_shard=4,tp=2 --dst tp=4 --dst-offset 8 --name-map vllm --cast bfloat16
 
-Models are the presets of ``meshgroups.transfer._names.presets.model_weights``, placed per layout
+Models are the presets of ``meshgroups.transfer.model_weights``, placed per layout
 (``tp`` like Megatron, ``pp`` stages, ``ep``/``etp`` experts, ``dp_shard``/``fsdp`` FSDP2 after
 ``tp``; other dims replicate). ``--weights FILE`` reads ``{"src": [...], "dst": [...]}`` instead, each
 weight as ``Weight.to_dict`` writes it: ``{"name", "shape", "dtype", "placements": {dim:
@@ -31,6 +31,7 @@ import numpy as np
 
 from meshgroups.layout import Layout, Topology
 from meshgroups.transfer import (
+    ALIASES,
     MODELS,
     PRESET_MAPS,
     NameMap,
@@ -289,7 +290,12 @@ def register(sub: Any) -> argparse.ArgumentParser:
         default=1 << 16,
         help="cut pieces on multiples of this many bytes to balance senders (default 65536)",
     )
-    p.add_argument("--model", default="small", choices=sorted(MODELS), help="a preset model (default small)")
+    p.add_argument(
+        "--model",
+        default="small",
+        choices=[*MODELS, *ALIASES],
+        help="a preset model, the package's one set (meshgroups.models.PRESETS; default small)",
+    )
     p.add_argument("--weights", metavar="FILE", help='JSON {"src": [...], "dst": [...]} instead of --model')
     p.add_argument(
         "--name-map",

@@ -11,40 +11,70 @@ budget, ordered by the bytes over the slowest level they cross (not a predicted 
     >>> from meshgroups.cost import peak_memory, preset, traffic
     >>> lay = Layout(dp_shard=4, tp=2)
     >>> peak_memory(preset("tiny"), lay).params
-    37152
+    45344
     >>> traffic(preset("tiny"), lay, Topology(node=2)).slowest_level
     'world'
 """
 
 from __future__ import annotations
 
-from .calls import Collective, collectives
-from .enumerate import Candidate, enumerate_layouts
-from .memory import RankMemory, activation_bytes_per_layer, peak_memory, rank_memory
-from .model import PRESETS, Model, preset
-from .report import SORT_KEYS, cost_report, format_bytes, sort_candidates, table
-from .roles import DTYPE_BYTES, ROLES, Parallelism, Precision, bubble_fraction
-from .traffic import Traffic, traffic
+from meshgroups.cost._activations import activation_bytes_per_layer, korthikanti_bytes_per_layer
+from meshgroups.cost._calls import Collective, collectives
+from meshgroups.cost._enumerate import Candidate, enumerate_layouts
+from meshgroups.cost._model import PRESETS, Model, preset
+from meshgroups.cost._peak import Fit, RankMemory, fit, peak_memory, rank_memory
+
+# SORT_KEYS, ATTENTION, DTYPE_BYTES, RECOMPUTE: not in __all__, for the CLI's cost command.
+from meshgroups.cost._report import (
+    SORT_KEYS,
+    breakdown,
+    breakdown_html,
+    cost_report,
+    format_bytes,
+    html_table,
+    sort_candidates,
+    table,
+)
+from meshgroups.cost._roles import (
+    ATTENTION,
+    DTYPE_BYTES,
+    RECOMPUTE,
+    ROLES,
+    Parallelism,
+    Precision,
+    bubble_fraction,
+)
+from meshgroups.cost._states import States, rank_states
+from meshgroups.cost._traffic import Traffic, traffic
 
 __all__ = [
     "PRESETS",
+    "ROLES",
     "Candidate",
     "Collective",
+    "Fit",
     "Model",
     "Parallelism",
     "Precision",
     "RankMemory",
+    "States",
     "Traffic",
     "activation_bytes_per_layer",
+    "breakdown",
+    "breakdown_html",
     "bubble_fraction",
     "collectives",
     "cost_report",
     "enumerate_layouts",
+    "fit",
+    "format_bytes",
+    "html_table",
+    "korthikanti_bytes_per_layer",
     "peak_memory",
     "preset",
     "rank_memory",
+    "rank_states",
+    "sort_candidates",
     "table",
     "traffic",
 ]
-
-# Not in __all__: for the CLI's cost command (the sort keys, byte formatting, dtypes, roles).

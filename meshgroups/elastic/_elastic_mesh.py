@@ -1,33 +1,5 @@
 """A training job that loses ranks and keeps going: ``Elastic`` holds the mesh, the live ranks,
-the spares and the verdicts.
-
-    >>> el = Elastic(Layout(dp_replicate=2, dp_shard=2, tp=2), spares=(8, 9))   # doctest: +SKIP
-    >>> while training:                                                          # doctest: +SKIP
-    ...     try:
-    ...         with el.step():
-    ...             train_step(el.mg)
-    ...     except RanksLostError as lost:           # every survivor, the same lost ranks
-    ...         model.reset_iter_state()         # FSDP2: the failed step's unsharded params out
-    ...         mg = el.shrink()                 # None on a rank that became a spare
-    ...         ...                              # rebuild the model on el.mg, from the state kept
-
-- ``Elastic(...)`` is collective over the layout's ranks and the spares (every one calls it):
-  it starts the process's heartbeat (``meshgroups.mesh._liveness``: the liveness every meshgroups
-  wait uses) and builds the layout with ``strategy="local"``.
-- ``step()`` guards one training step: an exception inside (a collective that lost its peer:
-  gloo's ``Connection closed by peer``, or a timeout) is published, the ranks agree who is lost
-  (``meshgroups.elastic._verdict``), and every survivor raises ``RanksLostError`` naming the same ranks (or
-  ``StepFailedError`` when every rank is alive); a rank that was too late raises ``ExcludedError``.
-  Failures are counted by step: a rank still finishing step k when a peer fails in step k + 1
-  gets through step k and fails in step k + 1 as the others did, so every rank names the same step.
-- ``shrink()`` drops the replicas that hold lost ranks and rebuilds over the survivors
-  (``meshgroups.elastic._recover.rebuild``: unchanged groups are the same objects); ``grow(ranks)``
-  admits spares as new replicas; spares wait in ``standby()``.
-- ``group``: a process group over the live members — what needs a world-wide group (the
-  default group holds the dead ranks forever).
-
-The store must outlive every worker (torchrun's agent store, or a store process): the default
-``tcp://`` rendezvous hosts it in rank 0, and losing rank 0 then loses the store.
+the spares and the verdicts (its docstring says how).
 """
 
 from __future__ import annotations
@@ -41,6 +13,7 @@ import numpy as np
 import torch.distributed as dist
 
 from meshgroups import _deprecated
+from meshgroups._lifecycle import Closeable
 from meshgroups.elastic._plans import RecoveryPlan, plan_grow, plan_shrink, plan_substitute, replicate_dim
 from meshgroups.elastic._recover import rebuild
 from meshgroups.elastic._unblock import StepWatcher, own_store, publish_state, severed_pairs, store_port
@@ -64,13 +37,55 @@ from meshgroups.mesh import (
     default_store,
     default_timeout,
     init_mesh,
+    merge_options,
     set_cohort,
     start_heartbeat,
 )
 
 
-class Elastic:
-    """See the module docstring.
+class Elastic(Closeable):
+    """A training job that loses ranks and keeps going: the mesh, the live ranks, the spares
+    and the verdicts.
+
+    - ``Elastic(...)`` is collective over the layout's ranks and the spares (every one calls it):
+      it starts the process's heartbeat (the liveness every meshgroups wait uses) and builds
+      the layout with ``strategy="local"``.
+    - ``step()`` guards one training step: an exception inside (a collective that lost its peer:
+      gloo's ``Connection closed by peer``, or a timeout) is published, the ranks agree who is
+      lost (``agree_lost``), and every survivor raises ``RanksLostError`` naming the same ranks
+      (or ``StepFailedError`` when every rank is alive); a rank that was too late raises
+      ``ExcludedError``. Failures are counted by step: a rank still finishing step k when a peer
+      fails in step k + 1 gets through step k and fails in step k + 1 as the others did.
+    - ``shrink()`` drops the replicas that hold lost ranks and rebuilds over the survivors
+      (``meshgroups.elastic.rebuild``: unchanged groups are the same objects); ``grow(ranks)``
+      admits spares as new replicas; spares wait in ``standby()``.
+    - ``live_group``: a process group over the live members — what needs a world-wide group
+      (the default group holds the dead ranks forever).
+
+    The store must outlive every worker (torchrun's agent store, or a store process): the
+    default ``tcp://`` rendezvous hosts it in rank 0, and losing rank 0 then loses the store.
+    On a one-process world (in a job, every rank of the layout and every spare calls it)::
+
+        >>> import torch.distributed as dist
+        >>> from meshgroups import Elastic, Layout
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> with Elastic(Layout(dp=1, tp=1)) as el:
+        ...     with el.step():  # one guarded training step, on el.mg
+        ...         pass
+        ...     el.mg.ranks("dp"), el.members, el.dim
+        ([0], (0,), 'dp')
+        >>> dist.destroy_process_group()
+
+    A job's loop, where ranks die (several processes; the whole program: ``docs/elastic.md``)::
+
+        while training:
+            try:
+                with el.step():
+                    train_step(el.mg)
+            except RanksLostError:        # every survivor, the same lost ranks
+                model.reset_iter_state()  # FSDP2: the failed step's unsharded params out
+                mg = el.shrink()          # None on a rank that became a spare
+                ...                       # rebuild the model on el.mg, from the state kept
 
     Args:
         layout: the starting layout (over part or all of the default group's world).
@@ -88,9 +103,14 @@ class Elastic:
             (SIGSTOP); a rank that exited is lost at once (default ``max(5 * heartbeat, 5)``,
             ``MeshOptions.lease``'s default). Every wait of the meshes built here uses them.
         device_type, backend: as for ``init_mesh``.
+        options: a ``MeshOptions`` instead of ``timeout``, ``device_type`` and ``backend``
+            (its strategy ``"auto"`` or ``"local"``: every mesh is built with ``"local"``;
+            its ``heartbeat`` and ``lease`` are replaced by ``heartbeat`` and ``stale_after``).
 
     Raises:
-        MeshConfigError: spares inside the layout, no replicate dim; what ``init_mesh`` raises.
+        TypeError: ``options`` together with one of the keywords it replaces.
+        MeshConfigError: spares inside the layout, no replicate dim, an ``options.strategy``
+            other than ``"auto"``/``"local"``; what ``init_mesh`` raises.
     """
 
     def __init__(
@@ -106,24 +126,33 @@ class Elastic:
         stale_after: float | None = None,
         device_type: str = "cpu",
         backend: str | None = None,
+        options: MeshOptions | None = None,
     ) -> None:
         self.rank = dist.get_rank()
+        keywords = MeshOptions(device_type=device_type, backend=backend, timeout=timeout)
+        given, refusal = merge_options(options, keywords)
+        if refusal is not None:
+            raise TypeError(refusal)
+        if given.strategy not in ("auto", "local"):
+            raise MeshConfigError(
+                f"Elastic builds every mesh with strategy='local' (after a loss the ranks hold different "
+                f"groups), got options.strategy={given.strategy!r}"
+            )
         self.layout = layout
         self.spares: tuple[int, ...] = tuple(sorted(int(r) for r in spares))
         inside = [r for r in self.spares if r in layout]
         if inside:
             raise MeshConfigError(f"spares {inside} are inside the layout; spares are idle ranks outside it")
         self.dim = dim if dim is not None else replicate_dim(layout)
-        wait = as_timedelta(timeout, default_timeout())
+        wait = as_timedelta(given.timeout, default_timeout())
         self.verdict_timeout = _seconds("verdict_timeout", verdict_timeout, 2 * wait.total_seconds() + 5)
         beat = _seconds("heartbeat", heartbeat, 1.0)
         self.stale_after = _seconds("stale_after", stale_after, max(5 * beat, MeshOptions().lease))
         # One value for every mesh this object builds (the main mesh, the members' group, each
         # rebuild): local synchronisation, because after a loss the ranks hold different groups;
-        # layouts over part of the ranks (spares, dropped replicas) by design.
-        self.options = MeshOptions(
-            device_type=device_type,
-            backend=backend,
+        # layouts over part of the ranks (spares, dropped replicas) by design; the liveness of
+        # every wait is this object's heartbeat and lease.
+        self.options = given.replace(
             timeout=wait,
             strategy="local",
             partial=True,
@@ -195,8 +224,9 @@ class Elastic:
     # ------------------------------------------------------------------ failures
     @contextmanager
     def step(self) -> Iterator[None]:
-        """Guard one step (see the module docstring). Raises ``RanksLostError`` / ``StepFailedError`` on
+        """Guard one step (see ``Elastic``). Raises ``RanksLostError`` / ``StepFailedError`` on
         every live member alike, ``ExcludedError`` on a rank declared lost."""
+        self._check_open("step()")
         if self.is_spare:
             raise MeshConfigError(f"rank {self.rank} is a spare: call standby(), not step()")
         self._steps += 1
@@ -224,6 +254,7 @@ class Elastic:
         whose collectives all succeeded would otherwise step while its peers did not). Raises
         (turned into the verdict by ``step()``) as soon as a failure is published or a member's
         heartbeat stops. One store ``add`` and a wait per rank."""
+        self._check_open("commit()")
         number, self._commits = self._commits, self._commits + 1
         commit(
             self.store,
@@ -282,6 +313,7 @@ class Elastic:
         members that it holds; members outside it become spares. Collective over the new
         layout's ranks (the others only close their mesh). Returns the mesh, ``None`` on a
         rank that became a spare."""
+        self._check_open("rebuild()")
         layout = layout if layout is not None else self.layout
         ranks = tuple(sorted(layout.grid.ravel().tolist()))
         dropped = [r for r in self.members if r not in ranks]
@@ -322,6 +354,7 @@ class Elastic:
         """Drop every replica (index of ``dim``) holding a lost rank (default: the last
         verdict's) and rebuild over the rest; the dropped replicas' live ranks become spares.
         Returns the mesh, ``None`` on a rank that became a spare."""
+        self._check_open("shrink()")
         self.plan = plan_shrink(self.layout, self._lost(lost), dim=self.dim, flatten=self.flatten)
         return self.rebuild(self.plan.new_layout)
 
@@ -331,6 +364,7 @@ class Elastic:
         lost a rank, and that node's live ranks leave (they become spares), so node-local dims
         stay node-local. Collective over the new layout's ranks, the admitted spares joining
         through ``standby()``; returns the mesh (``None`` on a rank that left)."""
+        self._check_open("substitute()")
         topology = Topology(node=node) if node is not None else None
         self.plan = plan_substitute(
             self.layout, self._lost(lost), self.spares, topology=topology, flatten=self.flatten
@@ -349,6 +383,7 @@ class Elastic:
         """Admit ``ranks`` (spares in ``standby()``) as new replicas along ``dim`` (each replica's
         ranks fill it in row-major order) and rebuild over everyone; collective over the
         current members, the admitted ranks join through ``standby()``."""
+        self._check_open("grow()")
         admitted = [int(r) for r in ranks]
         missing = [r for r in admitted if r not in self.spares]
         if missing:
@@ -376,6 +411,7 @@ class Elastic:
     def standby(self, timeout: float | None = None) -> MeshGroups:
         """On a spare: wait (``timeout`` seconds, default forever) until ``grow`` admits this
         rank; returns the new mesh. Raises ``TimeoutError`` when not admitted in time."""
+        self._check_open("standby()")
         key = f"{KEY}/admit/{self.rank}"
         wait = timedelta(seconds=timeout) if timeout is not None else timedelta(days=365)
         try:
@@ -399,10 +435,9 @@ class Elastic:
         self.mg = self._world = None
         return destroyed
 
-    def close(self) -> int:
-        """Close the meshes, leave the cohort (local, like ``MeshGroups.close``). Idempotent.
-        Returns the number of process groups destroyed on this rank. (The heartbeat is the
-        process's: it beats until the process exits, for every meshgroups wait.)"""
+    def _release(self) -> int:
+        # close(): close the meshes, leave the cohort (the heartbeat is the process's: it beats
+        # until the process exits, for every meshgroups wait)
         destroyed = self._drop_meshes()
         self._watcher.close()
         set_cohort(None)
@@ -410,9 +445,6 @@ class Elastic:
 
     def __enter__(self) -> Elastic:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _seconds(name: str, value: float | None, default: float) -> float:

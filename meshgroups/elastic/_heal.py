@@ -6,9 +6,6 @@ holds no values. ``fill_replicas`` moves them with the weight-transfer machinery
 old replicas, the destination its new ones, every tensor placed as its DTensor says. One code
 path: the plan picks the senders (fewest cross-node bytes, even send load), the transfer
 checks shapes, dtypes and pairing, and a failure is a ``TransferError`` on every rank.
-
-    >>> state = training_state(model, optimizer)                 # doctest: +SKIP
-    >>> fill_replicas(el.layout, el.dim, el.grown, state)         # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -44,7 +41,16 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     After a step that failed inside ``forward()`` or ``backward()``, FSDP2 still holds the
     failed step's unsharded parameters: call ``reset_iter_state()`` on the root FSDP module
     first (torch's recovery call), or a model whose parameters are none of the optimizer's is
-    refused here (``ValueError``) rather than read without its optimizer state."""
+    refused here (``ValueError``) rather than read without its optimizer state::
+
+        >>> import torch
+        >>> from meshgroups.elastic import init_optimizer_state, training_state
+        >>> model = torch.nn.Linear(2, 2, bias=False)
+        >>> optimizer = torch.optim.Adam(model.parameters())
+        >>> init_optimizer_state(model, optimizer)
+        >>> sorted(training_state(model, optimizer))
+        ['weight', 'weight.exp_avg', 'weight.exp_avg_sq', 'weight.step']
+    """
     out: dict[str, Any] = dict(model.named_parameters())
     if optimizer is not None and optimizer.state and not any(p in optimizer.state for p in out.values()):
         raise ValueError(
@@ -63,7 +69,16 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
 
 def init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Give a new replica's optimizer its state tensors (one step on zero gradients), so they
-    exist to be filled; the values it writes are overwritten by ``fill_replicas``. Local."""
+    exist to be filled; the values it writes are overwritten by ``fill_replicas``. Local::
+
+        >>> import torch
+        >>> from meshgroups.elastic import init_optimizer_state
+        >>> model = torch.nn.Linear(2, 2, bias=False)
+        >>> optimizer = torch.optim.Adam(model.parameters())
+        >>> init_optimizer_state(model, optimizer)
+        >>> sorted(optimizer.state[model.weight])
+        ['exp_avg', 'exp_avg_sq', 'step']
+    """
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
     optimizer.step()
@@ -228,6 +243,13 @@ def fill_replicas(
             survivors have, or the other way round), described differently by two ranks of one
             stage, or placed over different mesh dims on different ranks.
         TransferError: on every rank, when any rank failed (see ``execute``).
+
+    On every rank of the job, after ``Elastic.grow`` admitted new replicas (a world of several
+    processes: not run here)::
+
+        >>> init_optimizer_state(model, optimizer)  # the new replicas' ranks  # doctest: +SKIP
+        >>> state = training_state(model, optimizer)  # doctest: +SKIP
+        >>> report = fill_replicas(el.layout, el.dim, el.grown, state)  # doctest: +SKIP
     """
     size = layout.size(dim)
     fresh = sorted({int(i) for i in new})

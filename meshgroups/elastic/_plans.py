@@ -2,14 +2,7 @@
 what happens to every group (numpy only, no torch, no communication).
 
 Three moves, each a pure function of the layout and the ranks named, so every survivor computes
-the same plan on its own::
-
-    >>> lay = Layout(pp=2, dp=4, tp=2)
-    >>> plan = plan_shrink(lay, [5])            # rank 5 is in replica dp=2
-    >>> plan.new_layout.shape, plan.index_map, plan.spares
-    ((2, 3, 2), (0, 1, 3), (4, 12, 13))
-    >>> plan.status(0, "tp"), plan.status(0, "dp"), plan.status(4, "tp")
-    ('kept', 'created', 'gone')
+the same plan on its own (each function's docstring shows one):
 
 - :func:`plan_shrink` drops every replica (index of the replicate dim) holding a lost rank; the
   survivors keep their coordinates except along that dim (renumbered densely, old order kept);
@@ -105,6 +98,14 @@ def plan_shrink(
     Raises:
         RecoveryError: no lost rank, a repeated one, one not in the layout, an unknown dim,
             every replica hit, a view or subset that cannot follow.
+
+    >>> from meshgroups import Layout
+    >>> from meshgroups.elastic import plan_shrink
+    >>> plan = plan_shrink(Layout(pp=2, dp=4, tp=2), [5])  # rank 5 is in replica dp=2
+    >>> plan.new_layout.shape, plan.index_map, plan.spares
+    ((2, 3, 2), (0, 1, 3), (4, 12, 13))
+    >>> plan.status(0, "tp"), plan.status(0, "dp"), plan.status(4, "tp")
+    ('kept', 'created', 'gone')
     """
     dim = replicate_dim(layout, dim)
     lost_t = _ranks(lost, "lost", layout, must_be_in=True)
@@ -158,6 +159,14 @@ def plan_substitute(
     Raises:
         RecoveryError: no lost rank, a repeated rank, a lost rank not in the layout, a spare in
             the layout or lost, a spare node that is not complete, too few spares.
+
+    >>> from meshgroups import Layout
+    >>> from meshgroups.elastic import plan_substitute
+    >>> plan = plan_substitute(Layout(dp=2, tp=2), lost=[1], spares=[4, 5])
+    >>> plan.replacements, plan.new_layout
+    ({1: 4}, Layout(dp=2, tp=2, grid=[0, 4, 2, 3]))
+    >>> plan.role(4), plan.role(5), plan.status(0, "tp"), plan.status(2, "tp")
+    ('admitted', 'spare', 'created', 'kept')
     """
     _check_layout(layout)
     lost_t = _ranks(lost, "lost", layout, must_be_in=True)
@@ -210,6 +219,14 @@ def plan_grow(
         RecoveryError: no rank, a repeated one, one already in the layout, a count that is not
             a multiple of the replica size, an unknown dim, a view without the dim, or (with a
             topology) a family that would leave the level it was inside.
+
+    >>> from meshgroups import Layout
+    >>> from meshgroups.elastic import plan_grow
+    >>> plan = plan_grow(Layout(dp=2, tp=2), ranks=[4, 5])  # one more dp replica
+    >>> plan.new_layout, plan.index_map, plan.admitted
+    (Layout(dp=3, tp=2), (0, 1, None), (4, 5))
+    >>> plan.status(0, "tp"), plan.status(0, "dp")
+    ('kept', 'created')
     """
     dim = replicate_dim(layout, dim)
     ranks_t = _ranks(ranks, "ranks", layout, must_be_in=False)

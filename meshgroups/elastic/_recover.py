@@ -1,7 +1,7 @@
 """Rebuild a mesh for a new layout over the live ranks, keeping every group that did not change.
 
 ``rebuild(old, new_layout)`` is one collective call over the current cohort (the live ranks,
-``meshgroups.mesh._cohort``; the default group's world when there is none):
+``meshgroups.mesh.Cohort``; the default group's world when there is none):
 
 1. **Out-of-step groups are retired.** Every group this rank holds whose members are all live
    is a candidate for reuse. Its members publish their torch sequence number for it (how many
@@ -20,10 +20,6 @@ Over a cohort smaller than the world (after a loss) the mesh must be built with
 ranks' caches differ (a survivor holds groups a spare never made; a retired group is gone on
 its members only), and only the local strategy lets each rank skip the groups it already has.
 Over the whole world (no loss, or torch's fake backend) ``"global"`` meshes rebuild too.
-
-    >>> new = rebuild(old_mg, plan.new_layout)       # doctest: +SKIP
-    >>> new.group("tp") is old_tp_group               # doctest: +SKIP
-    True
 """
 
 from __future__ import annotations
@@ -61,6 +57,17 @@ def mesh_options(mg: MeshGroups) -> dict[str, Any]:
 
     Returns:
         A new dict of ``init_mesh`` keywords.
+
+    >>> import torch.distributed as dist
+    >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+    >>> from meshgroups import Layout, init_mesh
+    >>> from meshgroups.elastic import mesh_options
+    >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)  # 1 of 8
+    >>> with init_mesh(Layout(dp=2, tp=4), flatten=[("dp", "tp")]) as mg:
+    ...     opts = mesh_options(mg)
+    >>> opts["flatten"], opts["device_type"], opts["only"]
+    ((('dp', 'tp'),), 'cpu', None)
+    >>> dist.destroy_process_group()
     """
     return {**mg.options.kwargs(), "flatten": mg.declared_flatten, "only": mg.declared_only}
 
@@ -78,7 +85,22 @@ def rebuild(
     broken: Collection[tuple[int, int]] = (),
 ) -> MeshGroups:
     """Build ``new_layout`` over the current cohort, reusing ``old``'s unchanged groups, then
-    close ``old`` (see the module docstring). Collective over the cohort's members.
+    close ``old``. Collective over the cohort's members (``Elastic`` runs it over the
+    survivors); here over the whole of a stand-in world (torch's ``"fake"`` backend, rank 5 of
+    8), after ``plan_shrink`` dropped replica 0::
+
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from meshgroups import Layout, init_mesh
+        >>> from meshgroups.elastic import plan_shrink, rebuild
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+        >>> old = init_mesh(Layout(dp=2, tp=4))
+        >>> tp = old.group("tp")
+        >>> new = rebuild(old, plan_shrink(old.layout, lost=[1]).new_layout)
+        >>> new.layout, new.group("tp") is tp, old.closed  # the same tp group, kept
+        (Layout(dp=1, tp=4, rank_offset=4), True, True)
+        >>> closed = new.close()
+        >>> dist.destroy_process_group()
 
     Args:
         old: the live mesh of the previous layout; ``None`` on a rank that holds none (a spare

@@ -1,4 +1,4 @@
-"""``RecoveryPlan``: the value :mod:`meshgroups.elastic._plans` returns, and its queries.
+"""``RecoveryPlan``: the value ``plan_shrink``, ``plan_substitute`` and ``plan_grow`` return.
 
 Per-rank queries cost O(ndim + lost): a rank's coordinates in the old layout and the plan's few
 facts (the dropped indices, the renamed ranks, the admitted ranks) decide everything. Lists over
@@ -37,6 +37,12 @@ class FamilyChange:
         kept: groups present before and after (same ranks, same order): reuse their groups.
         created: groups after that did not exist before.
         gone: groups before that no longer exist.
+
+    >>> from meshgroups import Layout
+    >>> from meshgroups.elastic import plan_shrink
+    >>> change = plan_shrink(Layout(pp=2, dp=4, tp=2), [5]).change("tp")  # a FamilyChange
+    >>> change.label, change.counts(), change.gone.tolist()
+    ('tp', {'kept': 6, 'created': 0, 'gone': 2}, [[4, 5], [12, 13]])
     """
 
     key: Hashable
@@ -55,8 +61,16 @@ class FamilyChange:
 
 
 class RecoveryPlan:
-    """Old layout + lost ranks → new layout and the fate of every group; see
-    :mod:`meshgroups.elastic._plans`. Built by ``plan_shrink`` / ``plan_substitute`` / ``plan_grow``.
+    """Old layout + lost ranks → new layout and the fate of every group, the same on every
+    survivor (numpy only). Built by ``plan_shrink`` / ``plan_substitute`` / ``plan_grow``::
+
+        >>> from meshgroups import Layout
+        >>> from meshgroups.elastic import plan_shrink
+        >>> plan = plan_shrink(Layout(pp=2, dp=4, tp=2), lost=[5])
+        >>> plan
+        RecoveryPlan(shrink, Layout(pp=2, dp=4, tp=2) -> {'pp': 2, 'dp': 3, 'tp': 2}, lost=[5], spares=3, admitted=0)
+        >>> plan.role(5), plan.role(4), plan.role(6), plan.new_coords(6)
+        ('lost', 'spare', 'survivor', {'pp': 0, 'dp': 2, 'tp': 0})
 
     Attributes:
         kind: ``"shrink"``, ``"substitute"`` or ``"grow"``.
@@ -394,7 +408,11 @@ class RecoveryPlan:
 
 
 def family_label(key: Hashable) -> str:
-    """A family key as torch names it: ``("dp", "cp")`` → ``"dp_cp"``, a subset's name as is."""
+    """A family key as torch names it: ``("dp", "cp")`` → ``"dp_cp"``, a subset's name as is::
+
+    >>> family_label(("dp", "cp")), family_label("embd")
+    ('dp_cp', 'embd')
+    """
     return key if isinstance(key, str) else "_".join(key)  # type: ignore[arg-type]
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from meshgroups.errors import ExcludedError
+from meshgroups.errors import ExcludedError, StepAbortedError
 from meshgroups.mesh import Heartbeat, Liveness, Staleness, heartbeat_key
 
 KEY = "meshgroups/elastic"
@@ -46,7 +46,15 @@ _ABSENT = "\x00"
 @dataclass(frozen=True)
 class Verdict:
     """The decision of one epoch: ``survivors`` (checked in) and ``lost`` (members that did
-    not), ``why`` the rule that decided it, ``cause`` the first failure a rank published."""
+    not), ``why`` the rule that decided it, ``cause`` the first failure a rank published.
+    ``agree_lost`` returns it, the same on every survivor::
+
+        >>> import torch.distributed as dist
+        >>> from meshgroups.elastic import agree_lost
+        >>> verdict = agree_lost(dist.HashStore(), epoch=1, members=[0], rank=0, timeout=5.0, stale_after=5.0)
+        >>> verdict.survivors, verdict.lost, verdict.why
+        ((0,), (), 'every member reported')
+    """
 
     epoch: int
     survivors: tuple[int, ...]
@@ -151,9 +159,25 @@ def agree_lost(
     poll: float = 0.05,
     observer: Liveness | None = None,
 ) -> Verdict:
-    """Check in for ``epoch`` and return its verdict over ``members`` (see the module
-    docstring); bounded by ``timeout`` seconds plus a few store round trips. ``observer``:
-    the process's liveness observer (it remembers earlier looks); default a new one.
+    """Check in for ``epoch`` and return its verdict over ``members``, decided once through
+    ``store`` and the same on every live rank: the members that checked in before the decision
+    survive. It is decided when every member checked in, or every missing one is gone (its
+    process exited, or its heartbeat is older than ``stale_after`` seconds: stopped
+    responding), or ``timeout`` seconds passed (hung); bounded by ``timeout`` plus a few store
+    round trips, polling every ``poll`` seconds. ``observer``: the process's liveness observer
+    (it remembers earlier looks); default a new one. A member that never beat (no meshgroups
+    call yet) is not judged: it is waited for up to ``timeout``. Rank 1 beat once, then
+    stopped (SIGKILL, SIGSTOP), and never checks in::
+
+        >>> import torch.distributed as dist
+        >>> from meshgroups.elastic import agree_lost
+        >>> from meshgroups.mesh import heartbeat_key
+        >>> store = dist.HashStore()
+        >>> store.add(heartbeat_key(1), 1)
+        1
+        >>> v = agree_lost(store, epoch=1, members=[0, 1], rank=0, timeout=5.0, stale_after=0.1)
+        >>> v.survivors, v.lost, v.why.split(" (")[0]
+        ((0,), (1,), 'rank 1 stopped responding')
 
     Raises:
         ExcludedError: this rank checked in after the decision (it is among the lost).
@@ -193,11 +217,6 @@ def agree_lost(
         raise _excluded(epoch, rank, roll)
     cause = _read(store, _key(epoch, "failed"))
     return Verdict(epoch, survivors, lost, _closed_why(roll), "" if cause == _ABSENT else cause)
-
-
-class StepAbortedError(RuntimeError):
-    """``commit`` saw a failure (published, or a member's heartbeat stopped): the step must not
-    be applied; ``Elastic.step()`` turns it into the verdict."""
 
 
 def commit(

@@ -15,14 +15,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from meshgroups.engines.worlds import TransferWorld
+    from meshgroups.engines._worlds import TransferWorld
 
 __all__ = ["TransferWorld"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "TransferWorld":  # torch: loaded on first use
-        from meshgroups.engines.worlds import TransferWorld
+        from meshgroups.engines._worlds import TransferWorld
 
         return TransferWorld
     raise AttributeError(f"module 'meshgroups.engines' has no attribute {name!r}")

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from meshgroups._checks import MAX_RANK, MAX_WORLD_SIZE, check_int, formula, product, short_repr
 from meshgroups.layout._algebra import keep
-from meshgroups.layout._core import Layout, register_html_renderer
+from meshgroups.layout._core import Layout
+from meshgroups.layout._identity import register_html_renderer
 from meshgroups.layout._layout_topology import Locality
 from meshgroups.layout._order import megatron_order, parse_order
 from meshgroups.layout._placement import infer, place

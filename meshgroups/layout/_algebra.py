@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -128,6 +128,7 @@ def keep(layout: Layout, axis: int, picked: list[int]) -> Layout:
     evenly spaced indices of an affine layout stay affine in O(ndim), others take one copy of
     the kept positions (no sort).
 
+        >>> from meshgroups import Layout
         >>> keep(Layout(dp=4, tp=2), 0, [0, 1, 3]).groups("dp").tolist()
         [[0, 2, 6], [1, 3, 7]]
     """
@@ -151,3 +152,27 @@ def keep(layout: Layout, axis: int, picked: list[int]) -> Layout:
         grid = affine_take(layout.shape, strides, layout.rank_offset, axis, picked)
         return type(layout)._derived(layout.names, grid, affine=False)
     return type(layout)._derived(layout.names, np.take(layout.grid, picked, axis=axis))
+
+
+class LayoutAlgebra:
+    """The algebra as ``Layout``'s methods (a mixin; the functions above do the work)."""
+
+    def flatten(self, *dims: str, name: str | None = None) -> Layout:
+        """Merge ``dims`` into one dim named ``name`` (default: the names joined by ``_``).
+
+        The merged dim takes the place of the outermost merged dim; its ranks follow the
+        layout's order, so ``flatten("dp", "cp").groups("dp_cp")`` equals ``groups("dp", "cp")``.
+        """
+        return flatten(cast("Layout", self), *dims, name=name)
+
+    def split(self, dim: str, /, **subdims: int) -> Layout:
+        """Unflatten ``dim`` into ``subdims`` (outermost first), e.g.
+        ``split("dp", dp_replicate=2, dp_shard=4)``; the sizes must multiply to ``dim``'s size."""
+        return split(cast("Layout", self), dim, **subdims)
+
+    def select(self, dim: str, indices: int | Iterable[int], /) -> Layout:
+        """The sub-layout keeping only ``indices`` of ``dim`` (negative indices allowed;
+        repeated indices collapse). ``select("pp", [0, -1])`` gives Megatron's embedding ranks
+        (with ``pp=4``: stages 0 and 3). Views are not carried over: the result covers fewer
+        ranks."""
+        return select(cast("Layout", self), dim, indices)

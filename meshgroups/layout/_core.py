@@ -1,14 +1,5 @@
 """``Layout``: a named n-D grid of global ranks, as an immutable value (numpy only, never torch).
 
-The first dim is the outermost (slowest varying), the last the innermost (contiguous ranks),
-as in ``init_device_mesh``, torchtitan and JAX::
-
-    >>> lay = Layout(pp=2, dp=2, cp=1, tp=4)
-    >>> lay.groups("tp")[:2].tolist()
-    [[0, 1, 2, 3], [4, 5, 6, 7]]
-    >>> lay.group_of(5, "dp", "cp").tolist()
-    [1, 5]
-
 The value model. A layout *is* ``(names, shape, strides, offset)`` when its placement is affine
 (``rank = offset + Σ coord·stride`` with non-negative strides that nest; every row-major layout,
 every ``split``/``flatten`` of one, most subsets), plus — only for other placements — an
@@ -27,10 +18,8 @@ O(log W)); affine ones by digit arithmetic (O(ndim)).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from types import MappingProxyType
 from typing import Any
@@ -49,23 +38,23 @@ from meshgroups._checks import (
     short_repr,
 )
 from meshgroups.errors import LayoutError
-from meshgroups.layout import _algebra as algebra
 from meshgroups.layout import _grid
 from meshgroups.layout import _views as views
+from meshgroups.layout._algebra import LayoutAlgebra
+from meshgroups.layout._identity import LayoutIdentity
 from meshgroups.layout._layout_topology import LayoutTopology
 
-#: Functions drawing a layout as HTML for ``Layout._repr_html_``: ``import meshgroups`` registers
-#: one that loads ``meshgroups.render`` on first use; the last one registered wins.
-HTML_RENDERERS: list[Callable[[Layout], str]] = []
 
+class Layout(LayoutTopology, LayoutAlgebra, LayoutIdentity):
+    """A named n-D grid of global ranks, an immutable value. The first dim is the outermost
+    (slowest varying), the last the innermost (contiguous ranks), as in ``init_device_mesh``::
 
-def register_html_renderer(render: Callable[[Layout], str]) -> None:
-    """Make ``render`` what ``Layout._repr_html_`` calls (``import meshgroups`` does)."""
-    HTML_RENDERERS.append(render)
-
-
-class Layout(LayoutTopology):
-    """A named n-D grid of global ranks; see the module docstring.
+        >>> from meshgroups import Layout
+        >>> lay = Layout(pp=2, dp=2, cp=1, tp=4)
+        >>> lay.groups("tp")[:2].tolist()
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
+        >>> lay.group_of(5, "dp", "cp").tolist(), lay.coords(5)
+        ([1, 5], {'pp': 0, 'dp': 1, 'cp': 0, 'tp': 1})
 
     Args:
         dims: ``{"pp": 2, ...}`` or ``[("pp", 2), ...]``; or give sizes as keywords instead.
@@ -426,27 +415,6 @@ class Layout(LayoutTopology):
             return f"ranks {self._offset}..{self.max_rank}"
         return f"{self.world_size} ranks between {self._offset} and {self.max_rank}"
 
-    # ----------------------------------------------------------------------------- algebra
-    def flatten(self, *dims: str, name: str | None = None) -> Layout:
-        """Merge ``dims`` into one dim named ``name`` (default: the names joined by ``_``).
-
-        The merged dim takes the place of the outermost merged dim; its ranks follow the
-        layout's order, so ``flatten("dp", "cp").groups("dp_cp")`` equals ``groups("dp", "cp")``.
-        """
-        return algebra.flatten(self, *dims, name=name)
-
-    def split(self, dim: str, /, **subdims: int) -> Layout:
-        """Unflatten ``dim`` into ``subdims`` (outermost first), e.g.
-        ``split("dp", dp_replicate=2, dp_shard=4)``; the sizes must multiply to ``dim``'s size."""
-        return algebra.split(self, dim, **subdims)
-
-    def select(self, dim: str, indices: int | Iterable[int], /) -> Layout:
-        """The sub-layout keeping only ``indices`` of ``dim`` (negative indices allowed;
-        repeated indices collapse). ``select("pp", [0, -1])`` gives Megatron's embedding ranks
-        (with ``pp=4``: stages 0 and 3). Views are not carried over: the result covers fewer
-        ranks."""
-        return algebra.select(self, dim, indices)
-
     # ------------------------------------------------------------------------------- views
     def with_views(self, /, **views_: Layout) -> Layout:
         """Declare other factorisations of the same ranks, e.g. a dense and an expert layout::
@@ -475,90 +443,4 @@ class Layout(LayoutTopology):
 
     def resolve(self, *dims: str) -> Layout:
         """The factorisation (this layout or one of its views) that has every dim in ``dims``."""
-        owners = [self] + [v for _, v in self._views]
-        for owner in owners:
-            if all(isinstance(d, str) and d in owner._names for d in dims):
-                check_dims(dims, owner._names)  # rejects repeats
-                return owner
-        known = list(self._names) + [n for v in owners[1:] for n in v._names if n not in self._names]
-        for d in dims:
-            if not isinstance(d, str) or d not in known:
-                check_dims((d,), known, "this layout and its views" if self._views else "this layout")
-        where = "; ".join(
-            [f"main: {', '.join(self._names)}"]
-            + [f"view {k!r}: {', '.join(v._names)}" for k, v in self._views]
-        )
-        raise LayoutError(f"dims {dims} are not all in one factorisation ({where})")
-
-    # ------------------------------------------------------------------------ identity
-    @cached_property
-    def _identity(self) -> tuple[Any, ...]:
-        """What equality means: the canonical form (O(ndim) for affine layouts)."""
-        explicit = None if self._ranks is None else hashlib.sha256(self._ranks.tobytes()).hexdigest()
-        return (
-            self._names,
-            self._shape,
-            self._strides,
-            self._offset,
-            explicit,
-            tuple((name, view._identity) for name, view in self._views),
-        )
-
-    def fingerprint(self) -> str:
-        """16 hex chars, equal for equal layouts in any process, different otherwise.
-        O(ndim) for affine layouts (O(W) once for explicit ones)."""
-        return self._fingerprint
-
-    @cached_property
-    def _fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(self._identity).encode()).hexdigest()[:16]
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Layout):
-            return NotImplemented
-        if self is other:
-            return True
-        if (self._names, self._shape, self._strides, self._offset) != (
-            other._names,
-            other._shape,
-            other._strides,
-            other._offset,
-        ):
-            return False
-        if self._ranks is not None and not np.array_equal(self._ranks, other._ranks):  # type: ignore[arg-type]
-            return False
-        return self._views == other._views
-
-    def __hash__(self) -> int:
-        return hash(self._identity)
-
-    # ------------------------------------------------------------------------ serialisation
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-compatible dict; :meth:`from_dict` rebuilds an equal layout."""
-        from meshgroups.layout._serialize import to_dict
-
-        return to_dict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any], /) -> Layout:
-        """The layout of a :meth:`to_dict` dict; unknown keys are refused."""
-        from meshgroups.layout._serialize import from_dict
-
-        return from_dict(cls, data)
-
-    def __repr__(self) -> str:
-        from meshgroups.layout._serialize import layout_repr
-
-        return layout_repr(self)
-
-    def _repr_html_(self) -> str | None:
-        # Drawn by whoever registered in HTML_RENDERERS (the package front, through
-        # meshgroups.render): the core sits below every renderer and imports none. None: the repr.
-        return HTML_RENDERERS[-1](self) if HTML_RENDERERS else None
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_unpickle, (self.to_dict(),))
-
-
-def _unpickle(data: Mapping[str, Any]) -> Layout:
-    return Layout.from_dict(data)
+        return views.resolve(self, dims)

@@ -45,6 +45,7 @@ class LayoutTopology:
         """The smallest level of ``topology`` whose units each hold a whole group of ``dims``
         (``"node"``, ``"domain"``, ...), or ``"world"``::
 
+            >>> from meshgroups import Layout, Topology
             >>> Layout(pp=4, dp=2, tp=8).span("tp", topology=Topology(node=8, domain=32))
             'node'
         """
@@ -68,6 +69,7 @@ class LayoutTopology:
         puts its outer factor across the next level (JAX's hybrid mesh). ``require={"tp":
         "node"}`` makes a wish a constraint (``LayoutError`` naming dim, size and level)::
 
+            >>> from meshgroups import Layout, Topology
             >>> lay = Layout.place({"pp": 2, "dp": 4, "tp": 8}, Topology(node=8), fast_first=["tp"])
             >>> lay.span("tp", topology=Topology(node=8))
             'node'
@@ -83,6 +85,7 @@ class LayoutTopology:
         (every rank alone) are allowed. ``LayoutError`` names a family that is not a factor of
         the others::
 
+            >>> from meshgroups import Layout
             >>> Layout.infer({"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]]})
             Layout(dp=2, tp=2)
         """

@@ -21,7 +21,10 @@ def parse_order(order: str, sizes: Mapping[str, object]) -> list[tuple[str, int]
 
     Rules (each broken one is a ``LayoutError`` naming the token):
     every token needs a size; no token repeats; a size given for a dim missing from ``order``
-    must be 1, and such a dim is added as the outermost (Megatron appends it to the order).
+    must be 1, and such a dim is added as the outermost (Megatron appends it to the order)::
+
+        >>> parse_order("tp-dp", {"tp": 2, "dp": 4, "pp": 1})
+        [('pp', 1), ('dp', 4), ('tp', 2)]
     """
     if not isinstance(order, str):
         raise TypeError(f"order must be a str like 'tp-cp-ep-dp-pp', got {short_repr(order)}")
@@ -56,6 +59,7 @@ def megatron_order(layout: Layout) -> tuple[str | None, str]:
     """``(order, why)``: the Megatron order string whose groups equal ``layout``'s for every dim
     (fastest first; size-1 dims last), or ``None`` and the reason there is none::
 
+        >>> from meshgroups import Layout
         >>> megatron_order(Layout.from_strides(("pp", "dp", "tp"), (2, 4, 2), (8, 1, 4)))
         ('dp-tp-pp', 'the groups of every dim equal those of this Megatron order string')
     """

@@ -41,7 +41,12 @@ def place(
     fast_first: Sequence[str] = (),
     require: Mapping[str, str] | None = None,
 ) -> Layout:
-    """See ``Layout.place``."""
+    """See ``Layout.place``, which calls it with ``cls=Layout``::
+
+    >>> from meshgroups import Layout, Topology
+    >>> place(Layout, {"dp": 4, "tp": 4}, Topology(node=8), fast_first=["dp"])
+    Layout(dp=4, tp=4, strides=(1, 4))
+    """
     if not isinstance(sizes, Mapping) or not sizes:
         raise TypeError(f"sizes must be a non-empty mapping of dim name to size, got {short_repr(sizes)}")
     if not isinstance(topology, Topology):
@@ -191,7 +196,12 @@ def _piece_strides(names: tuple[str, ...], flat: list[tuple[str, int]]) -> list[
 
 
 def infer(cls: type[Layout], groups: Mapping[str, Sequence[Sequence[int]]]) -> Layout:
-    """See ``Layout.infer``."""
+    """See ``Layout.infer``, which calls it with ``cls=Layout``::
+
+    >>> from meshgroups import Layout
+    >>> infer(Layout, {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]]})
+    Layout(dp=2, tp=2)
+    """
     if not isinstance(groups, Mapping) or not groups:
         raise TypeError(
             "infer needs a mapping of family name to a list of rank lists, e.g. {'tp': [[0, 1], [2, 3]]}"

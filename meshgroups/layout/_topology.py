@@ -3,11 +3,7 @@
 A ``Topology`` is a list of named levels from the smallest to the largest — e.g. 8 GPUs per
 ``node``, 32 per NVLink ``domain`` — each the number of *consecutive global ranks* in one unit
 (the torchrun convention: consecutive ranks share a node), each dividing the next. A group stays
-inside a level if all its ranks fall in one unit; the world is the level above all others::
-
-    >>> t = Topology(node=8, domain=32)
-    >>> t.span([[0, 1, 2, 3], [8, 9, 10, 11]]), t.span([[0, 8]]), t.span([[0, 40]])
-    ('node', 'domain', 'world')
+inside a level if all its ranks fall in one unit; the world is the level above all others.
 
 Functions take group arrays as ``Layout.groups`` returns them; ``node_locality`` and
 ``node_split_sizes`` are the one-level case.
@@ -30,7 +26,18 @@ MAX_LEVELS = 32
 
 
 class Topology:
-    """Named levels of consecutive ranks, smallest first; see the module docstring.
+    """Named levels of consecutive ranks, smallest first — e.g. 8 GPUs per ``node``, 32 per
+    NVLink ``domain`` — each the number of consecutive global ranks in one unit, each dividing
+    the next. A group stays inside a level if all its ranks fall in one unit; the world is the
+    level above all others::
+
+        >>> from meshgroups import Topology
+        >>> t = Topology(node=8, domain=32)
+        >>> t.span([[0, 1, 2, 3], [8, 9, 10, 11]]), t.span([[0, 8]]), t.span([[0, 40]])
+        ('node', 'domain', 'world')
+
+    Args:
+        **levels: level sizes in ranks, smallest first (``node=8, domain=32``).
 
     Raises:
         LayoutError: no level, a size that is not a positive int, a level that does not divide
@@ -175,7 +182,14 @@ def _nodes(rows: np.ndarray, ranks_per_node: int) -> np.ndarray:
 
 def node_locality(rows: np.ndarray, ranks_per_node: int) -> Literal["intra", "inter", "mixed"]:
     """``"intra"``: every group on one node; ``"inter"``: every group has each rank on a
-    distinct node; ``"mixed"``: anything else. Single-rank groups count as intra-node."""
+    distinct node; ``"mixed"``: anything else. Single-rank groups count as intra-node.
+    ``rows`` are groups as ``Layout.groups`` returns them; node = rank // ``ranks_per_node``::
+
+        >>> from meshgroups import Layout
+        >>> lay = Layout(dp=2, tp=4)
+        >>> [node_locality(lay.groups(*dims), ranks_per_node=4) for dims in (["tp"], ["dp"], ["dp", "tp"])]
+        ['intra', 'inter', 'mixed']
+    """
     nodes = _nodes(rows, ranks_per_node)
     if (nodes == nodes[:, :1]).all():
         return "intra"

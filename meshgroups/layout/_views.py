@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from meshgroups._checks import check_name, formula
+from meshgroups._checks import check_dims, check_name, formula
 from meshgroups.errors import LayoutError
 
 if TYPE_CHECKING:
@@ -92,3 +92,22 @@ def _first_differing_rank(a: Layout, b: Layout, dim: str) -> int:
         if not np.array_equal(a.group_of(rank, dim), b.group_of(rank, dim)):
             return int(rank)
     return a.rank_offset
+
+
+def resolve(layout: Layout, dims: tuple[str, ...]) -> Layout:
+    """The factorisation (``layout`` or one of its views) that has every dim in ``dims``; a
+    ``LayoutError`` naming the factorisations otherwise."""
+    owners = [layout, *layout.views.values()]
+    for owner in owners:
+        if all(isinstance(d, str) and d in owner.names for d in dims):
+            check_dims(dims, owner.names)  # rejects repeats
+            return owner
+    known = list(layout.names) + [n for v in owners[1:] for n in v.names if n not in layout.names]
+    for d in dims:
+        if not isinstance(d, str) or d not in known:
+            check_dims((d,), known, "this layout and its views" if layout.views else "this layout")
+    where = "; ".join(
+        [f"main: {', '.join(layout.names)}"]
+        + [f"view {k!r}: {', '.join(v.names)}" for k, v in layout.views.items()]
+    )
+    raise LayoutError(f"dims {dims} are not all in one factorisation ({where})")

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
         world_liveness,
     )
     from meshgroups.mesh._mesh_groups import MeshGroups, init_mesh, layout_of, set_group_timeout
-    from meshgroups.mesh._options import MeshOptions
+    from meshgroups.mesh._options import MeshOptions, merge_options
     from meshgroups.mesh._plan import SubsetSpec, as_timedelta
     from meshgroups.mesh._strategies import Strategy
     from meshgroups.mesh._torch_seam import (
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
         default_store,
         default_timeout,
         group_sequence,
+        local_shape_and_offset,
         shrink_nccl_group,
     )
     from meshgroups.mesh._torch_seam.worlds import (
@@ -79,6 +80,7 @@ _WHERE = {
     "Strategy": "_strategies",
     # internal
     "set_cohort": "_cohort",
+    "merge_options": "_options",
     "Call": "_collective",
     "call_numbering": "_collective",
     "set_call_numbering": "_collective",
@@ -98,6 +100,7 @@ _WHERE = {
     "default_store": "_torch_seam",
     "default_timeout": "_torch_seam",
     "group_sequence": "_torch_seam",
+    "local_shape_and_offset": "_torch_seam",
     "shrink_nccl_group": "_torch_seam",
     "default_world": "_torch_seam.worlds",
     "register_world": "_torch_seam.worlds",

@@ -137,8 +137,8 @@ def build_more(
     """A later collective build of families over ``layout`` with the options of an earlier
     ``plan`` (a mesh's ``init_mesh``) and its cache, as part of the call running on this thread;
     ``labels`` name the families (their group description, torch's ``mesh_<name>``),
-    ``backend_override`` is keyed by those names. A layout that a mesh was built over
-    partially may be extended alike (``plan.partial``)."""
+    ``backend_override`` is keyed by those names. ``layout`` is one the mesh holds (its main
+    layout, a view, a subset's), so its coverage was settled when the mesh was built."""
     return build(
         layout,
         device_type=plan.device_type,
@@ -153,7 +153,7 @@ def build_more(
         check=None,
         backend_override=backend_override,
         labels=labels,
-        partial=plan.partial,
+        partial=True,
         heartbeat=plan.liveness[0],
         lease=plan.liveness[1],
         report_every=plan.liveness[2],

@@ -1,21 +1,13 @@
 """The live ranks a collective call runs over: a *cohort*, not the default group's world.
 
 After a rank dies the default group still counts it, and every meeting of the collective
-protocol (``meshgroups.mesh._collective``) would wait for it. A ``Cohort`` names the ranks that take
+protocol (``collective_call``) would wait for it. A ``Cohort`` names the ranks that take
 part (the survivors, plus ranks admitted back) and an *epoch* (one per verdict) that gives the
 calls of this cohort a store namespace of their own: call numbers restart at 1, meetings and
 group-creation keys never meet those of an earlier cohort (where a dead rank may have left keys
 behind, or a failed recovery left a call open).
 
-    >>> from meshgroups.mesh._cohort import Cohort, use_cohort, current_cohort
-    >>> c = Cohort((0, 1, 2, 3, 6, 7), epoch=1)
-    >>> c.leader, c.tag, 5 in c
-    (0, 'e1-', False)
-    >>> with use_cohort(c):
-    ...     current_cohort() is c
-    True
-
-Torch-free: the group over the members (``group``) is filled in by ``meshgroups.elastic._recover``.
+Torch-free: the group over the members (``group``) is filled in by ``meshgroups.elastic.rebuild``.
 """
 
 from __future__ import annotations
@@ -39,9 +31,16 @@ class Cohort:
             until one is built.
         watch: makes a liveness probe for one wait: ``watch()`` returns a function that,
             called repeatedly with the ranks still awaited, returns those of them gone (a
-            ``{rank: how}`` dict, or a list), in place of the process's own observer
-            (``meshgroups.mesh._liveness``) with the call's lease: ``Elastic`` passes the
-            observer with its ``stale_after``. ``None``: the process's observer.
+            ``{rank: how}`` dict, or a list), in place of the process's own liveness observer
+            with the call's lease: ``meshgroups.Elastic`` passes the observer with its
+            ``stale_after``. ``None``: the process's observer.
+
+    After ranks 4 and 5 of 8 died (the first verdict: epoch 1)::
+
+        >>> from meshgroups.mesh import Cohort
+        >>> c = Cohort((0, 1, 2, 3, 6, 7), epoch=1)
+        >>> c.leader, c.tag, 5 in c, len(c)
+        (0, 'e1-', False, 6)
     """
 
     members: tuple[int, ...]
@@ -84,6 +83,10 @@ def current_cohort() -> Cohort | None:
 
     Returns:
         The current ``Cohort``, or ``None``: the default group's world.
+
+    >>> from meshgroups.mesh import current_cohort
+    >>> current_cohort() is None  # no rank was ever lost
+    True
     """
     return _active[0]
 
@@ -106,6 +109,13 @@ def use_cohort(cohort: Cohort | None) -> Iterator[Cohort | None]:
 
     Returns:
         A context manager that yields ``cohort``.
+
+    >>> from meshgroups.mesh import Cohort, current_cohort, use_cohort
+    >>> with use_cohort(Cohort((0, 1, 2, 3, 6, 7), epoch=1)) as c:
+    ...     current_cohort() is c
+    True
+    >>> current_cohort() is None
+    True
     """
     previous = _active[0]
     set_cohort(cohort)

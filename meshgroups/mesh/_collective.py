@@ -18,25 +18,13 @@ initializers' ``init_dist_group``) runs inside ``collective_call(operation)``:
 4. A failed call is **closed** before the next starts: each rank waits (bounded by the call's
    timeout) until every rank that entered it has left, and the last one out deletes the call's
    store keys. So the identical retry, right away, works.
-5. Every wait watches **liveness** (``meshgroups.mesh._liveness``): entering a call starts this
-   process's heartbeat; a rank awaited that has exited or stopped responding ends the wait on
-   every rank with ``RanksGoneError`` naming it, and a rank that is late but alive is logged
-   ("still waiting for ...", with the call number and site) every ``report_every`` seconds.
+5. Every wait watches **liveness** (heartbeats in the store): a rank gone ends it on every rank
+   (``RanksGoneError``); one late but alive is logged ("still waiting for ...") now and then.
 
 Calls nest: a ``collective_call`` opened while another is active on the same thread is part of
 it (``initialize_model_parallel`` calls ``init_mesh``; the number is taken once). A second
 thread is refused with ``ConcurrentInitError``. On torch's ``fake`` backend there is no store to
-meet through and the protocol only numbers calls. Usage, e.g. for a new entry point::
-
-    from meshgroups.mesh._collective import collective_call
-
-    def make_transfer_groups(plan, timeout=None):
-        with collective_call("make_transfer_groups") as call:
-            check(plan)                                    # may raise: every rank raises
-            call.compare(plan=plan.fingerprint())          # compared at the first meeting
-            return init_mesh(plan.layout, only=plan.pairs, timeout=timeout)  # joins this call
-
-or ``@collective_entry("name")`` on a function (``method=True``: named ``Class.method``).
+meet through and the protocol only numbers calls.
 """
 
 from __future__ import annotations
@@ -57,11 +45,9 @@ import torch.distributed as dist
 from meshgroups.errors import ConcurrentInitError, StoreConnectionError
 from meshgroups.mesh._cohort import current_cohort
 from meshgroups.mesh._failure_records import is_shared, shared
-from meshgroups.mesh._liveness import Liveness, start_heartbeat
-from meshgroups.mesh._options import DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_REPORT_EVERY
 from meshgroups.mesh._rendezvous import NAME_MISSING_UP_TO, PREFIX, Meeting
 from meshgroups.mesh._torch_seam import default_backend_name, default_store, default_timeout
-from meshgroups.mesh._waiting import members_lookout
+from meshgroups.mesh._waiting import CallLiveness
 
 F = TypeVar("F", bound=Callable[..., Any])
 _OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -74,7 +60,7 @@ _state: dict[str, Any] = {"group": None, "n": 0, "active": None, "thread": None,
 def call_numbering(fresh: bool = False) -> dict[str, Any]:
     """This process's collective-call numbering (the group it numbers on, the last number, the
     cohort's namespace), to set aside while another world is the default one
-    (``meshgroups.engines.worlds``); ``fresh``: the numbering of a world that made no call yet."""
+    (``meshgroups.engines._worlds``); ``fresh``: the numbering of a world that made no call yet."""
     if fresh:
         return {"group": None, "n": 0, "cohort": ""}
     return {key: _state[key] for key in ("group", "n", "cohort")}
@@ -102,8 +88,8 @@ def _call_site() -> tuple[str, str]:
     return "?", "?"
 
 
-class Call:
-    """One collective call on this rank: its number, operation and meetings.
+class Call(CallLiveness):
+    """One collective call on this rank: its number, operation, meetings and liveness.
 
     Args:
         operation: the operation's name (``"init_mesh"``, ``"flatten"``, ...).
@@ -135,17 +121,7 @@ class Call:
         self.sweep_prefixes: list[str] = []
         self._compared: dict[str, str] = {}
         self.started = time.monotonic()
-        # liveness: this process's observer of the world (set on entering), and the settings
-        # of the call's waits (``use_liveness``: the options of the mesh being built)
-        self.observer: Liveness | None = None
-        self.heartbeat, self.lease, self.report_every = DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_REPORT_EVERY
-
-    def use_liveness(self, heartbeat: float, lease: float, report_every: float) -> None:
-        """The liveness settings of this call's waits from now on (``MeshOptions``' fields,
-        checked by the caller); the process's heartbeat beats every ``heartbeat`` seconds."""
-        self.heartbeat, self.lease, self.report_every = heartbeat, lease, report_every
-        if self.enabled and self.observer is not None:
-            start_heartbeat(self.store, heartbeat, lease, report_every)  # type: ignore[arg-type]
+        self._init_liveness()
 
     # ------------------------------------------------------------------ for entry points
     def compare(self, **arguments: object) -> None:
@@ -220,19 +196,6 @@ class Call:
     def _key(self, name: str) -> str:
         return f"{self.base}/{name}"
 
-    def progress(self, text: str) -> None:
-        """Publish what this rank is doing, so a rank that dies is named with its last words."""
-        if self.enabled:
-            self._op("set", f"meshgroups/last/{self.rank}", f"{self.what} ({self.site}): {text}")
-
-    def last_words(self, ranks: list[int]) -> str:
-        words = []
-        for r in ranks[:4]:
-            key = f"meshgroups/last/{r}"
-            if self._op("check", [key]):
-                words.append(f"; rank {r} last published: {self._op('get', key).decode()}")
-        return "".join(words)
-
     def _op(self, method: str, *args: Any) -> Any:
         try:
             return getattr(self.store, method)(*args)
@@ -246,18 +209,7 @@ class Call:
 
     def enter(self) -> None:
         if self.enabled:
-            # until the call names its own (``use_liveness``), the last settings of this world
-            try:
-                self.observer = start_heartbeat(self.store)  # type: ignore[arg-type]
-            except (RuntimeError, dist.DistError) as exc:
-                raise shared(
-                    StoreConnectionError(
-                        f"rank {self.rank} lost the connection to the rendezvous store entering {self.what} "
-                        f"(the store is hosted by rank 0 under torchrun/tcp://; did it die?): {exc}"
-                    )
-                ) from None
-            self.heartbeat, self.lease = self.observer.heartbeat, self.observer.lease
-            self.report_every = self.observer.report_every
+            self._enter_liveness()
             self.progress("entered")
             self._op("add", self._key("entered"), 1)
 
@@ -306,11 +258,7 @@ class Call:
             deadline = time.monotonic() + self.timeout.total_seconds()
             pause = 0.002
             members = self.members if self.members is not None else range(self.world_size)
-            lookout = (  # (counts who has left, names nobody)
-                members_lookout(self.observer, self.lease, members, self.rank, f"the close of {self.what}")
-                if self.world_size <= NAME_MISSING_UP_TO
-                else None
-            )
+            lookout = self._close_lookout(list(members)) if self.world_size <= NAME_MISSING_UP_TO else None
             while time.monotonic() < deadline:
                 entered, left = self._peek("entered"), self._peek("left")
                 if entered is None or left is None or left >= entered - gone:
@@ -385,6 +333,13 @@ def collective_call(operation: str) -> Iterator[Call]:
         RuntimeError: no initialised default process group.
         ConcurrentInitError: another thread of this process is inside a collective call.
         MismatchError: the ranks made different operations, or called from different lines.
+
+    >>> import torch.distributed as dist
+    >>> from meshgroups.mesh import collective_call
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> with collective_call("make_transfer_groups") as call:  # every rank; init_mesh inside joins it
+    ...     call.compare(plan="9f2c")  # a rank with another plan: MismatchError on every rank
+    >>> dist.destroy_process_group()
     """
     outer = active_call()
     if outer is not None:
@@ -433,11 +388,14 @@ def publish_refusal(operation: str, exc: BaseException) -> None:
     ``exc`` itself. Nothing happens without an initialised default group, or inside a call
     (the outer call publishes it)::
 
-        try:
-            check(arguments)
-        except ValueError as exc:
-            publish_refusal("TPGroupInitializer.init_dist_group", exc)
-            raise
+        >>> from meshgroups.mesh import publish_refusal
+        >>> try:
+        ...     raise ValueError("tp=3 does not divide world_size=4")  # a local check refused
+        ... except ValueError as exc:
+        ...     publish_refusal("TPGroupInitializer.init_dist_group", exc)  # no default group: no-op
+        ...     raise
+        Traceback (most recent call last):
+        ValueError: tp=3 does not divide world_size=4
     """
     if not dist.is_available() or not dist.is_initialized() or active_call() is not None:
         return
@@ -460,6 +418,11 @@ def collective_entry(operation: str, method: bool = False) -> Callable[[F], F]:
 
     Returns:
         The decorator.
+
+    >>> from meshgroups.mesh import collective_entry
+    >>> double = collective_entry("double")(lambda n: 2 * n)  # or @collective_entry("double")
+    >>> double(3)  # no default group here: it runs as is
+    6
     """
 
     def wrap(fn: F) -> F:

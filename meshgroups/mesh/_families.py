@@ -1,7 +1,7 @@
 """The group families one ``MeshGroups`` holds: a handle per family (a dim tuple in layout order,
 or a subset name), the subsets' specs, the cache keys and one-rank pads it must release, and the
 options (plan, check) that later builds — ``flatten``, torch's ``_flatten``/``_unflatten`` —
-reuse. Shared by :class:`~meshgroups.mesh._mesh_groups.MeshGroups` (lookups, lifetime) and
+reuse. Shared by :class:`~meshgroups.MeshGroups` (lookups, lifetime) and
 :class:`~meshgroups.mesh._root_meshes.RootMeshes` (DeviceMeshes).
 """
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from meshgroups.mesh._torch_seam import group_is_live
+
 GroupKey = tuple[tuple[int, ...], str]
 
 
@@ -31,6 +33,16 @@ def backend_key(backend: str | None) -> str:
     '<default>'
     """
     return backend or "<default>"
+
+
+def _destroy(group: dist.ProcessGroup) -> bool:
+    # Torch may have destroyed it already (torch >= 2.15's DeviceMesh.abort() on a meshgroups
+    # mesh, the user's destroy_process_group, the default group's destruction): releasing what
+    # is left must still work, so close() after an abort neither raises nor leaks the rest.
+    if not group_is_live(group):
+        return False
+    dist.destroy_process_group(group)
+    return True
 
 
 @dataclass
@@ -55,6 +67,22 @@ class GroupCache:
         since: the number of the collective call that first filled the cache since it was last
             empty (``None`` while empty); compared across ranks, so a rank passing another cache
             is told rather than left creating different groups.
+
+    Two meshes over the same ranks share their groups (torch's single-process ``"fake"``
+    backend stands in for rank 5 of 8)::
+
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from meshgroups import GroupCache, Layout, init_mesh
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+        >>> cache = GroupCache()
+        >>> a = init_mesh(Layout(dp=2, tp=4), cache=cache)
+        >>> b = init_mesh(Layout(pp=2, dp=1, tp=4), cache=cache)  # its pp is a's dp
+        >>> b.group("tp") is a.group("tp"), b.group("pp") is a.group("dp"), len(cache)
+        (True, True, 3)
+        >>> a.close(), b.close()  # a's groups live on in b; b's close destroys them
+        (0, 3)
+        >>> dist.destroy_process_group()
     """
 
     strategy: str | None = None
@@ -90,7 +118,8 @@ class GroupCache:
 
     def release(self, keys: Iterable[GroupKey], pads: Iterable[dist.ProcessGroup] = ()) -> int:
         """Drop one reference to each key; destroy groups (and ``pads``) no longer used.
-        Returns how many process groups were destroyed."""
+        Returns how many process groups were destroyed (not counting those torch had
+        already destroyed)."""
         destroyed = 0
         for key in keys:
             left = self._refs.get(key, 0) - 1
@@ -100,13 +129,11 @@ class GroupCache:
             self._refs.pop(key, None)
             group = self._groups.pop(key, None)
             if group is not None and group is not dist.group.WORLD:
-                dist.destroy_process_group(group)
-                destroyed += 1
+                destroyed += _destroy(group)
         for pad in pads:
             if pad in self.pads:
                 self.pads.remove(pad)
-                dist.destroy_process_group(pad)
-                destroyed += 1
+                destroyed += _destroy(pad)
         if not self._groups and not self.pads:
             self.strategy = self.since = None
         return destroyed
@@ -114,13 +141,12 @@ class GroupCache:
     def evict(self, key: GroupKey) -> bool:
         """Forget ``key``'s group now, whoever uses it, and destroy it (a group that cannot be
         reused, e.g. out of step after a failure); the next build creates a new one. The
-        holders must drop ``key`` from what they release (``MeshGroups.forget_group``). Returns whether there was a group to destroy."""
+        holders must drop ``key`` from what they release (``MeshGroups.forget_group``). Returns whether there was a group to destroy (one torch had not destroyed already)."""
         group = self._groups.pop(key, None)
         self._refs.pop(key, None)
         if group is None or group is dist.group.WORLD:
             return False
-        dist.destroy_process_group(group)
-        return True
+        return _destroy(group)
 
     def items(self) -> list[tuple[GroupKey, dist.ProcessGroup | None]]:
         """Every (key, group) entry (``None``: this rank made the call but is no member)."""
@@ -129,7 +155,7 @@ class GroupCache:
     def destroy(self) -> None:
         """Destroy every group the cache holds (and the pads), whoever uses them, then forget them."""
         for group in self.groups() + self.pads:
-            dist.destroy_process_group(group)
+            _destroy(group)
         self._groups.clear()
         self._refs.clear()
         self.pads.clear()

@@ -125,8 +125,12 @@ class Heartbeat:
     own store connection; ``stop()`` ends it (observers then see the rank stop responding),
     ``stop(exited=True)`` also marks the rank exited (seen at once)::
 
-        >>> beat = Heartbeat(store, rank=3, interval=1.0)   # doctest: +SKIP
-        >>> beat.stop()                                      # doctest: +SKIP
+        >>> import torch.distributed as dist
+        >>> store = dist.HashStore()
+        >>> beat = Heartbeat(store, rank=3, interval=0.05)
+        >>> beat.stop(exited=True)
+        >>> int(store.get(heartbeat_key(3))) >= EXITED
+        True
 
     Args:
         store: the store the ranks share, as the calling thread uses it (the beating thread
@@ -181,6 +185,8 @@ class Heartbeat:
                 return  # its world was destroyed: nobody waits for this rank there any more
             try:
                 own.add(heartbeat_key(self.rank), 1)
+            except dist.DistNetworkError:
+                return  # the connection is closed (the store's host ended): it never comes back
             except Exception:
                 # Keep beating: one failed ``add`` (a store slow to answer on a loaded host) must
                 # not make a live rank look dead forever. A store that is gone is the main

@@ -1,10 +1,5 @@
-"""The torch bridge: a ``Layout`` becomes one root ``DeviceMesh`` and its process groups.
-
-    >>> import torch.distributed as dist                        # doctest: +SKIP
-    >>> dist.init_process_group("gloo")                         # or torchrun's env
-    >>> mg = init_mesh(Layout(pp=2, dp=2, cp=1, tp=2), flatten=[("dp", "cp")])
-    >>> tp_mesh, dp_cp_mesh = mg.mesh["tp"], mg.mesh["dp_cp"]   # slices of one root
-    >>> fully_shard(model, mesh=dp_cp_mesh)                     # combines with TP on tp_mesh
+"""The torch bridge: a ``Layout`` becomes one root ``DeviceMesh`` and its process groups
+(``init_mesh``, whose docstring shows it on a stand-in world; ``MeshGroups``, the result).
 
 Each distinct group is created once (``dp_cp`` with ``cp=1`` *is* the ``dp`` group; an expert
 view's ``pp`` *is* the dense ``pp``; size-1 dims share one one-rank group), always in mesh order,
@@ -22,6 +17,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshgroups._lifecycle import Closeable
 from meshgroups.errors import DuplicateNameError, MeshConfigError, UnknownDimError, torch_says
 from meshgroups.layout import Layout
 from meshgroups.mesh._build import Built, build, check_device_index, check_new_name
@@ -49,7 +45,7 @@ __all__ = ["GroupCache", "MeshGroups", "init_mesh", "layout_of", "set_group_time
 from meshgroups.mesh._strategies import Strategy
 
 
-class MeshGroups:
+class MeshGroups(Closeable):
     """This rank's view of a built layout: the root ``DeviceMesh`` and every declared group.
 
     **Ranks outside a layout, view or subset** (a layout over part of the world, a rank offset,
@@ -65,7 +61,26 @@ class MeshGroups:
 
     ``close()`` (or leaving a ``with init_mesh(...) as mg:`` block) destroys every process group
     this mesh created, except those another live ``MeshGroups`` still uses through a shared
-    ``GroupCache``; the mesh is unusable afterwards.
+    ``GroupCache``; the mesh is unusable afterwards. On rank 2 of a world of 4 (torch's
+    single-process ``"fake"`` backend stands in for the 4 ranks)::
+
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from meshgroups import Layout, init_mesh
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=2, world_size=4)
+        >>> mg = init_mesh(Layout(dp=2, tp=2))
+        >>> mg.ranks("tp"), mg.local_rank("tp"), mg.size("dp"), mg.layout.coords(2)
+        ([2, 3], 0, 2, {'dp': 1, 'tp': 0})
+        >>> dist.get_process_group_ranks(mg.group("tp")), mg.submesh("tp")
+        ([2, 3], DeviceMesh((tp=2), 'cpu', stride=(1,)))
+        >>> mg.close()  # destroys the groups it created: dp's and tp's
+        2
+        >>> outside = init_mesh(Layout(tp=2), partial=True)  # ranks 0 and 1 only: opted in
+        >>> outside.group("tp") is dist.GroupMember.NON_GROUP_MEMBER, outside.ranks("tp")
+        (True, None)
+        >>> outside.close()
+        0
+        >>> dist.destroy_process_group()
     """
 
     def __init__(self, layout: Layout, built: Built) -> None:
@@ -74,16 +89,11 @@ class MeshGroups:
         self.strategy = built.plan.strategy
         self.cache: GroupCache = built.builder.cache
         self.generation = built.generation
-        self._closed = False
         # The groups (lookups, lifetime) and the DeviceMeshes built from them.
         self._families = Families(built)
         self._roots = RootMeshes(layout, self.device_type, self._families)
 
     # ----------------------------------------------------------------------- lifetime
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     @property
     def gloo_twins(self) -> bool:
         """Whether every group has a gloo twin (``init_mesh(gloo_twins=True)``)."""
@@ -123,14 +133,9 @@ class MeshGroups:
         group), so ``close()`` does not release it a second time."""
         self._families.keys[:] = [k for k in self._families.keys if k != key]
 
-    def close(self) -> int:
-        """Destroy the process groups this mesh created (not WORLD, not groups another live
-        mesh shares through the cache) and detach its DeviceMeshes. Local: no collective, but
-        call it on every rank, like the ``init_mesh`` it undoes. Idempotent. Returns the number
-        of process groups destroyed on this rank."""
-        if self._closed:
-            return 0
-        self._closed = True
+    def _release(self) -> int:
+        # close(): the process groups this mesh created (not WORLD, not groups another live
+        # mesh shares through the cache), and its DeviceMeshes detached
         self._roots.close()
         destroyed = self._families.release()
         forget_dtensor_caches()
@@ -138,13 +143,6 @@ class MeshGroups:
 
     def __enter__(self) -> MeshGroups:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this MeshGroups was closed; its process groups are destroyed")
 
     # ----------------------------------------------------------------------- meshes
     @property
@@ -154,7 +152,7 @@ class MeshGroups:
         from the groups already created (no collective; one O(world) torch constructor, every
         declared flattened dim then registered in O(ndim)): ``mesh["dp_cp"]`` and
         ``mesh["dp", "cp"]._flatten()`` return meshgroups' group."""
-        self._check_open()
+        self._check_open("mesh")
         return self._roots.root(self.layout)
 
     def view_mesh(self, name: str) -> DeviceMesh:
@@ -162,7 +160,7 @@ class MeshGroups:
         ``None`` off it).
         A view is another factorisation, so its mesh is a root of its own: combine TP and FSDP2
         on slices of one root (the main mesh *or* one view mesh), never across them."""
-        self._check_open()
+        self._check_open("view_mesh()")
         views = self.layout.views
         if name not in views:
             raise MeshConfigError(f"unknown view {name!r}; views are {', '.join(views) or 'none'}")
@@ -174,7 +172,7 @@ class MeshGroups:
         dims joined by ``_``). Returns the flattened 1-D mesh (coordinate ``None`` off the
         layout); an already built set is reused."""
         with collective_call("flatten") as call:  # numbered before anything is checked
-            self._check_open()
+            self._check_open("flatten()")
             if not dims:
                 raise MeshConfigError("flatten needs at least one dim, e.g. mg.flatten('dp', 'cp')")
             owner = self.layout.resolve(*dims)
@@ -201,7 +199,7 @@ class MeshGroups:
         ``init_mesh(flatten=...)`` or add it with ``flatten()``). A subset name gives a 1-D mesh
         over the subset's group, a root of its own (it is no dim of the layout). Off the group:
         the same mesh with coordinate ``None`` (as torch's slices on a rank outside the mesh)."""
-        self._check_open()
+        self._check_open("submesh()")
         if len(dims) == 1 and dims[0] in self._families.subsets:
             return self._roots.subset(dims[0])
         if not dims:
@@ -241,20 +239,16 @@ class MeshGroups:
         none of them: torch's ``GroupMember.NON_GROUP_MEMBER`` (as ``dist.new_group`` gives a
         non-member), which torch's collectives skip with a warning — never ``None``, which
         torch reads as the whole world. ``gloo=True`` gives the gloo twin
-        (``init_mesh(gloo_twins=True)``).
-
-            >>> dist.all_reduce(grad, group=mg.group("tp"))   # doctest: +SKIP
-        """
-        self._check_open()
+        (``init_mesh(gloo_twins=True)``)."""
+        self._check_open("group()")
         handle = self._families.handles[self._families.key_of(self.layout, dims)]
-        if gloo:
-            if handle.ranks is not None and handle.gloo is None:
-                raise MeshConfigError("no gloo twins were built; pass init_mesh(..., gloo_twins=True)")
-            return _member(handle.gloo)
-        return _member(handle.group)
+        if gloo and handle.ranks is not None and handle.gloo is None:
+            raise MeshConfigError("no gloo twins were built; pass init_mesh(..., gloo_twins=True)")
+        group = handle.gloo if gloo else handle.group
+        return dist.GroupMember.NON_GROUP_MEMBER if group is None else group  # type: ignore[return-value]
 
     def _ranks(self, dims: tuple[str, ...]) -> tuple[int, ...] | None:
-        self._check_open()
+        self._check_open("_ranks()")
         if len(dims) == 1 and dims[0] in self._families.subsets:
             return self._families.handles[dims[0]].ranks
         if not dims:
@@ -300,11 +294,6 @@ class MeshGroups:
         return html(self.layout, highlight_rank=dist.get_rank())
 
 
-def _member(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """``group``, or torch's non-member sentinel for a rank in no group (never ``None``)."""
-    return dist.GroupMember.NON_GROUP_MEMBER if group is None else group  # type: ignore[return-value]
-
-
 def init_mesh(
     layout: Layout,
     device_type: str = "cpu",
@@ -326,7 +315,18 @@ def init_mesh(
     options: MeshOptions | None = None,
 ) -> MeshGroups:
     """Build ``layout`` on the initialised default process group. Call it on every rank, the
-    same number of times, from one thread.
+    same number of times, from one thread. Here on rank 5 of a job of 8 (torch's single-process
+    ``"fake"`` backend stands in for the 8 ranks; under torchrun: ``init_process_group("nccl")``,
+    ``device_type="cuda"``)::
+
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from meshgroups import Layout, init_mesh
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+        >>> with init_mesh(Layout(pp=2, dp=2, tp=2), flatten=[("dp", "tp")]) as mg:
+        ...     mg.ranks("tp"), mg.ranks("dp", "tp"), mg.mesh["dp_tp"]  # dp_tp: for fully_shard
+        ([4, 5], [4, 5, 6, 7], DeviceMesh((dp_tp=4), 'cpu', stride=(1,)))
+        >>> dist.destroy_process_group()
 
     Args:
         layout: the main layout; its views (``Layout.with_views``) are built too.
@@ -405,18 +405,9 @@ def init_mesh(
             "init_mesh needs an initialised default process group: call dist.init_process_group first"
         )
     # build() opens the collective call: numbered first, errors published, a failed call closed
-    keywords = MeshOptions(
-        device_type=device_type,
-        backend=backend,
-        timeout=timeout,
-        gloo_twins=gloo_twins,
-        strategy=strategy,
-        check=check,
-        backend_override=backend_override,
-        partial=partial,
-        heartbeat=heartbeat,
-        lease=lease,
-        report_every=report_every,
+    keywords = MeshOptions(  # (in the order of its fields)
+        *(device_type, backend, timeout, gloo_twins, strategy, check, backend_override),
+        *(partial, heartbeat, lease, report_every),
     )
     opts, refusal = merge_options(options, keywords)
     built = build(
@@ -435,8 +426,14 @@ def layout_of(device_mesh: DeviceMesh) -> Layout:
     flattened mesh (this rank's flattened group), so a torchtitan user can draw and check the
     mesh they already have. Public DeviceMesh API only (``mesh``, ``mesh_dim_names``)::
 
-        >>> layout_of(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))  # doctest: +SKIP
+        >>> import torch.distributed as dist
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from meshgroups import layout_of
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)  # 1 of 8
+        >>> layout_of(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))
         Layout(dp=2, tp=4)
+        >>> dist.destroy_process_group()
 
     Args:
         device_mesh: any ``DeviceMesh`` (a root, a slice, a flattened mesh).

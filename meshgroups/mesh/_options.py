@@ -34,7 +34,9 @@ DEFAULT_REPORT_EVERY = 10.0
 
 @dataclass(frozen=True)
 class MeshOptions:
-    """The ``init_mesh`` options that say how groups are created (see the module docstring).
+    """The ``init_mesh`` options that say how groups are created, one frozen value (``options=``
+    of ``init_mesh``, ``init_job``, ``Elastic``, ``WeightSync``, ``TransferWorld``). Nothing is
+    checked when it is made: the collective call that uses it checks every field on every rank.
 
     Args:
         device_type: ``"cpu"``, ``"cuda"``, ... (as for ``DeviceMesh``).

@@ -18,10 +18,14 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
+from typing import Any
 
-from meshgroups.errors import RanksGoneError
-from meshgroups.mesh._liveness import Liveness
-from meshgroups.mesh._options import DEFAULT_REPORT_EVERY
+import torch.distributed as dist
+
+from meshgroups.errors import RanksGoneError, StoreConnectionError
+from meshgroups.mesh._failure_records import shared
+from meshgroups.mesh._liveness import Liveness, start_heartbeat
+from meshgroups.mesh._options import DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_REPORT_EVERY
 
 logger = logging.getLogger("meshgroups")
 
@@ -139,4 +143,62 @@ def members_lookout(
     return Lookout(list(members), where, rank, lambda ranks: observer.gone(ranks, lease), float("inf"))
 
 
-__all__ = ["LOOK_EVERY", "Lookout", "describe", "gone_error", "members_lookout", "rank_list"]
+class CallLiveness:
+    """The liveness side of a collective call (``meshgroups.mesh.collective_call``'s ``Call``):
+    entering starts this process's heartbeat and takes the world's settings; ``use_liveness``
+    sets the call's own (the options of the mesh being built); the waits read ``observer``,
+    ``lease`` and ``report_every``; ``progress`` publishes what this rank does, so a rank that
+    dies is named with its last words."""
+
+    rank: int
+    what: str
+    site: str
+    enabled: bool
+    store: dist.Store | None
+    _op: Callable[..., Any]  # a store operation, the connection's loss a StoreConnectionError
+
+    def _init_liveness(self) -> None:
+        self.observer: Liveness | None = None  # this process's observer of the world (on entering)
+        self.heartbeat, self.lease, self.report_every = DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_REPORT_EVERY
+
+    def use_liveness(self, heartbeat: float, lease: float, report_every: float) -> None:
+        """The liveness settings of this call's waits from now on (``MeshOptions``' fields,
+        checked by the caller); the process's heartbeat beats every ``heartbeat`` seconds."""
+        self.heartbeat, self.lease, self.report_every = heartbeat, lease, report_every
+        if self.enabled and self.observer is not None:
+            start_heartbeat(self.store, heartbeat, lease, report_every)  # type: ignore[arg-type]
+
+    def _enter_liveness(self) -> None:
+        # until the call names its own (``use_liveness``), the last settings of this world
+        try:
+            self.observer = start_heartbeat(self.store)  # type: ignore[arg-type]
+        except (RuntimeError, dist.DistError) as exc:
+            raise shared(
+                StoreConnectionError(
+                    f"rank {self.rank} lost the connection to the rendezvous store entering {self.what} "
+                    f"(the store is hosted by rank 0 under torchrun/tcp://; did it die?): {exc}"
+                )
+            ) from None
+        self.heartbeat, self.lease = self.observer.heartbeat, self.observer.lease
+        self.report_every = self.observer.report_every
+
+    def progress(self, text: str) -> None:
+        """Publish what this rank is doing, so a rank that dies is named with its last words."""
+        if self.enabled:
+            self._op("set", f"meshgroups/last/{self.rank}", f"{self.what} ({self.site}): {text}")
+
+    def last_words(self, ranks: list[int]) -> str:
+        """What the first of ``ranks`` published last (``progress``), for an error naming them."""
+        words = []
+        for r in ranks[:4]:
+            key = f"meshgroups/last/{r}"
+            if self._op("check", [key]):
+                words.append(f"; rank {r} last published: {self._op('get', key).decode()}")
+        return "".join(words)
+
+    def _close_lookout(self, members: Sequence[int]) -> Lookout | None:
+        """A failed call's close: counts who has left meanwhile (names nobody)."""
+        return members_lookout(self.observer, self.lease, members, self.rank, f"the close of {self.what}")
+
+
+__all__ = ["LOOK_EVERY", "CallLiveness", "Lookout", "describe", "gone_error", "members_lookout", "rank_list"]

@@ -1,7 +1,7 @@
 """A matplotlib figure of a layout's grid: one cell per rank coloured by the groups of a dim (or
 dim set), node boundaries, one rank's group outlined. matplotlib is an optional extra
-(``pip install meshgroups[plot]``), imported only when a figure is drawn; :func:`plot` is also
-``meshgroups.render._formats.plot``.
+(``pip install meshgroups[plot]``), imported only when a figure is drawn; :func:`plot` is
+``meshgroups.render.plot``.
 """
 
 from __future__ import annotations
@@ -61,6 +61,14 @@ def plot(
     Raises:
         ImportError: matplotlib is not installed (``pip install 'meshgroups[plot]'``).
         TypeError / LayoutError: a bad argument, naming it.
+
+    >>> import io
+    >>> from meshgroups import Layout
+    >>> from meshgroups.render import plot
+    >>> fig = plot(Layout(dp=2, tp=4), ranks_per_node=4, highlight_rank=5)
+    >>> fig.axes[0].get_title().splitlines()
+    ['Layout(dp=2, tp=4)', 'coloured by tp groups, node boundaries every 4 ranks']
+    >>> fig.savefig(io.BytesIO(), format="png")  # or a path: layout.png
     """
     if ax is not None and not hasattr(ax, "imshow"):
         raise TypeError(f"ax must be a matplotlib Axes, got {type(ax).__name__}")

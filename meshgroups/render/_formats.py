@@ -97,6 +97,22 @@ def text(
 
     Returns:
         The text (``print`` it).
+
+    >>> from meshgroups import Layout
+    >>> from meshgroups.render import text
+    >>> print(text(Layout(dp=2, tp=4), ranks_per_node=4))
+    Layout(dp=2, tp=4)
+    world: 8 ranks (ranks 0..7)
+    <BLANKLINE>
+         | tp=0 tp=1 tp=2 tp=3
+    --------------------------
+    dp=0 |    0    1    2    3
+    dp=1 |    4    5    6    7
+    <BLANKLINE>
+    dim  size  groups  first groups                nodes
+    ---  ----  ------  --------------------------  -----
+    dp   2     4       [0, 4], [1, 5], [2, 6], …   inter
+    tp   4     2       [0, 1, 2, 3], [4, 5, 6, 7]  intra
     """
     check_layout(layout)
     check_count(ranks_per_node, "ranks_per_node", MAX_RANK + 1, allow_none=True)
@@ -161,6 +177,12 @@ def html(
 
     Raises:
         TypeError / LayoutError: a bad argument, naming it.
+
+    >>> from meshgroups import Layout
+    >>> from meshgroups.render import html
+    >>> page = html(Layout(dp=2, tp=2), highlight_rank=3)  # what a notebook shows for a Layout
+    >>> page.startswith("<table"), page.count("<td")
+    (True, 4)
     """
     dims, rows, cols, clipped, gids = coloured_window(layout, color_by, max_cells)
     check_count(ranks_per_node, "ranks_per_node", MAX_RANK + 1, allow_none=True)

@@ -18,8 +18,15 @@ def span_table(layout: Layout, topology: Topology, dims: Sequence[Sequence[str]]
     """Per dim (and view dim, or the given dim sets): group size, the smallest level holding
     every group (``Layout.span``), and how many groups leave a unit of each level::
 
+        >>> from meshgroups import Layout, Topology
+        >>> from meshgroups.render import span_table
+        >>> print(span_table(Layout(pp=4, dp=2, tp=8), Topology(node=8, domain=32)))
+        Topology(node=8, domain=32)
         dim  size  span    groups  leave node  leave domain
-        tp   8     node    16      0           0
+        ---  ----  ------  ------  ----------  ------------
+        pp   4     world   16      16          16
+        dp   2     domain  32      32          0
+        tp   8     node    8       0           0
 
     Args:
         layout: the layout.

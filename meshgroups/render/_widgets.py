@@ -86,6 +86,11 @@ def layout_explorer(
 
     Returns:
         The ipywidgets box (``.controls``, ``.output``).
+
+    >>> from meshgroups.render import layout_explorer
+    >>> box = layout_explorer(world=8, pp=1, tp=2)  # a notebook cell's last line shows it
+    >>> sorted(box.controls)
+    ['color_by', 'cp', 'order', 'pp', 'rank', 'ranks_per_node', 'tp', 'world']
     """
     for value, what, high in ((world, "world", 256), (pp, "pp", 16), (cp, "cp", 16), (tp, "tp", 16)):
         check_positive(value, what, high)  # the sliders' ranges

@@ -22,6 +22,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from meshgroups import _deprecated
+from meshgroups.errors import PlanError, TransferError
 from meshgroups.transfer._names.conventions import (
     CONVENTIONS,
     PRESET_MAPS,
@@ -36,34 +37,36 @@ from meshgroups.transfer._names.expand import map_weights
 from meshgroups.transfer._names.families import hf_to_vllm, moe_layers
 from meshgroups.transfer._names.families_megatron import hf_to_megatron_family, megatron_to_hf_family
 from meshgroups.transfer._names.names import NameMap, Rule, Segment
-from meshgroups.transfer._names.presets import FSDP_DIMS, HEADS, MODELS, model_config, model_weights
+from meshgroups.transfer._names.presets import ALIASES, FSDP_DIMS, HEADS, MODELS, model_config, model_weights
 from meshgroups.transfer._names.quant import BlockFP8
 from meshgroups.transfer._names.stacking import Stack, expert_order, stack_experts
-from meshgroups.transfer._plan.assign import PlanError
 from meshgroups.transfer._plan.plan import Message, TransferPlan, plan_transfer
 from meshgroups.transfer._spec import Box, Placement, Replicate, Shard, Weight
 
 if TYPE_CHECKING:
+    from meshgroups.transfer._run.delta_state import DeltaPolicy, DeltaStats
     from meshgroups.transfer._run.execute import DEFAULT_BUCKET_BYTES, Progress, Report, execute
     from meshgroups.transfer._run.fanout_groups import TransferGroups
     from meshgroups.transfer._run.fp8 import quantize_blocks
     from meshgroups.transfer._run.jobs import Job, init_job
-    from meshgroups.transfer._run.status import TransferError
     from meshgroups.transfer._run.sync import WeightSync
+    from meshgroups.transfer._run.sync_delta import adopt
     from meshgroups.transfer._run.torch_io import local_weights, module_weights
 
 # The torch side: name -> its private module, imported on first use.
 _TORCH_SIDE = {
+    "DeltaPolicy": "_run.delta_state",
+    "DeltaStats": "_run.delta_state",
     "DEFAULT_BUCKET_BYTES": "_run.execute",
     "Progress": "_run.execute",
     "Report": "_run.execute",
     "execute": "_run.execute",
-    "TransferError": "_run.status",
     "TransferGroups": "_run.fanout_groups",
     "quantize_blocks": "_run.fp8",
     "Job": "_run.jobs",
     "init_job": "_run.jobs",
     "WeightSync": "_run.sync",
+    "adopt": "_run.sync_delta",
     "local_weights": "_run.torch_io",
     "module_weights": "_run.torch_io",
 }
@@ -73,6 +76,8 @@ __all__ = [
     "PRESET_MAPS",
     "BlockFP8",
     "Box",
+    "DeltaPolicy",
+    "DeltaStats",
     "Job",
     "Message",
     "ModelConfig",
@@ -90,6 +95,7 @@ __all__ = [
     "TransferPlan",
     "Weight",
     "WeightSync",
+    "adopt",
     "execute",
     "expert_order",
     "hf_to_megatron",

@@ -38,7 +38,15 @@ Box = tuple[tuple[int, int], ...]
 
 @dataclass(frozen=True)
 class Shard:
-    """The tensor axis ``axis`` is split over the layout dim this placement is given for."""
+    """The tensor axis ``axis`` is split over the layout dim this placement is given for, in
+    equal blocks in rank order (torch's DTensor ``Shard``)::
+
+        >>> from meshgroups import Layout
+        >>> from meshgroups.transfer import Shard, Weight
+        >>> w = Weight("wq", (8, 4), placements={"tp": Shard(0)})  # rows split over tp
+        >>> [w.box(Layout(tp=2), rank) for rank in (0, 1)]
+        [((0, 4), (0, 4)), ((4, 8), (0, 4))]
+    """
 
     axis: int
 
@@ -53,7 +61,15 @@ class Shard:
 
 @dataclass(frozen=True)
 class Replicate:
-    """Every rank along the layout dim holds the same data."""
+    """Every rank along the layout dim holds the same data (a dim a weight's placements do not
+    name replicates too)::
+
+        >>> from meshgroups import Layout
+        >>> from meshgroups.transfer import Replicate, Weight
+        >>> norm = Weight("norm", (8,), placements={"tp": Replicate()})
+        >>> [norm.box(Layout(tp=2), rank) for rank in (0, 1)]
+        [((0, 8),), ((0, 8),)]
+    """
 
 
 Placement: TypeAlias = Shard | Replicate
@@ -148,7 +164,15 @@ def _placement_map(name: str, placements: object) -> Mapping[str, Placement]:
 
 @dataclass(frozen=True)
 class Weight:
-    """A tensor and its placement on one layout; see the module docstring.
+    """A tensor and its placement on one layout: its global shape and dtype, and per layout dim
+    a ``Shard`` or ``Replicate``; ``box(layout, rank)`` is the slice ``rank`` holds. A weight of
+    pipeline stage 1 only, its columns split over tp::
+
+        >>> from meshgroups import Layout
+        >>> from meshgroups.transfer import Shard, Weight
+        >>> w = Weight("layers.1.w", (8, 4), stage=("pp", 1), placements={"tp": Shard(1)})
+        >>> [w.box(Layout(pp=2, tp=2), rank) for rank in range(4)], w.nbytes
+        ([None, None, ((0, 8), (0, 2)), ((0, 8), (2, 4))], 128)
 
     Args:
         name: matched between the source and destination sides.

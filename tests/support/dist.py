@@ -18,6 +18,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import forkserver
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -25,12 +26,31 @@ import torch.multiprocessing as mp
 from .reaper import die_with_parent
 from .timing import TIME_SCALE, scaled
 
-__all__ = ["TIME_SCALE", "free_port", "run", "scaled"]
+__all__ = ["TIME_SCALE", "context", "free_port", "raise_rank_errors", "run", "scaled"]
+
+PRELOAD = __name__.rpartition(".")[0] + ".preload"
 
 if any("multiprocessing.forkserver" in arg for arg in getattr(sys, "orig_argv", ())):
     # imported by the forkserver (this module is in its preload list): it ends with pytest, even
     # a SIGKILLed one, and the ranks it forks end with it (``_entry``)
     die_with_parent()
+
+
+def context() -> Any:
+    """The multiprocessing context every rank of the suite starts from.
+
+    A forkserver with torch, DTensor, FSDP2, meshgroups' torch side and pytest preloaded
+    (``tests/support/preload.py``): a rank starts in ~0.1 s from a clean, thread-free server
+    process, instead of ~2 s importing torch (spawn) or inheriting pytest's state (fork), and
+    imports nothing big after the fork. One server for the session: the first call fixes it.
+
+    The server is running when this returns: its start (seconds, on a loaded machine) never
+    falls between ``free_port()`` and rank 0 binding that port, where another process may take it.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "meshgroups", __name__, PRELOAD])
+    forkserver.ensure_running()
+    return ctx
 
 
 def free_port() -> int:
@@ -120,10 +140,7 @@ def _run_once(
     pg_timeout: float = 60,
     may_exit: frozenset[int] | set[int] = frozenset(),
 ) -> list[Any]:
-    # forkserver with torch preloaded: children start in ~0.1 s from a clean, thread-free server
-    # process, instead of ~2 s each importing torch (spawn) or inheriting pytest's state (fork).
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "meshgroups", __name__])
+    ctx = context()
     queue = ctx.Queue()
     port = free_port()
     procs = [
@@ -178,17 +195,25 @@ def _run_once(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-    if errors:
-        # The first error to arrive is the cause; the later ones are usually its echo (ranks
-        # that waited for the failed one), so they are listed by their last line only.
-        first = next(iter(errors))
-        others = "".join(
-            f"\n  rank {r}: {text.strip().splitlines()[-1][:300]}"
-            for r, text in sorted(errors.items())
-            if r != first
-        )
-        raise AssertionError(
-            f"{len(errors)} rank(s) failed; the first to fail, rank {first}:\n{errors[first]}"
-            + (f"\nthe others (last line of each):{others}" if others else "")
-        )
+    raise_rank_errors(errors)
     return [results[r] for r in range(world)]
+
+
+def raise_rank_errors(errors: dict[int, str]) -> None:
+    """Fail with the ranks' tracebacks (``{rank: traceback}``, in the order they arrived), if any.
+
+    The first error to arrive is the cause; the later ones are usually its echo (ranks that
+    waited for the failed one), so they are listed by their last line only.
+    """
+    if not errors:
+        return
+    first = next(iter(errors))
+    others = "".join(
+        f"\n  rank {r}: {text.strip().splitlines()[-1][:300]}"
+        for r, text in sorted(errors.items())
+        if r != first
+    )
+    raise AssertionError(
+        f"{len(errors)} rank(s) failed; the first to fail, rank {first}:\n{errors[first]}"
+        + (f"\nthe others (last line of each):{others}" if others else "")
+    )

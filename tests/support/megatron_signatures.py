@@ -2,10 +2,12 @@
 
 ``collect(module)`` describes every public function and class a module defines (classes: the
 constructor and each public method) as ``{name: [[param, kind, default], ...]}`` — names,
-positional order, kinds and ``repr`` of defaults; annotations are left out. The committed table
-``tests/data/megatron_core_0.16.1_signatures.json`` was made with megatron-core 0.16.1 installed:
+positional order, kinds and ``repr`` of defaults; annotations are left out. The committed tables
+were made with each megatron-core installed (0.19.1: built from Megatron-LM's tag
+``core_v0.19.0``, see docs/megatron-tests.md; it adds ``hyper_comm_grid``)::
 
     python -m tests.support.megatron_signatures > tests/data/megatron_core_0.16.1_signatures.json
+    python -m tests.support.megatron_signatures > tests/data/megatron_core_0.19.1_signatures.json
 """
 
 from __future__ import annotations
@@ -16,6 +18,14 @@ from types import ModuleType
 from typing import Any
 
 TABLE = "megatron_core_0.16.1_signatures.json"
+#: The committed table of each served version (``meshgroups.compat._megatron_version.SERVED``).
+TABLES = {"0.16": TABLE, "0.19": "megatron_core_0.19.1_signatures.json"}
+#: The modules each table describes, by the version that has them.
+MODULES = {
+    "megatron.core.parallel_state": "0.16",
+    "megatron.core.process_groups_config": "0.16",
+    "megatron.core.hyper_comm_grid": "0.19",
+}
 
 
 def describe(obj: Any) -> list[list[str]]:
@@ -63,14 +73,22 @@ def collect(module: ModuleType, names: list[str] | None = None) -> dict[str, lis
     return out
 
 
-def main() -> None:
-    from megatron.core import parallel_state, process_groups_config
+def live() -> dict[str, dict[str, list[list[str]]]]:
+    """The installed megatron-core's table (the modules its version has)."""
+    import importlib
 
-    table = {
-        "megatron.core.parallel_state": collect(parallel_state),
-        "megatron.core.process_groups_config": collect(process_groups_config),
+    import megatron.core
+
+    minor = ".".join(megatron.core.__version__.split(".")[:2])
+    return {
+        name: collect(importlib.import_module(name))
+        for name, since in MODULES.items()
+        if tuple(map(int, minor.split("."))) >= tuple(map(int, since.split(".")))
     }
-    print(json.dumps(table, indent=1, sort_keys=True))
+
+
+def main() -> None:
+    print(json.dumps(live(), indent=1, sort_keys=True))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ torch's private arguments (``_init_backend=False``, ``_rank``, ``_layout``...) b
 and stays torch's own.
 
 A test runs as torch's ``MultiProcessTestCase`` runs it in a spawned process (instance,
-``rank``, ``file_name``, the method), but the process is reused: after each test the default
-group is destroyed and every ``MeshGroups`` the test built is closed.
+``rank``, ``file_name``, the method), but the process is reused: after each test every
+``MeshGroups`` the test built is closed (a ``close()`` that raises fails the test) and the default
+group is destroyed.
 """
 
 from __future__ import annotations
@@ -117,20 +118,37 @@ def _bound_default_group(seconds: float) -> None:
     dist.distributed_c10d.init_process_group = init_process_group
 
 
-def _cleanup() -> None:
+def _cleanup() -> str:
+    """Close every ``MeshGroups`` the test built, then destroy the default group; returns the
+    first error a ``close()`` raised ("" if none). ``close()`` must work whatever the test did
+    to torch's groups (``DeviceMesh.abort()``, ``destroy_process_group``), so an error here
+    fails a test that passed."""
     import torch.distributed as dist
 
+    error = ""
     while _OPEN:
         try:
             _OPEN.pop().close()
-        except Exception:  # the default group may already be gone: nothing left to release
-            pass
+        except Exception:
+            error = error or traceback.format_exc(limit=-2)
     if dist.is_initialized():
         dist.destroy_process_group()
+    return error
 
 
 def run_one(module: Any, cls_name: str, test: str, rank: int, file_name: str) -> tuple[str, str]:
-    """Run ``cls_name.test`` as rank ``rank``: ``("pass"|"fail"|"skip", detail)``."""
+    """Run ``cls_name.test`` as rank ``rank``: ``("pass"|"fail"|"skip", detail)``; a test that
+    passed but left a ``MeshGroups`` whose ``close()`` raises fails."""
+    try:
+        status, detail = _run(module, cls_name, test, rank, file_name)
+    finally:
+        closing = _cleanup()
+    if closing and status == "pass":
+        return "fail", f"MeshGroups.close() after the test raised:\n{closing}"
+    return status, detail
+
+
+def _run(module: Any, cls_name: str, test: str, rank: int, file_name: str) -> tuple[str, str]:
     from torch.testing._internal import common_utils
     from torch.testing._internal.common_distributed import TEST_SKIPS, MultiProcessTestCase
 
@@ -167,8 +185,6 @@ def run_one(module: Any, cls_name: str, test: str, rank: int, file_name: str) ->
         if expecting_failure:
             return "pass", "expected failure"
         return "fail", traceback.format_exc(limit=-4)
-    finally:
-        _cleanup()
     if expecting_failure:
         return "fail", "unexpected success"
     return "pass", ""

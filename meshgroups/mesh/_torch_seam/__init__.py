@@ -14,7 +14,8 @@ from __future__ import annotations
 
 # First, before any private name below is imported: a torch that lacks one is a clear error
 # naming its version and the missing piece (``internals``), not a half-built mesh later.
-from meshgroups.mesh._torch_seam.internals import TESTED_TORCH, TorchInternalsError, check, check_overrides
+from meshgroups.errors import TorchInternalsError
+from meshgroups.mesh._torch_seam.internals import TESTED_TORCH, check, check_overrides
 
 check()
 
@@ -36,6 +37,7 @@ from meshgroups.mesh._torch_seam.c10d import (  # noqa: E402
     default_store,
     default_timeout,
     group_count,
+    group_is_live,
     group_sequence,
     held_group_count,
     is_backend_options,
@@ -51,7 +53,7 @@ from meshgroups.mesh._torch_seam.meshes import (  # noqa: E402
     make_group_mesh,
     make_root,
 )
-from meshgroups.mesh._torch_seam.placements import StridedShard  # noqa: E402
+from meshgroups.mesh._torch_seam.placements import StridedShard, local_shape_and_offset  # noqa: E402
 from meshgroups.mesh._torch_seam.rooted_mesh import RootedMesh, flattened_layout, register_flattened  # noqa: E402
 
 # torch calls RootedMesh's overrides itself, some positionally: their parameters must be torch's.
@@ -79,9 +81,11 @@ __all__ = [
     "flattened_layout",
     "forget_dtensor_caches",
     "group_count",
+    "group_is_live",
     "group_sequence",
     "held_group_count",
     "is_backend_options",
+    "local_shape_and_offset",
     "make_group_mesh",
     "make_root",
     "register_builder",

@@ -1,5 +1,6 @@
 """Process-group internals of ``torch.distributed.distributed_c10d``: the default store, group
-counts and names, default timeout and backend, the bound device, a live group's timeout."""
+counts and names, whether a group is still alive, default timeout and backend, the bound device,
+a live group's timeout."""
 
 from __future__ import annotations
 
@@ -30,6 +31,14 @@ def held_group_count() -> int:
     ``use_local_synchronization=True`` by hashing their ranks *and this count*, so every member
     of such a group must have the same count when it is created (pytorch#173608)."""
     return len(_c10d._world.pg_names)
+
+
+def group_is_live(group: dist.ProcessGroup) -> bool:
+    """Whether torch still holds ``group``. Others can destroy a group meshgroups created: the
+    user's ``dist.destroy_process_group(group)``, torch >= 2.15's ``DeviceMesh.abort()`` (every
+    group of the mesh and its flattened dims), or the default group's destruction (which takes
+    every group with it); ``destroy_process_group`` on such a group raises ``ValueError``."""
+    return _c10d._world.pg_map.get(group) is not None
 
 
 def group_count() -> int:
@@ -113,7 +122,15 @@ def is_backend_options(value: object) -> bool:
 def set_group_timeout(group: dist.ProcessGroup | None, timeout: timedelta) -> None:
     """Change the timeout of ``group`` (None: the default group) after creation, what
     megatron-core's ``update_pg_timeout`` does: torch 2.15's public ``dist.set_timeout``, the
-    private ``_set_pg_timeout`` before it (2.15 deprecates that one with a ``FutureWarning``)."""
+    private ``_set_pg_timeout`` before it (2.15 deprecates that one with a ``FutureWarning``)::
+
+        >>> from datetime import timedelta
+        >>> import torch.distributed as dist
+        >>> from meshgroups.mesh import set_group_timeout
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> set_group_timeout(None, timedelta(minutes=5))  # the default group's, from now on
+        >>> dist.destroy_process_group()
+    """
     public = getattr(dist, "set_timeout", None)
     if public is not None:
         public(timeout, group)

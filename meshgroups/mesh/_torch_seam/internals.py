@@ -30,6 +30,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from meshgroups.errors import TorchInternalsError
+
 #: The torch versions the test suite runs on (``pyproject.toml`` states the same range).
 TESTED_TORCH = ("2.13.0", "2.14.1", "2.15.0")
 
@@ -87,11 +89,6 @@ REQUIRED: tuple[Requirement, ...] = (
     ("torch.distributed.tensor.placement_types", "_StridedShard", "callable", ()),
     *(("torch.distributed.device_mesh", f"DeviceMesh.{f}", "field", ()) for f in MESH_FIELDS),
 )
-
-
-class TorchInternalsError(ImportError):
-    """This torch lacks a private piece meshgroups' torch seam relies on, sets a field the seam
-    does not know, or behaves differently from what the seam's self-test expects."""
 
 
 def _mesh_class() -> type:

@@ -1,5 +1,5 @@
 """A process group outside the process's default world, and swapping which world is the default:
-the private c10d pieces a transfer world (``meshgroups.engines.worlds``) needs, here so that a torch
+the private c10d pieces a transfer world (``meshgroups.engines._worlds``) needs, here so that a torch
 upgrade touches one place.
 
 A transfer world's group is built directly over a store (never ``init_process_group``, which

@@ -1,6 +1,6 @@
 """Expanding a name map into links, with every check made before anything is planned.
 
-:func:`map_weights` reads each rollout weight's rule (:mod:`~meshgroups.transfer._names.names`;
+:func:`map_weights` reads each rollout weight's rule (:class:`~meshgroups.transfer.NameMap`;
 names the map lacks read the same-named trainer weight), resolves its segments against the
 trainer's shapes and dtypes, and returns the links (:mod:`~meshgroups.transfer._names.mapped`). It
 refuses, naming the weights and the rule: a trainer name that does not exist, a rollout weight
@@ -74,7 +74,7 @@ def map_weights(
     Args:
         src, src_weights: the trainer's layout and weights.
         dst, dst_weights: the rollout's layout and weights (its dtypes are the wire dtypes).
-        name_map: rollout name -> rule (see :mod:`~meshgroups.transfer._names.names`); names it lacks
+        name_map: rollout name -> rule (see :class:`~meshgroups.transfer.NameMap`); names it lacks
             mean the same-named trainer weight.
         cast: where a trainer dtype differs from the rollout's, a cast to the rollout's dtype is
             allowed by ``True``, by that dtype's name (``"bfloat16"``), or by
@@ -85,7 +85,7 @@ def map_weights(
         quantize: ``BlockFP8()``: each ``float8_e4m3fn`` rollout weight is quantized in
             blocks at the sender (the cast to it is allowed), and its scale tensor
             ``<name>_scale_inv`` (listed among ``dst_weights``, no rule of its own) gets one
-            scale link per link of the weight (:mod:`~meshgroups.transfer._names.quant`).
+            scale link per link of the weight (:class:`~meshgroups.transfer.BlockFP8`).
 
     Returns:
         The :class:`Mapped` links (one per segment of every rollout weight), in plan order.
@@ -95,6 +95,16 @@ def map_weights(
             source, other axes that differ, parts that do not add up to the rollout's axis, a
             dtype mismatch no ``cast`` allows, a trainer weight (or rows of one) nothing reads.
         TypeError: an argument of the wrong kind.
+
+    A fused qkv on a tp=2 rollout, from three trainer weights::
+
+        >>> from meshgroups import Layout
+        >>> from meshgroups.transfer import Shard, Weight, map_weights
+        >>> trainer = [Weight(name, (4, 8)) for name in ("q", "k", "v")]
+        >>> rollout = [Weight("qkv", (12, 8), placements={"tp": Shard(0)})]
+        >>> mapped = map_weights(Layout(dp=1), trainer, Layout(tp=2), rollout, name_map={"qkv": ["q", "k", "v"]})
+        >>> [(link.name, link.source) for link in mapped.sources("qkv")]
+        [('qkv[0.0]', 'q'), ('qkv[1.0]', 'k'), ('qkv[2.0]', 'v')]
     """
     check_weights(src, src_weights, dst, dst_weights)
     nm = NameMap.of(name_map)
@@ -137,7 +147,9 @@ def map_weights(
     for link in links:
         if link.name != link.rollout and link.name in rollout_names:
             raise LayoutError(f"link name {link.name!r} is also a rollout weight's name; rename that weight")
-    return Mapped(links, _unused(src_weights, used, allowed_unused, allow_unused))
+    return Mapped(
+        links, _unused(src_weights, used, allowed_unused, allow_unused, _redirected(dst_weights, nm))
+    )
 
 
 def _seg(
@@ -237,11 +249,24 @@ def _allow_patterns(allow: bool | Sequence[str]) -> tuple[str, ...]:
     return tuple(allow)
 
 
+def _redirected(dst_weights: Sequence[Weight], nm: NameMap) -> dict[str, tuple[str, ...]]:
+    """Rollout weights the map makes read trainer weights of *other* names: ``{name: sources}``
+    (a tied head reading the embedding)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for rw in dst_weights:
+        if rw.name in nm:
+            sources = nm.rule(rw.name).sources
+            if rw.name not in sources:
+                out[rw.name] = tuple(sources)
+    return out
+
+
 def _unused(
     src_weights: Sequence[Weight],
     used: Used,
     allowed: tuple[str, ...],
     allow: object,
+    redirected: Mapping[str, tuple[str, ...]] | None = None,
 ) -> tuple[str, ...]:
     """Trainer weights (or ranges of one) no link reads; an error unless ``allowed``. A weight
     read expert by expert (segments with ``index``) is checked per expert."""
@@ -264,6 +289,15 @@ def _unused(
             else:
                 out.extend(_range_gaps(f"{tw.name}[index {i}]", tw.shape, mine))
     refused = [u for u in out if not any(fnmatch.fnmatchcase(u.split("[")[0], p) for p in allowed)]
+    shadowed = [u for u in refused if u in (redirected or {})]
+    if shadowed:  # allow_unused would hide the trainer's own weight behind another one
+        name = shadowed[0]
+        raise LayoutError(
+            f"trainer weight {name!r} is unused because the name map makes rollout weight {name!r} read "
+            f"{list((redirected or {})[name])} instead (a tie the trainer does not have): drop that rule so {name!r} "
+            "reads the trainer's own weight (for hf_to_vllm: tied_head=False when config.tie_word_embeddings is "
+            "False); allow_unused=True would serve the other weight in its place"
+        )
     if refused:
         more = f" and {len(refused) - 8} more" if len(refused) > 8 else ""
         raise LayoutError(

@@ -10,7 +10,7 @@ and ``gemma`` / ``gemma2`` (the head tied to the embedding on both sides). Train
 Transformers 5's packed ``mlp.experts.gate_up_proj`` ``[E, 2·I, H]`` / ``down_proj``
 ``[E, H, I]`` (``experts="packed"``) or one module per expert, ``mlp.experts.<e>.gate_proj``
 (``experts="per_expert"``, Transformers 4 and the checkpoints); the rollout's expert order is
-``placement`` over its ``ep`` ranks (:func:`~meshgroups.transfer._names.stacking.expert_order`). vLLM
+``placement`` over its ``ep`` ranks (:func:`~meshgroups.transfer.expert_order`). vLLM
 0.32 keeps the experts in a ``routed_experts`` submodule (``mlp.experts.routed_experts.w13_weight``);
 its loader, and the ``meshgroups`` vLLM backend, read this map's ``mlp.experts.w13_weight`` for it::
 
@@ -23,10 +23,10 @@ its loader, and the ``meshgroups`` vLLM backend, read this map's ``mlp.experts.w
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from meshgroups.errors import LayoutError
+from meshgroups.models import EXPERT_KEYS, hf_value
 from meshgroups.transfer._names.names import NameMap
 from meshgroups.transfer._names.stacking import expert_order, stack_experts
 
@@ -37,9 +37,8 @@ EXPERT_FORMS = ("packed", "per_expert")
 
 
 def _get(config: object, key: str, default: Any = None) -> Any:
-    if isinstance(config, Mapping):
-        return config.get(key, default)
-    return getattr(config, key, default)
+    # the package's one config reader (a dict or a config object; unset or None: default)
+    return hf_value(config, key, default=default)
 
 
 def moe_layers(config: object) -> list[int]:
@@ -68,7 +67,7 @@ def moe_layers(config: object) -> list[int]:
 
 
 def _experts(config: object) -> int:
-    return int(_get(config, "num_experts", None) or _get(config, "n_routed_experts", None) or 0)
+    return int(hf_value(config, *EXPERT_KEYS, default=0))
 
 
 def hf_to_vllm(
@@ -79,7 +78,8 @@ def hf_to_vllm(
     placement: str = "linear",
     tied_head: bool = False,
 ) -> NameMap:
-    """Hugging Face names → vLLM's, for the family of ``config`` (see the module docstring).
+    """Hugging Face names → vLLM's, for the family of ``config`` (``llama``, ``qwen2``, ``qwen3``,
+    ``qwen3_moe``, ``deepseek_v3``, ``gemma``, ``gemma2``; what each fuses: ``docs/engines.md``).
 
     Args:
         config: a Hugging Face config or a dict with its keys (``model_type``,

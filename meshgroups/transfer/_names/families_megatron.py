@@ -37,11 +37,11 @@ Megatron's experts: each of a layer's ``E/ep`` local experts is one weight per e
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from meshgroups._checks import is_int
 from meshgroups.errors import LayoutError
+from meshgroups.models import EXPERT_KEYS, hf_value
 from meshgroups.transfer._names.conventions import glu_cut, qkv_cut, qkv_interleaved
 from meshgroups.transfer._names.families import EXPERT_FORMS, moe_layers
 from meshgroups.transfer._names.names import NameMap, Rule, Segment
@@ -56,8 +56,8 @@ MEGATRON_EXPERT_FORMS = ("grouped", "sequential")
 
 
 def _get(config: object, key: str, default: Any = None) -> Any:
-    value = config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
-    return default if value is None else value
+    # the package's one config reader (a dict or a config object; unset or None: default)
+    return hf_value(config, key, default=default)
 
 
 def _check(who: str, config: object, norms: str, megatron_experts: str, experts: str) -> str:
@@ -168,7 +168,7 @@ def _attention(who: str, config: object, kind: str) -> tuple[int, int, int, bool
 
 
 def _sizes(who: str, config: object) -> tuple[int, int]:
-    n = int(_get(config, "num_experts", 0) or _get(config, "n_routed_experts", 0))
+    n = int(hf_value(config, *EXPERT_KEYS, default=0))
     inter = _get(config, "moe_intermediate_size")
     if n < 1 or inter is None:
         raise LayoutError(f"{who}: a MoE config must give its number of experts and moe_intermediate_size")

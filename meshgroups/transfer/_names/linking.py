@@ -11,7 +11,7 @@ trainer piece straight to its place and its byte bound holds unchanged::
 
     >>> from meshgroups import Layout
     >>> from meshgroups.transfer import Shard, Weight
-    >>> from meshgroups.transfer._names.stacking import Stack
+    >>> from meshgroups.transfer import Stack
     >>> t = [Weight(f"e{e}.{p}", (4, 8), placements={"tp": Shard(0)}) for e in range(2) for p in ("gate", "up")]
     >>> rw = Weight("w13", (2, 8, 8), placements={"tp": Shard(1)})
     >>> stack = Stack.of({"stack": [["e0.gate", "e0.up"], ["e1.gate", "e1.up"]]})
@@ -85,14 +85,14 @@ def rule_links(
     dst: Layout,
 ) -> list[Link]:
     """The links of rollout weight ``rw`` under ``rule`` (segments along ``rule.axis``; a
-    :class:`~meshgroups.transfer._names.stacking.Stack` adds axis 0), recording in ``used`` what each
+    :class:`~meshgroups.transfer.Stack` adds axis 0), recording in ``used`` what each
     reads.
 
     Args:
         rw: the rollout weight.
         rule: its rule (not a plain rename) or stack.
         by_name: the trainer's weights by name (every source is in it).
-        cast: as :func:`~meshgroups.transfer._names.expand.map_weights`' ``cast``.
+        cast: as :func:`~meshgroups.transfer.map_weights`' ``cast``.
         used: filled with what each segment reads (for the coverage check).
         src, dst: the trainer's and the rollout's layouts.
 

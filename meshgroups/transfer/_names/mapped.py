@@ -1,6 +1,6 @@
 """A name map applied to two sides' weights: one *link* per segment, planned like any weight.
 
-:func:`~meshgroups.transfer._names.expand.map_weights` turns every rollout weight into links, one per segment of its rule
+:func:`~meshgroups.transfer.map_weights` turns every rollout weight into links, one per segment of its rule
 (:mod:`~meshgroups.transfer._names.names`). A link is a pair of :class:`SegmentWeight` s of the
 segment's shape: the trainer weight cut to the segment's window, and the rollout weight (or
 its part, when parts are sharded one by one) cut to where the segment lands. A window keeps the
@@ -14,7 +14,7 @@ are counted as sent. Coverage is checked both ways before anything is planned::
     >>> from meshgroups.transfer import Shard, Weight
     >>> t = [Weight(n, (s, 4), "float32", {"tp": Shard(0)}) for n, s in (("q", 8), ("k", 2), ("v", 2))]
     >>> r = [Weight("qkv", (12, 4), "bfloat16", {"tp": Shard(0)})]
-    >>> from meshgroups.transfer._names.expand import map_weights
+    >>> from meshgroups.transfer import map_weights
     >>> m = map_weights(Layout(tp=2), t, Layout(tp=2, rank_offset=2), r, {"qkv": ["q", "k", "v"]}, "bfloat16")
     >>> [(link.source, link.dst_local(2)) for link in m.sources("qkv")]  # rank 2's buffer: q0 ‖ k0 ‖ v0
     [('q', ((0, 4), (0, 4))), ('k', ((4, 5), (0, 4))), ('v', ((5, 6), (0, 4)))]
@@ -172,7 +172,7 @@ class Link:
         src_layout, dst_layout: the trainer's and the rollout's layouts (for the local slices).
         src_axes: link axis ``i`` is axis ``src_axes[i]`` of the trainer weight (``None`` in it:
             a new axis of size 1, a stack's); ``None``: the same axes (see :func:`view_source`).
-        scale: a block-fp8 link (:mod:`~meshgroups.transfer._names.quant`): ``(block, values)``, the
+        scale: a block-fp8 link (:class:`~meshgroups.transfer.BlockFP8`): ``(block, values)``, the
             block shape and, for a scale link, the name of the value link whose blocks it
             scales (``None`` for the value link itself); ``None``: no quantization.
     """

@@ -16,13 +16,7 @@ Where the rollout shards the fused axis, ``sharding`` says how: ``"per_part"`` (
 ``QKVParallelLinear`` / ``MergedColumnParallelLinear``, Megatron's GLU ``linear_fc1``: each
 part is sharded on its own, and a rank's buffer is its shard of part 0, then of part 1, ...)
 or ``"whole"`` (a DTensor ``Shard`` of the concatenated tensor). Rollout names the map lacks
-mean the trainer weight of the same name::
-
-    >>> m = NameMap({"qkv": ["q", "k", "v"], "head": "embed"})
-    >>> m.rule("qkv").sources, m.rule("head").sources, m.rule("norm").sources
-    (('q', 'k', 'v'), ('embed',), ('norm',))
-    >>> NameMap.loads(m.dumps()) == m
-    True
+mean the trainer weight of the same name (``NameMap``'s docstring shows one).
 
 numpy-free and torch-free: sizes are checked when a plan is made against real shapes
 (:mod:`~meshgroups.transfer._names.mapped`).
@@ -54,7 +48,7 @@ class Segment:
     Args:
         source: the trainer weight's name.
         start, stop: the range along the rule's axis, counted in the view.
-        index: inside a :class:`~meshgroups.transfer._names.stacking.Stack` only: the entry is
+        index: inside a :class:`~meshgroups.transfer.Stack` only: the entry is
             ``source[index]`` (one expert of a packed ``[E, ...]`` tensor, e.g. Transformers 5's
             ``mlp.experts.gate_up_proj``); the view drops axis 0.
         transpose: read the source (after ``index``) with its last two axes swapped, where the
@@ -141,7 +135,14 @@ class Segment:
 @dataclass(frozen=True)
 class Rule:
     """One rollout weight = ``parts`` concatenated along ``axis``, each part its segments
-    concatenated (see the module docstring).
+    concatenated: a rename, a tie, a fusion, a split or an interleave (``NameMap``)::
+
+        >>> from meshgroups.transfer import Rule
+        >>> fused = Rule.fuse(["q_proj", "k_proj", "v_proj"])  # q ‖ k ‖ v along axis 0
+        >>> fused.sources, fused.axis, fused.sharding
+        (('q_proj', 'k_proj', 'v_proj'), 0, 'per_part')
+        >>> Rule.of({"source": "linear_fc1", "start": 0, "stop": 4096}).to_json()  # a split
+        {'axis': 0, 'sharding': 'per_part', 'parts': [['linear_fc1', 0, 4096]]}
 
     Args:
         parts: a tuple of parts, each a non-empty tuple of segments.
@@ -234,7 +235,7 @@ class Rule:
 
 def read_rule(spec: object) -> Rule | Stack:
     """A rule from any JSON form: ``{"stack": [...]}`` is a
-    :class:`~meshgroups.transfer._names.stacking.Stack`, anything else a :class:`Rule`.
+    :class:`~meshgroups.transfer.Stack`, anything else a :class:`Rule`.
 
     Args:
         spec: a Rule, a Stack or a JSON form of either.
@@ -262,8 +263,16 @@ def _part(spec: object) -> tuple[Segment, ...]:
 
 
 class NameMap(Mapping[str, "Rule | Stack"]):
-    """Rollout weight name -> :class:`Rule` (see the module docstring); names it lacks map to
-    the trainer weight of the same name.
+    """Rollout weight name -> :class:`Rule` (or :class:`~meshgroups.transfer.Stack`), as data
+    with a JSON form; names it lacks map to the trainer weight of the same name. A fusion, a
+    tie and a same-named weight::
+
+        >>> from meshgroups.transfer import NameMap
+        >>> m = NameMap({"qkv": ["q", "k", "v"], "head": "embed"})
+        >>> m.rule("qkv").sources, m.rule("head").sources, m.rule("norm").sources
+        (('q', 'k', 'v'), ('embed',), ('norm',))
+        >>> NameMap.loads(m.dumps()) == m
+        True
 
     Args:
         rules: ``{rollout name: Rule or a JSON form of one}``.

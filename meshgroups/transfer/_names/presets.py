@@ -3,14 +3,16 @@
 ``model_weights(model, layout)`` lists a preset model's weights (names, shapes, dtype) with the
 placements a Megatron/torchtitan-style job gives them on ``layout``, so a plan can be drawn or
 summarised from layouts alone (``python -m meshgroups transfer``, the weight-transfer notebook,
-a capacity estimate). Placement rules, by layout dim name:
+a capacity estimate). The presets are the package's one set (:data:`meshgroups.models.PRESETS`,
+the names the cost model and every CLI command use; older names in ``ALIASES``). Placement
+rules, by layout dim name:
 
 - ``tp``: Megatron's tensor parallelism: q/k/v/gate/up and the vocabulary (embedding, head)
   split on rows (``Shard(0)``), o/down on columns (``Shard(1)``); norms replicated.
 - ``pp``: pipeline stages: layers split evenly in order, the embedding on the first stage, the
   final norm and the head on the last.
-- ``ep`` / ``etp``: experts (``moe-*`` presets): the experts axis on ``ep``, each expert's ffn
-  axis on ``etp``; the router replicated.
+- ``ep`` / ``etp``: experts (``moe-small``, ``tiny-moe``, ``mixtral-8x7b``): the experts axis
+  on ``ep``, each expert's ffn axis on ``etp``; the router replicated.
 - ``dp_shard`` / ``fsdp``: FSDP2: every matrix's rows split again, after ``tp``/``ep`` where
   they already split rows (``shard_order``), as torch's ``fully_shard`` over a TP module does.
 - any other dim (``dp``, ``cp``, ...): replicated.
@@ -23,12 +25,12 @@ placed as one tensor (``Shard(0)`` on ``tp``), the map's rule says how its parts
 ::
 
     >>> from meshgroups import Layout
-    >>> from meshgroups.transfer._names.presets import MODELS, model_weights
+    >>> from meshgroups.transfer import MODELS, model_weights
     >>> ws = model_weights("tiny", Layout(pp=2, tp=2))
     >>> [(w.name, w.shape, w.placements["tp"], w.stage) for w in ws[:2]]
-    [('embed', (1000, 64), Shard(axis=0), ('pp', 0)), ('layers.0.q', (64, 64), Shard(axis=0), ('pp', 0))]
-    >>> ws[-1].name, ws[-1].stage, sorted(MODELS)[:2]
-    ('lm_head', ('pp', 1), ['llama-70b', 'llama-8b'])
+    [('embed', (256, 64), Shard(axis=0), ('pp', 0)), ('layers.0.q', (64, 64), Shard(axis=0), ('pp', 0))]
+    >>> ws[-1].name, ws[-1].stage, list(MODELS)[:2]
+    ('lm_head', ('pp', 1), ['tiny', 'tiny-moe'])
 
 numpy only (no torch), like the rest of ``meshgroups.transfer``'s planning side.
 """
@@ -36,55 +38,63 @@ numpy only (no torch), like the rest of ``meshgroups.transfer``'s planning side.
 from __future__ import annotations
 
 from meshgroups.layout import Layout
+from meshgroups.models import ALIASES, PRESETS, Model, preset
 from meshgroups.transfer._names.conventions import CONVENTIONS, ModelConfig, layer_names
 from meshgroups.transfer._spec import Placement, Shard, Weight
 
-#: name: (hidden, ffn, kv width, vocab, layers, experts (0: dense), dtype)
+#: name: (hidden, ffn, kv width, vocab, layers, experts (0: dense), dtype), read from the package's
+#: one set of presets (:data:`meshgroups.models.PRESETS`); older names are :data:`ALIASES`.
 MODELS: dict[str, tuple[int, int, int, int, int, int, str]] = {
-    "tiny": (64, 256, 64, 1000, 2, 0, "float32"),
-    "small": (1024, 4096, 256, 32000, 4, 0, "bfloat16"),
-    "moe-small": (1024, 1024, 256, 32000, 4, 8, "bfloat16"),
-    "llama-8b": (4096, 14336, 1024, 128256, 32, 0, "bfloat16"),
-    "llama-70b": (8192, 28672, 1024, 128256, 80, 0, "bfloat16"),
-}
+    name: (m.hidden, (m.expert_ffn or m.ffn) if m.is_moe else m.ffn, (m.kv_heads or 0) * (m.head_dim or 0), m.vocab,
+           m.layers, m.experts, m.dtype)
+    for name, m in PRESETS.items()
+}  # fmt: skip
 #: Attention heads per preset (kv heads = kv width / head dim).
-HEADS = {"tiny": 4, "small": 16, "moe-small": 16, "llama-8b": 32, "llama-70b": 64}
+HEADS = {name: m.heads for name, m in PRESETS.items()}
 #: Layout dims read as FSDP2's sharding dim (the first one present is used).
 FSDP_DIMS = ("dp_shard", "fsdp")
 
 
+def _preset(model: str) -> Model:
+    if not isinstance(model, str) or ALIASES.get(model, model) not in PRESETS:
+        raise ValueError(f"unknown model {model!r}; models are {', '.join([*MODELS, *ALIASES])}")
+    return preset(model)
+
+
 def model_config(model: str) -> ModelConfig:
-    """A dense preset's sizes as a :class:`~meshgroups.transfer._names.conventions.ModelConfig`.
+    """A dense preset's sizes as a :class:`~meshgroups.transfer.ModelConfig`.
 
     Args:
-        model: a dense preset's name in ``MODELS``.
+        model: a dense, gated (Llama-style) preset's name in ``MODELS`` (or an older spelling,
+            ``ALIASES``).
 
     Returns:
         Its ``ModelConfig`` (layers, hidden, heads, kv heads, ffn, vocab).
 
     Raises:
-        ValueError: an unknown name, or a preset with experts.
+        ValueError: an unknown name, or a preset with experts or without a gated MLP.
 
     >>> model_config("llama-70b").kv_heads
     8
     """
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; models are {', '.join(MODELS)}")
-    hidden, ffn, kv, vocab, layers, experts, _ = MODELS[model]
-    if experts:
+    m = _preset(model)
+    if m.is_moe:
         raise ValueError(f"model {model!r} has experts; the named conventions describe dense models only")
-    heads = HEADS[model]
-    return ModelConfig(layers, hidden, heads, kv // (hidden // heads), ffn, vocab)
+    if not m.gated_mlp or m.head_dim != m.hidden // m.heads:
+        raise ValueError(f"model {model!r} is not Llama-style (a gated MLP, head_dim = hidden / heads)")
+    return ModelConfig(m.layers, m.hidden, m.heads, m.kv_heads or m.heads, m.ffn, m.vocab)
 
 
 def model_weights(
     model: str | ModelConfig, layout: Layout, names: str = "preset", dtype: str | None = None
 ) -> list[Weight]:
-    """The preset ``model``'s weights placed on ``layout`` (rules: the module docstring).
+    """The preset ``model``'s weights placed on ``layout`` as a Megatron/torchtitan job places
+    them, by dim name: ``tp`` Megatron's, ``pp`` stages, ``ep``/``etp`` experts, ``dp_shard`` /
+    ``fsdp`` FSDP2's rows after ``tp``; any other dim replicated.
 
     Args:
-        model: a name in ``MODELS``, or a ``ModelConfig`` (dense; needs a convention's
-            ``names``; dtype default float32).
+        model: a name in ``MODELS`` (or an older spelling, ``ALIASES``), or a ``ModelConfig``
+            (dense; needs a convention's ``names``; dtype default float32).
         layout: the layout the weights are placed on.
         names: ``"preset"`` (short names), or a convention: ``"hf"``, ``"vllm"``, ``"megatron"``.
         dtype: every weight's dtype (default: the preset's).
@@ -105,10 +115,11 @@ def model_weights(
         if names == "preset":
             raise ValueError("a ModelConfig needs names= one of " + ", ".join(CONVENTIONS))
         hidden, ffn, kv, vocab, layers, experts, preset_dtype = (0, 0, 0, 0, cfg.layers, 0, "float32")
-    elif model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; models are {', '.join(MODELS)}")
+        heads_rows, gated = 0, True
     else:
-        hidden, ffn, kv, vocab, layers, experts, preset_dtype = MODELS[model]
+        spec = _preset(model)
+        hidden, ffn, kv, vocab, layers, experts, preset_dtype = MODELS[spec.name]
+        heads_rows, gated = spec.heads * (spec.head_dim or 0), spec.gated_mlp
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a meshgroups.Layout, got {type(layout).__name__}")
     if names != "preset" and names not in CONVENTIONS:
@@ -146,24 +157,22 @@ def model_weights(
     for layer in range(layers):
         s = layer * pp // layers
         for part, shape, axis in (
-            ("q", (hidden, hidden), 0), ("k", (kv, hidden), 0), ("v", (kv, hidden), 0),
-            ("o", (hidden, hidden), 1), ("ln1", (hidden,), None), ("ln2", (hidden,), None),
+            ("q", (heads_rows, hidden), 0), ("k", (kv, hidden), 0), ("v", (kv, hidden), 0),
+            ("o", (hidden, heads_rows), 1), ("ln1", (hidden,), None), ("ln2", (hidden,), None),
         ):  # fmt: skip
             add(f"layers.{layer}.{part}", shape, axis, s)
         if experts:
             add(f"layers.{layer}.router", (experts, hidden), None, s)
-            add(f"layers.{layer}.experts.w1", (experts, ffn, hidden), 1, s, expert=True)
+            add(f"layers.{layer}.experts.w1", (experts, (2 if gated else 1) * ffn, hidden), 1, s, expert=True)
             add(f"layers.{layer}.experts.w2", (experts, hidden, ffn), 2, s, expert=True)
         else:
-            for part, shape, axis in (
-                ("gate", (ffn, hidden), 0),
-                ("up", (ffn, hidden), 0),
-                ("down", (hidden, ffn), 1),
-            ):
+            parts = [("gate", (ffn, hidden), 0)] if gated else []
+            parts += [("up", (ffn, hidden), 0), ("down", (hidden, ffn), 1)]
+            for part, shape, axis in parts:
                 add(f"layers.{layer}.{part}", shape, axis, s)
     add("norm", (hidden,), None, pp - 1)
     add("lm_head", (vocab, hidden), 0, pp - 1)
     return out
 
 
-__all__ = ["FSDP_DIMS", "HEADS", "MODELS", "model_config", "model_weights"]
+__all__ = ["ALIASES", "FSDP_DIMS", "HEADS", "MODELS", "model_config", "model_weights"]

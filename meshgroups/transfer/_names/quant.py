@@ -40,7 +40,9 @@ FP8 = "float8_e4m3fn"
 
 @dataclass(frozen=True)
 class BlockFP8:
-    """Block-fp8 destinations (see the module docstring).
+    """Block-fp8 destinations: a ``float8_e4m3fn`` rollout weight is served as its values and a
+    float32 ``<name>_scale_inv`` (one scale per block of its last two axes), quantized at the
+    sender; every block must lie whole inside one trainer shard and one link (``docs/moe-fp8.md``).
 
     Args:
         block: the block's rows and columns (the last two axes).

@@ -1,7 +1,7 @@
 """Stacking along a new leading axis: MoE experts, and where each ep rank holds which expert.
 
 A :class:`Stack` is a rule whose rollout weight has a new axis 0: entry ``p`` of the stack is
-itself a :class:`~meshgroups.transfer._names.names.Rule` over the remaining axes. vLLM's and SGLang's
+itself a :class:`~meshgroups.transfer.Rule` over the remaining axes. vLLM's and SGLang's
 ``experts.w13_weight`` ``[E, 2·I, H]`` is, per expert, ``gate_proj`` ‖ ``up_proj`` (a rule of two
 parts along axis 0 of ``[2·I, H]``, sharded per part under tp), and ``experts.w2_weight``
 ``[E, H, I]`` is ``down_proj``. Every entry has the same parts (sizes checked against the
@@ -41,10 +41,11 @@ PLACEMENTS = ("linear", "round_robin")
 
 @dataclass(frozen=True)
 class Stack:
-    """A rollout weight = its entries stacked along a new axis 0 (see the module docstring).
+    """A rollout weight = its entries stacked along a new axis 0 (MoE experts: vLLM's
+    ``experts.w13_weight`` ``[E, 2·I, H]`` is, per expert, ``gate_proj`` ‖ ``up_proj``).
 
     Args:
-        entries: one :class:`~meshgroups.transfer._names.names.Rule` per position along axis 0, over
+        entries: one :class:`~meshgroups.transfer.Rule` per position along axis 0, over
             the remaining axes; all with the same axis, sharding and number of parts.
 
     Raises:
@@ -100,7 +101,7 @@ class Stack:
     @classmethod
     def of(cls, spec: object) -> Stack:
         """From ``{"stack": [rule, ...]}`` (each entry any JSON form of a
-        :class:`~meshgroups.transfer._names.names.Rule`), or a Stack."""
+        :class:`~meshgroups.transfer.Rule`), or a Stack."""
         if isinstance(spec, Stack):
             return spec
         if not isinstance(spec, Mapping) or set(spec) != {"stack"} or not isinstance(spec["stack"], list):

@@ -35,12 +35,8 @@ from functools import cached_property
 
 import numpy as np
 
-from meshgroups.errors import LayoutError
+from meshgroups.errors import PlanError
 from meshgroups.transfer._plan.stream import Stream
-
-
-class PlanError(LayoutError):
-    """The plan breaks one of its guarantees (coverage exactly once); a bug, never silent."""
 
 
 def _runs(keys: np.ndarray, positions: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

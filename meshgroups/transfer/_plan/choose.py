@@ -15,7 +15,7 @@ weight's piece over 4 holders, to one node::
 
     >>> from meshgroups import Layout
     >>> from meshgroups.transfer._plan.routes import Planner
-    >>> from meshgroups.transfer._spec import Shard, Weight
+    >>> from meshgroups.transfer import Shard, Weight
     >>> w = Weight("w", (8,), placements={"tp": Shard(0)})
     >>> p = Planner(Layout(dp=4, tp=2), Layout(tp=2, rank_offset=8), [(w, w)], node_size=8, min_part_bytes=4)
     >>> s = p.pairs_of(0, (0,))[0][3]  # 4 float32 elements, 16 bytes over 4 holders: one each

@@ -5,18 +5,7 @@ replicas so that a node receives each byte it needs and lacks exactly once from 
 forwards it inside the node), each holder sends within one cut quantum of its share of the
 cross-node bytes (see :mod:`~meshgroups.transfer._plan.stream`), nothing goes to a rank that already
 holds it (colocated ranks copy locally) and every destination element is covered exactly once —
-checked while the plan is built::
-
-    >>> from meshgroups import Layout, Topology
-    >>> from meshgroups.transfer import Replicate, Shard, Weight, plan_transfer
-    >>> trainer, rollout = Layout(dp=2, tp=2), Layout(tp=4, rank_offset=4)
-    >>> w = [Weight("wq", (8, 8), placements={"dp": Shard(0), "tp": Shard(1)})]
-    >>> r = [Weight("wq", (8, 8), placements={"tp": Shard(0)})]
-    >>> plan = plan_transfer(trainer, w, rollout, r, topology=Topology(node=4))
-    >>> plan.cross_node_bytes == plan.cross_node_lower_bound == 8 * 8 * 4
-    True
-    >>> [(m.src, m.dst, m.box) for m in plan.for_rank(4)]
-    [(0, 4, ((0, 2), (0, 4))), (1, 4, ((0, 2), (4, 8)))]
+checked while the plan is built (``plan_transfer``'s docstring shows one).
 
 ``plan_transfer(..., rank=r)`` computes only the messages ``r`` sends or receives, from its
 own shards (equal to the whole plan's messages filtered to ``r``). The whole plan keeps
@@ -57,6 +46,12 @@ class Message:
         box: the slice, a global ``[start, stop)`` per axis.
         nbytes: its size in bytes.
         step: 0 or 1, as above.
+
+    >>> from meshgroups import Layout
+    >>> from meshgroups.transfer import Shard, Weight, plan_transfer
+    >>> w = Weight("wq", (8, 4), placements={"tp": Shard(0)})
+    >>> plan_transfer(Layout(tp=2), [w], Layout(tp=4, rank_offset=2), [w]).messages[0]
+    Message(weight='wq', src=0, dst=2, box=((0, 2), (0, 4)), nbytes=32, step=0)
     """
 
     weight: str
@@ -105,7 +100,15 @@ class _LazyMessages(Sequence[Message]):
 
 
 class TransferPlan:
-    """A transfer plan; see the module docstring.
+    """A transfer plan: for every destination shard, the source ranks and exact boxes (made by
+    ``plan_transfer``, numpy only), with its statistics and bounds::
+
+        >>> from meshgroups import Layout
+        >>> from meshgroups.transfer import Shard, Weight, plan_transfer
+        >>> w = Weight("wq", (8, 4), placements={"tp": Shard(0)})
+        >>> plan = plan_transfer(Layout(tp=2), [w], Layout(tp=4, rank_offset=2), [w])
+        >>> plan, plan.send_bytes, plan.recv_bytes
+        (<TransferPlan whole: 4 messages, 128 cross-node bytes>, {0: 64, 1: 64}, {2: 32, 3: 32, 4: 32, 5: 32})
 
     Attributes:
         messages: every message (``rank=None``) or those ``rank`` sends or receives.
@@ -131,7 +134,7 @@ class TransferPlan:
             to whole indices of a piece's longest axis, or the whole unit if smaller). Proof:
             per holder set, the units are laid end to end and cut into ``|H|`` ranges of
             ``⌊X_H/|H|⌋`` or ``⌈X_H/|H|⌉`` bytes, a cut inside a unit moved up to its next
-            quantum (see :mod:`~meshgroups.transfer._plan.stream`), so a member's range grows by less
+            quantum, so a member's range grows by less
             than ``Q_H``. When no source node holds a destination rank (``intra = 0``) and the
             holder sets of one kind (the same sharding dims: one set per coordinate, together
             covering their group) carry equal bytes, as with even shards in
@@ -141,9 +144,10 @@ class TransferPlan:
         busiest_forward_bytes: the most any rank forwards inside its node (step 1).
         n_messages: messages including local copies; ``n_local`` of them are local copies.
         mapping: with a name map or a cast, the links each plan weight stands for
-            (:class:`~meshgroups.transfer._names.mapped.Mapped`; see :meth:`moves`), else ``None``.
-        stats: per-rank arrays (bytes and messages by step and node crossing), see
-            :class:`~meshgroups.transfer._plan.stats.RankStats`.
+            (a ``Mapped``: ``mapping.links``, ``mapping.sources(rollout name)``; see
+            :meth:`moves`), else ``None``.
+        stats: per-rank arrays (bytes and messages by step and node crossing), a
+            ``RankStats``.
 
     Made by ``plan_transfer``, not by hand: the constructor's ``tally`` (per-rank statistics),
     ``n_holders`` and ``send_bounds`` (the send bounds above) are the planner's.
@@ -200,8 +204,8 @@ class TransferPlan:
 
     @cached_property
     def stats(self) -> RankStats:
-        """Per-rank arrays over the whole world (see
-        :class:`~meshgroups.transfer._plan.stats.RankStats`); for a rank's plan built on first use."""
+        """Per-rank arrays over the whole world (a ``RankStats``: bytes and messages by step and
+        node crossing); for a rank's plan built on first use."""
         return self._tally.result()
 
     def _nonzero(self, values: np.ndarray) -> dict[int, int]:
@@ -340,10 +344,10 @@ def plan_transfer(
             costs no more messages (at most one per holder more than whole pieces).
         name_map, cast, allow_unused: given any (``name_map={}`` for same names), the plan
             maps rollout weights to trainer weights (fusions, splits, ties, casts; coverage
-            checked both ways): see :func:`~meshgroups.transfer._names.expand.map_weights`.
+            checked both ways): see :func:`~meshgroups.transfer.map_weights`.
         quantize: ``BlockFP8()``: every ``float8_e4m3fn`` rollout weight is block-quantized
             at the sender, its ``<name>_scale_inv`` planned beside it
-            (:mod:`~meshgroups.transfer._names.quant`); implies a mapped plan.
+            (:class:`~meshgroups.transfer.BlockFP8`); implies a mapped plan.
 
     Raises:
         TypeError: an argument of the wrong kind.
@@ -352,6 +356,20 @@ def plan_transfer(
 
     Returns:
         The ``TransferPlan``: every message (or only ``rank``'s), with its statistics and bounds.
+
+    A trainer (dp=2 × tp=2, ranks 0-3) to a rollout (tp=4, ranks 4-7), four ranks a node: each
+    byte crosses nodes once, and rank 4 receives its rows from two senders::
+
+        >>> from meshgroups import Layout, Topology
+        >>> from meshgroups.transfer import Shard, Weight, plan_transfer
+        >>> trainer, rollout = Layout(dp=2, tp=2), Layout(tp=4, rank_offset=4)
+        >>> w = [Weight("wq", (8, 8), placements={"dp": Shard(0), "tp": Shard(1)})]
+        >>> r = [Weight("wq", (8, 8), placements={"tp": Shard(0)})]
+        >>> plan = plan_transfer(trainer, w, rollout, r, topology=Topology(node=4))
+        >>> plan.cross_node_bytes == plan.cross_node_lower_bound == 8 * 8 * 4
+        True
+        >>> [(m.src, m.dst, m.box) for m in plan.for_rank(4)]
+        [(0, 4, ((0, 2), (0, 4))), (1, 4, ((0, 2), (4, 8)))]
     """
     mapping = None
     if name_map is None and cast is None and allow_unused is False and quantize is None:

@@ -12,7 +12,7 @@ they agree message for message. A node that receives *every* piece of a destinat
 outside gets them all on one representative, which forwards the whole block in one message::
 
     >>> from meshgroups import Layout
-    >>> from meshgroups.transfer._spec import Shard, Weight
+    >>> from meshgroups.transfer import Shard, Weight
     >>> w = Weight("w", (4,), placements={"tp": Shard(0)})
     >>> p = Planner(Layout(tp=2), Layout(dp=2, rank_offset=2), [(w, Weight("w", (4,)))], node_size=2)
     >>> [(c.box, c.src.tolist(), c.dst.tolist(), c.step.tolist()) for c in p.weight_chunks(0)]
@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshgroups.errors import PlanError
 from meshgroups.layout import Layout
-from meshgroups.transfer._plan.assign import ByNode, PairRoute, PlanError
+from meshgroups.transfer._plan.assign import ByNode, PairRoute
 from meshgroups.transfer._plan.choose import Choices
 from meshgroups.transfer._plan.shards import BlockKey, Side, axis_pairs, holders
 from meshgroups.transfer._plan.stream import Stream

@@ -7,7 +7,7 @@ coordinates (:func:`~meshgroups.transfer._spec.intervals`), so a block is one pi
 axis and its box is the product of those pieces::
 
     >>> from meshgroups import Layout
-    >>> from meshgroups.transfer._spec import Shard, Weight
+    >>> from meshgroups.transfer import Shard, Weight
     >>> side = Side(Layout(dp=2, tp=2), Weight("w", (4, 4), placements={"tp": Shard(1)}))
     >>> side.holders(side.block_key((0, 1))).tolist()   # the tp=1 shard: held by both dp ranks
     [1, 3]

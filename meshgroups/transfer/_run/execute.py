@@ -1,10 +1,7 @@
 """Move real tensors along a plan: the trainer's local shards into the rollout's local buffers.
 
 ``execute`` is collective over the default group (every rank calls it, a rank with no part
-passes empty mappings)::
-
-    >>> plan = plan_transfer(trainer, weights, rollout, rollout_weights)  # doctest: +SKIP
-    >>> execute(plan, {"wq": trainer_shard}, {"wq": rollout_buffer}, bucket_bytes=64 << 20)  # doctest: +SKIP
+passes empty mappings; its docstring shows it).
 
 Buckets are the same on every rank (``buckets.Buckets``: weights in plan order, big ones cut
 into row blocks, packed by full size), so a rank stages about two buckets at a time. Before the
@@ -60,13 +57,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from meshgroups.errors import MeshConfigError
+from meshgroups.errors import MeshConfigError, TransferError
 from meshgroups.layout import Layout
 from meshgroups.mesh import as_timedelta, current_cohort, default_timeout
 from meshgroups.transfer._run.buckets import Buckets, Part, parts_by_bucket
 from meshgroups.transfer._run.packing import PackBuffers
 from meshgroups.transfer._run.pairing import check_pairing
-from meshgroups.transfer._run.status import Status, TransferError, agree, claim_tags, next_tag, step_tag
+from meshgroups.transfer._run.status import Status, agree, claim_tags, next_tag, step_tag
 from meshgroups.transfer._run.steps import LocalTensors, Posted, Step, finish, parts_of_step, post, prepare
 from meshgroups.transfer._spec import Weight
 
@@ -99,7 +96,12 @@ class Progress:
 
 @dataclass
 class Report:
-    """What ``execute`` did on this rank.
+    """What ``execute`` did on this rank (``WeightSync.sync()`` returns one too)::
+
+        >>> from meshgroups.transfer import Report
+        >>> report = Report(buckets=1, messages=1, bytes_copied=24, weights=("w",))
+        >>> report.bytes_sent + report.bytes_received + report.bytes_copied
+        24
 
     Attributes:
         buckets: the number of buckets.
@@ -111,6 +113,8 @@ class Report:
         weights: the weights written on this rank.
         p2p_messages: the point-to-point messages this rank posted (sends and receives): with
             packing one per peer, direction and step of a bucket, else one per slice.
+        delta: a delta sync's figures (``delta_state.DeltaStats``: dense and sent bytes, their
+            ratio, the refusals); ``None`` for a sync without ``delta=``.
     """
 
     buckets: int = 0
@@ -123,6 +127,7 @@ class Report:
     p2p_messages: int = (
         0  # point-to-point messages posted (sends and receives; one per peer and step when packed)
     )
+    delta: Any = None  # DeltaStats of a delta sync (WeightSync(delta=...)), else None
 
 
 def _digest(pairs: Sequence[tuple[Weight, Weight]], src: Layout, dst: Layout, extra: object) -> int:
@@ -161,10 +166,9 @@ def execute(
         groups: ``TransferGroups`` of this plan: fan-outs go as broadcasts over them; without,
             every slice goes point-to-point.
         group: the ranks that take part and exchange status (default: the whole world, or the
-            live ranks' group of the current cohort after a loss, ``meshgroups.mesh._cohort``).
+            live ranks' group of the current cohort after a loss, ``meshgroups.mesh.Cohort``).
         packed: the point-to-point slices of one step of a bucket go as one message per peer
-            and direction (``meshgroups.transfer._run.packing``; same bytes); ``False``: one per
-            slice. The same on every rank.
+            and direction (same bytes); ``False``: one per slice. The same on every rank.
         buffers: where packed buffers are kept across calls (a ``PackBuffers``; ``WeightSync``
             keeps one); default: new ones for this call. Emptied when the call fails (a failed
             call's operations may still hold them).
@@ -177,11 +181,29 @@ def execute(
         TransferError: on every rank, when any rank failed (a bad input, a failed or timed-out
             transfer, ``progress``, ``broken`` transfer groups), naming the ranks and their
             reasons. After one in stage ``"transfer"`` an immediate retry is safe on gloo (new
-            tags; rebuild ``groups``); on NCCL see the module docstring.
+            tags; rebuild ``groups``); on NCCL a timed-out send may leave the communicator
+            unusable: rebuild ``groups`` before retrying.
         RuntimeError: no default process group.
 
     Returns:
         This rank's ``Report``.
+
+    A trainer and a rollout colocated on a one-process world (a local copy; in a job, every
+    rank calls it with its own shards and buffers)::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from meshgroups import Layout
+        >>> from meshgroups.transfer import Weight, execute, plan_transfer
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> w = Weight("w", (2, 3))
+        >>> plan = plan_transfer(Layout(dp=1), [w], Layout(dp=1), [w])
+        >>> buffer = torch.zeros(2, 3)
+        >>> execute(plan, {"w": torch.ones(2, 3)}, {"w": buffer})
+        Report(buckets=1, messages=1, bytes_sent=0, bytes_received=0, bytes_copied=24, broadcasts=0, weights=('w',), p2p_messages=0, delta=None)
+        >>> buffer.sum().item()
+        6.0
+        >>> dist.destroy_process_group()
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("execute needs an initialised default process group (dist.init_process_group)")

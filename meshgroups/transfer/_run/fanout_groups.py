@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from meshgroups._lifecycle import Closeable
 from meshgroups.errors import MeshConfigError
 from meshgroups.layout import Layout
 from meshgroups.mesh import (
@@ -237,7 +238,7 @@ def _layers(sets: Sequence[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
     return [rows for _, _, rows in layers]
 
 
-class TransferGroups:
+class TransferGroups(Closeable):
     """Collective: one process group per fan-out rank set of ``plan`` (see the module
     docstring). Every rank passes its plan — whole or its own (``plan_transfer(..., rank=r)``),
     parts of one plan (the same ``plan_transfer`` arguments but ``rank``).
@@ -254,12 +255,25 @@ class TransferGroups:
             broadcasts may be out of step); ``execute`` refuses broken groups.
 
     The legacy ``WeightTransferGroupInitializer`` (one group of trainer rank 0 and every
-    rollout rank) is the special case of a plan where one rank sends everything to all.
+    rollout rank) is the special case of a plan where one rank sends everything to all (in a
+    world of 8 processes: not run here)::
 
-        >>> groups = TransferGroups(plan)                                  # doctest: +SKIP
-        >>> groups.sets                                                     # doctest: +SKIP
+        >>> groups = TransferGroups(plan)  # doctest: +SKIP
+        >>> groups.sets  # doctest: +SKIP
         [(0, 4, 5, 6, 7)]
-        >>> groups.group((0, 4, 5, 6, 7))  # this rank's group, or None    # doctest: +SKIP
+        >>> groups.group((0, 4, 5, 6, 7))  # this rank's group, or None  # doctest: +SKIP
+
+    A colocated plan needs no group (a one-process world)::
+
+        >>> import torch.distributed as dist
+        >>> from meshgroups import Layout
+        >>> from meshgroups.transfer import TransferGroups, Weight, plan_transfer
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> w = Weight("w", (4, 4))
+        >>> with TransferGroups(plan_transfer(Layout(dp=1), [w], Layout(dp=1), [w])) as groups:
+        ...     groups.sets, groups.p2p
+        ([], None)
+        >>> dist.destroy_process_group()
 
     Cost per rank: see the module docstring (its own messages and peers, the distinct sets).
 
@@ -386,13 +400,14 @@ class TransferGroups:
 
     def group(self, ranks: Sequence[int]) -> dist.ProcessGroup | None:
         """This rank's group over ``ranks`` (sender first, receivers sorted), or ``None``."""
+        self._check_open("group()")
         return self._groups.get(tuple(ranks))
 
     def __len__(self) -> int:
         return len(self.sets)
 
-    def close(self) -> int:
-        """Destroy the groups (those no other mesh of the cache uses). Local, idempotent."""
+    def _release(self) -> int:
+        # close(): the groups no other mesh of the cache uses
         destroyed = sum(mg.close() for mg in self._meshes)
         self._meshes.clear()
         self._groups.clear()
@@ -401,9 +416,6 @@ class TransferGroups:
 
     def __enter__(self) -> TransferGroups:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"TransferGroups({len(self.sets)} fan-out groups, {len(self._groups)} on this rank)"

@@ -61,7 +61,8 @@ def block_scales(x: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.
 def quantize_blocks(
     x: torch.Tensor, block: tuple[int, int] = (128, 128)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` as block-fp8 values and their scales (see the module docstring).
+    """``x`` as block-fp8 values and their scales, DeepSeek-V3's and vLLM's format: per block,
+    ``scale_inv = amax / 448`` and the values ``clamp(x / scale_inv, -448, 448)`` as float8_e4m3fn.
 
     Args:
         x: any float tensor of 2 or more axes.

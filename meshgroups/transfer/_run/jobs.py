@@ -2,13 +2,8 @@
 
 ``init_job`` builds every layout of a job in one collective call — each its own root mesh
 through ``meshgroups.init_mesh`` (checked across ranks, each distinct group created once via one
-shared ``GroupCache``) — after refusing layouts that overlap when they were declared disjoint::
-
-    >>> dist.init_process_group("gloo")  # 8 ranks                       # doctest: +SKIP
-    >>> job = init_job({"trainer": Layout(dp=2, tp=2), "rollout": Layout(tp=4, rank_offset=4)})  # doctest: +SKIP
-    >>> job.roles(5), job["trainer"].mesh.get_coordinate() is None        # doctest: +SKIP
-    (('rollout',), True)
-    >>> job.close()  # or leave a ``with job:`` block                      # doctest: +SKIP
+shared ``GroupCache``) — after refusing layouts that overlap when they were declared disjoint
+(``init_job``'s docstring shows one).
 
 Layouts may sit anywhere in the world (any offset, ``Layout.from_grid`` with permuted ranks);
 ``sharing="colocated"`` requires both to cover the same ranks, ``"any"`` checks nothing.
@@ -31,9 +26,18 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import torch.distributed as dist
 
+from meshgroups._lifecycle import Closeable
 from meshgroups.errors import LayoutError, MeshConfigError
 from meshgroups.layout import Layout
-from meshgroups.mesh import GroupCache, MeshGroups, MeshOptions, Strategy, collective_call, init_mesh
+from meshgroups.mesh import (
+    GroupCache,
+    MeshGroups,
+    MeshOptions,
+    Strategy,
+    collective_call,
+    init_mesh,
+    merge_options,
+)
 from meshgroups.transfer._run.fanout_groups import RouteKey, TransferGroups, fanouts
 
 if TYPE_CHECKING:
@@ -76,7 +80,7 @@ def check_sharing(layouts: Mapping[str, Layout], sharing: str) -> None:
                     )
 
 
-class Job:
+class Job(Closeable):
     """Every layout of a job built on this rank: ``job[name]`` is that layout's ``MeshGroups``
     (a mesh whose ``get_coordinate()`` is ``None``, and ``None`` groups, on ranks outside it).
     All share ``cache``, so a group two layouts both need (colocated ``tp`` groups of equal
@@ -85,6 +89,17 @@ class Job:
 
     Made by ``init_job``: ``meshes`` and ``cache`` as above, ``sharing`` as passed to it,
     ``options`` the ``MeshOptions`` every layout was built with (transfer groups use them).
+    On rank 5 of 8 (torch's single-process ``"fake"`` backend stands in for the 8 ranks)::
+
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from meshgroups import Layout
+        >>> from meshgroups.transfer import init_job
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+        >>> with init_job({"trainer": Layout(dp=2, tp=2), "rollout": Layout(tp=4, rank_offset=4)}) as job:
+        ...     job.roles(5), job["rollout"].ranks("tp"), job["trainer"].group("tp") is dist.GroupMember.NON_GROUP_MEMBER
+        (('rollout',), [4, 5, 6, 7], True)
+        >>> dist.destroy_process_group()
     """
 
     def __init__(
@@ -95,7 +110,6 @@ class Job:
         self.sharing = sharing
         self.options = options
         self._transfer: list[TransferGroups] = []
-        self._closed = False
 
     @property
     def layouts(self) -> dict[str, Layout]:
@@ -121,8 +135,7 @@ class Job:
         with the job's meshes: a transfer that fails inside a broadcast leaves that group's
         collectives out of step, and the training groups must not be that group."""
         with collective_call("TransferGroups"):  # TransferGroups joins this call
-            if self._closed:
-                raise RuntimeError("this Job was closed; its process groups are destroyed")
+            self._check_open("transfer_groups()")
             o = self.options
             groups = TransferGroups(
                 plan,
@@ -136,20 +149,13 @@ class Job:
         self._transfer.append(groups)
         return groups
 
-    def close(self) -> int:
-        """Destroy what this job created (transfer groups, then each mesh's groups). Local,
-        idempotent; call it on every rank. Returns the number of process groups destroyed."""
-        if self._closed:
-            return 0
-        self._closed = True
+    def _release(self) -> int:
+        # close(): what this job created, transfer groups first, then each mesh's groups
         destroyed = sum(t.close() for t in self._transfer)
         return destroyed + sum(mg.close() for mg in self.meshes.values())
 
     def __enter__(self) -> Job:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{name}={mg.layout!r}" for name, mg in self.meshes.items())
@@ -166,10 +172,11 @@ def init_job(
     timeout: timedelta | float | None = None,
     strategy: Strategy = "auto",
     check: bool | None = None,
+    options: MeshOptions | None = None,
 ) -> Job:
     """Build every layout of a job (collective: every rank of the world calls it alike).
 
-    One collective call (``collective_call("init_job")``, see ``meshgroups.mesh._collective``): its
+    One collective call (``collective_call("init_job")``, see ``meshgroups.mesh.collective_call``): its
     number is taken before anything is checked, every check below runs inside it (so an error
     on one rank is raised on every rank, the same class, naming that rank), the ranks compare
     ``sharing``, the layouts (names and fingerprints) and ``flatten`` at their first meeting,
@@ -178,7 +185,7 @@ def init_job(
     Args:
         layouts: ``{"trainer": Layout(...), "rollout": Layout(...)}``, built in this order, each
             its own root mesh; ranks outside a layout get its mesh with coordinate ``None``
-            and ``None`` groups.
+            and torch's ``GroupMember.NON_GROUP_MEMBER`` as groups.
         sharing: ``"disjoint"`` (no rank in two layouts), ``"colocated"`` (every layout over the
             same ranks) or ``"any"``; checked before anything is built.
         flatten: per layout name, the flattened dim sets to build (``{"trainer": [("dp", "cp")]}``).
@@ -187,6 +194,8 @@ def init_job(
         timeout: as for ``init_mesh``, for every layout.
         strategy: as for ``init_mesh``, for every layout.
         check: as for ``init_mesh``, for every layout.
+        options: a ``MeshOptions`` for every layout, instead of the option keywords above
+            (giving both is a ``TypeError`` on every rank).
 
     Returns:
         The ``Job``: ``job[name]`` is that layout's ``MeshGroups``; ``close()`` releases them all.
@@ -199,8 +208,29 @@ def init_job(
         Exception: everything ``init_mesh`` raises; a failure in a later layout closes the
             earlier ones before it propagates. Each on every rank alike; the identical call
             can be retried at once.
+
+    A trainer on ranks 0-3 and a rollout on ranks 4-7, here on rank 5 (torch's single-process
+    ``"fake"`` backend stands in for the 8 ranks; in a job: ``init_process_group("nccl")``)::
+
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from meshgroups import Layout
+        >>> from meshgroups.transfer import init_job
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+        >>> job = init_job({"trainer": Layout(dp=2, tp=2), "rollout": Layout(tp=4, rank_offset=4)})
+        >>> job.roles(5), job["trainer"].mesh.get_coordinate() is None
+        (('rollout',), True)
+        >>> job.close()  # or leave a ``with job:`` block
+        1
+        >>> dist.destroy_process_group()
     """
+    keywords = MeshOptions(
+        device_type=device_type, backend=backend, timeout=timeout, strategy=strategy, check=check
+    )
+    merged, refusal = merge_options(options, keywords)
     with collective_call("init_job") as call:  # numbered before anything is checked
+        if refusal is not None:
+            raise TypeError(refusal)
         flat = _check_job(layouts, sharing, flatten)
         call.compare(
             sharing=sharing,
@@ -209,23 +239,16 @@ def init_job(
         )
         cache = GroupCache()
         # each layout of a job covers part of the world (trainer and rollout ranks): partial
-        options = MeshOptions(
-            device_type=device_type,
-            backend=backend,
-            timeout=timeout,
-            strategy=strategy,
-            check=check,
-            partial=True,
-        )
+        per_layout = merged.replace(partial=True)
         meshes: dict[str, MeshGroups] = {}
         try:
             for name, layout in layouts.items():  # each joins this call (one number, one protocol)
-                meshes[name] = init_mesh(layout, flatten=flat.get(name, ()), cache=cache, options=options)
+                meshes[name] = init_mesh(layout, flatten=flat.get(name, ()), cache=cache, options=per_layout)
         except BaseException:
             for mg in meshes.values():
                 mg.close()
             raise
-        return Job(meshes, cache, sharing, options)
+        return Job(meshes, cache, sharing, per_layout)
 
 
 def _check_job(

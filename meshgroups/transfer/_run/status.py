@@ -5,7 +5,7 @@ arguments and the next point-to-point tag it may use; one all-reduce (MAX) tells
 failed, whether the digests agree, and the first tag of the call. A failure anywhere becomes
 the same ``TransferError`` on every rank.
 
-**Liveness.** The exchange waits like every meshgroups wait (``meshgroups.mesh._liveness``): while
+**Liveness.** The exchange waits like every meshgroups wait (the liveness of ``meshgroups.mesh``): while
 the all-reduce is pending, the other ranks' heartbeats are looked at every half second, so a
 rank that exited or stopped responding ends the wait within seconds (the timeout stays the last
 bound), and the ``TransferError`` names it (``ranks``, and how it went); a rank alive but late
@@ -34,7 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshgroups.errors import RanksGoneError
+from meshgroups.errors import RanksGoneError, TransferError
 from meshgroups.mesh import Liveness, Lookout, default_store, gone_error, world_liveness
 
 #: Tags live in [1, TAG_SPACE]; gloo takes non-negative 32-bit ints.
@@ -42,28 +42,6 @@ TAG_SPACE = 2**31 - 2
 # The next tag this process may use (monotone; agreed by MAX across ranks at each call). One
 # number per process: tags must differ across *all* calls between a pair of ranks.
 _next_tag = [1]
-
-
-class TransferError(RuntimeError):
-    """A transfer failed on some rank; raised on every rank of the status group alike.
-
-    Attributes:
-        ranks: the ranks that failed. bucket: the bucket it happened in (0-based; ``-1``: the
-            check before the first). stage: ``"check"``, ``"prepare"`` (nothing of the bucket
-            moved yet), ``"transfer"`` or ``"progress"`` (the bucket is complete). done: weights
-            complete on every rank before the failure (the others may be partly written).
-
-    Args:
-        message: what failed, naming the ranks and their reasons, the bucket and the stage.
-        ranks: see Attributes.
-        bucket: see Attributes.
-        stage: see Attributes.
-        done: see Attributes.
-    """
-
-    def __init__(self, message: str, ranks: tuple[int, ...], bucket: int, stage: str, done: tuple[str, ...]):
-        super().__init__(message)
-        self.ranks, self.bucket, self.stage, self.done = ranks, bucket, stage, done
 
 
 def next_tag() -> int:

@@ -3,15 +3,8 @@
 Built once per job from the trainer's module (or state dict) and layout and the rollout's module
 (or state dict, or local buffers with ``rollout_weights=``) and layout; the rollout's own
 parameters are the destination buffers, written in place. ``sync()`` moves the trainer's
-current weights (one collective call: progress, timeout and failures as ``execute``)::
-
-    >>> sync = WeightSync(model, trainer, rollout_model, rollout,             # doctest: +SKIP
-    ...                   name_map=vllm_names, cast="bfloat16", job=job)
-    >>> for step in range(steps):                                           # doctest: +SKIP
-    ...     train_step(model)
-    ...     sync.sync()          # every rank; the rollout's parameters now hold the new weights
-    >>> sync.plans, sync.group_builds                                       # doctest: +SKIP
-    (1, 1)
+current weights (one collective call: progress, timeout and failures as ``execute``);
+``WeightSync``'s docstring shows it.
 
 It composes what exists and adds no arithmetic of its own: placements from the DTensors
 (``torch_io.local_weights``), the mapped plan (``plan_transfer(name_map=, cast=,
@@ -42,28 +35,62 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshgroups.errors import LayoutError, MeshConfigError
+from meshgroups._lifecycle import Closeable
+from meshgroups.errors import MeshConfigError, TransferError
 from meshgroups.layout import Layout, Topology
-from meshgroups.mesh import GroupCache, as_timedelta, collective_call, default_timeout
+from meshgroups.mesh import (
+    GroupCache,
+    MeshOptions,
+    as_timedelta,
+    collective_call,
+    default_timeout,
+    merge_options,
+)
 from meshgroups.transfer._names.expand import Cast
 from meshgroups.transfer._names.mapped import view_source
 from meshgroups.transfer._names.names import NameMap
 from meshgroups.transfer._names.quant import BlockFP8
 from meshgroups.transfer._plan.plan import TransferPlan, plan_transfer
+from meshgroups.transfer._run.delta_state import DeltaPolicy, Shadows
 from meshgroups.transfer._run.execute import DEFAULT_BUCKET_BYTES, Progress, Report, execute
 from meshgroups.transfer._run.fanout_groups import TransferGroups
 from meshgroups.transfer._run.fp8 import quantize_blocks
 from meshgroups.transfer._run.jobs import Job, digest_text
 from meshgroups.transfer._run.packing import PackBuffers
-from meshgroups.transfer._run.status import Status, TransferError, no_status
-from meshgroups.transfer._run.sync_state import Tensors, merge, read, slices
+from meshgroups.transfer._run.status import Status, no_status
+from meshgroups.transfer._run.sync_delta import move
+from meshgroups.transfer._run.sync_state import Tensors, check_buffers, merge, read, slices
 from meshgroups.transfer._run.torch_io import local_weights
 from meshgroups.transfer._spec import Weight
 
 
-class WeightSync:
+class WeightSync(Closeable):
     """Move a trainer's weights into a rollout's, every step (collective: every rank of the
-    world builds it and calls ``sync()`` alike; see the module docstring).
+    world builds it and calls ``sync()`` alike). Plans once and builds the transfer groups
+    once; each ``sync()`` moves the trainer's current weights into the rollout's own tensors,
+    in place, and plans again (every rank together) only when a rank's weights or a layout
+    changed. In a job (trainer and rollout ranks; ``job`` from ``init_job``)::
+
+        sync = WeightSync(model, trainer, rollout_model, rollout,
+                          name_map=vllm_names, cast="bfloat16", job=job)
+        for step in range(steps):
+            train_step(model)
+            sync.sync()  # every rank; the rollout's parameters now hold the new weights
+
+    Colocated on a one-process world (the transfer is a local copy)::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from meshgroups import Layout
+        >>> from meshgroups.transfer import WeightSync
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> trainer, rollout = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+        >>> with WeightSync(trainer, Layout(dp=1), rollout, Layout(dp=1)) as sync:
+        ...     sync.sync().weights, sync.plans, sync.group_builds
+        (('bias', 'weight'), 1, 1)
+        >>> torch.equal(rollout.weight, trainer.weight)
+        True
+        >>> dist.destroy_process_group()
 
     Args:
         trainer: this rank's trainer ``nn.Module`` or ``{name: tensor}`` (DTensors: placements
@@ -74,28 +101,37 @@ class WeightSync:
             place (for a DTensor, its local shard); ``None`` outside ``rollout_layout``.
         rollout_layout: the rollout's layout.
         name_map: rollout name -> trainer weights (renames, fusions, ties, splits; see
-            ``meshgroups.transfer._names.names``); names it lacks mean the same-named trainer weight.
+            ``meshgroups.transfer.NameMap``); names it lacks mean the same-named trainer weight.
         cast: allow a dtype change (``"bfloat16"``, ``True``, or per rollout weight); the sender
             casts, before bytes cross a link.
         allow_unused: ``True`` or names/patterns of trainer weights nothing reads (else an
             error naming them); listed on :attr:`unused`.
         quantize: ``BlockFP8()``: every ``float8_e4m3fn`` rollout tensor is block-quantized at
             the sender and its ``<name>_scale_inv`` written beside it
-            (``meshgroups.transfer._names.quant``; the quantizer: ``meshgroups.transfer._run.fp8``).
+            (``meshgroups.transfer.BlockFP8``; the quantizer: ``meshgroups.transfer.quantize_blocks``).
         rollout_weights: the rollout's global weights (``Weight`` with placements), when its
             tensors are plain local shards (vLLM) rather than DTensors; ``rollout`` then holds
             the local tensors by these names. The same list on every rank.
         topology, bucket_bytes, timeout, progress: as for ``plan_transfer`` / ``execute``.
         job: the ``Job`` whose options build the transfer groups (closed with it too);
-            without, ``device_type`` and ``backend`` do.
+            without, ``options`` (or ``device_type``, ``backend`` and ``timeout``) do.
         dims: mesh dim name -> layout dim name, for both sides (``{"dp_shard": "dp"}``).
         stage_dim: the layout dim of pipeline stages (see ``local_weights``).
+        options: a ``MeshOptions`` for the transfer groups and the waits, instead of
+            ``device_type``, ``backend`` and ``timeout`` (giving both is a ``TypeError``).
+        delta: ``True`` or a ``DeltaPolicy``: each ``sync()`` after the first sends only what
+            changed since the version each receiver holds (checked by version and digest; a
+            receiver that does not hold it gets dense), ``Report.delta`` its figures; each
+            sender keeps a shadow of what it sent (``shadow_bytes``). See ``sync_delta``.
 
     Attributes:
         plan: this rank's part of the current plan (``plan.mapping``: the links).
         groups: the current ``TransferGroups`` (``None`` after a failure until rebuilt).
         plans, group_builds, syncs: how many plans and group builds were made, and syncs done.
         last_report: the last successful ``sync()``'s ``Report``.
+        version: the version this rank's tensors hold (its rollout tensors, its shadow), as
+            the last ``sync()`` made it; ``None``: unknown (before the first, after a failure).
+            Set it where the tensors were restored to a known version.
 
     Raises (on every rank alike, from the constructor and from a re-plan in ``sync()``):
         LayoutError: a rollout weight nothing writes, a trainer weight nothing reads, a dtype
@@ -125,6 +161,8 @@ class WeightSync:
         backend: str | None = None,
         dims: Mapping[str, str] | None = None,
         stage_dim: str | None = "pp",
+        options: MeshOptions | None = None,
+        delta: bool | DeltaPolicy = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -136,8 +174,11 @@ class WeightSync:
         self.cast, self.allow_unused, self.quantize = cast, allow_unused, quantize
         self.rollout_weights = None if rollout_weights is None else list(rollout_weights)
         self.topology, self.bucket_bytes = topology, bucket_bytes
-        self.timeout, self.progress = timeout, progress
-        self.job, self.device_type, self.backend = job, device_type, backend
+        # one options value (or the loose keywords; both: a TypeError inside the first call)
+        keywords = MeshOptions(device_type=device_type, backend=backend, timeout=timeout)
+        self.options, self._refusal = merge_options(options, keywords)
+        self.timeout, self.progress = self.options.timeout, progress
+        self.job, self.device_type, self.backend = job, self.options.device_type, self.options.backend
         self.dims, self.stage_dim = dims, stage_dim
         self.plan: TransferPlan | None = None
         self.groups: TransferGroups | None = None
@@ -147,7 +188,9 @@ class WeightSync:
         self._slices: list[tuple[str, str, tuple[slice, ...] | None, str, tuple[slice, ...] | None, Any]] = []
         self._quant: dict[str, tuple[tuple[int, int], str]] = {}  # value link -> (block, scale link)
         self._packs = PackBuffers()  # packed messages' buffers, kept across sync() calls
-        self._closed = False
+        self.delta = DeltaPolicy.of(delta)
+        self.version: int | None = None
+        self.shadows = Shadows()  # delta: what this rank last sent (see delta_state)
         self._build()
 
     # ------------------------------------------------------------------ state
@@ -175,8 +218,11 @@ class WeightSync:
         if self.groups is not None:
             self.groups.close()
         self.plan, self.groups, self._planned = None, None, None
+        self.shadows.clear()  # its boxes are the old plan's: the next delta sync is dense
         me = dist.get_rank()
         with collective_call("WeightSync") as call:
+            if self._refusal is not None:
+                raise TypeError(self._refusal)
             state, _, rollout_local = self._read()
             call.compare(
                 layouts=state[0],
@@ -187,6 +233,7 @@ class WeightSync:
                     self.bucket_bytes,
                     repr(self.topology),
                     repr(self.quantize),
+                    repr(self.delta),
                 ),
             )
             tw, _ = local_weights(self.trainer, self.trainer_layout, dims=self.dims, stage_dim=self.stage_dim)
@@ -215,31 +262,12 @@ class WeightSync:
                 allow_unused=self.allow_unused,
                 quantize=self.quantize,
             )
-            self._check_buffers(plan, me, rollout_local)
+            check_buffers(plan, me, rollout_local)
             self._keep_slices(plan, me)
             self.plans += 1
             self.plan = plan
             self._build_groups()  # joins this call: a failure above reaches every rank there
             self._planned = state
-
-    def _check_buffers(self, plan: TransferPlan, me: int, have: Mapping[str, torch.Tensor]) -> None:
-        """Each rollout tensor this rank holds has the local shape the plan writes (for a fused
-        weight: its parts' local extents one after another), and every one is there."""
-        if plan.mapping is None:  # an invariant of this module, not a check of user input
-            raise RuntimeError("meshgroups internal error: plan.mapping is None")
-        for name in dict.fromkeys(link.rollout for link in plan.mapping.links.values()):
-            want = plan.mapping.buffer_shape(name, me)
-            if want is None:
-                continue
-            if name not in have:
-                raise LayoutError(
-                    f"rank {me}: the rollout has no tensor {name!r}; the plan writes {want} of it"
-                )
-            if tuple(have[name].shape) != want:
-                raise LayoutError(
-                    f"rank {me}: rollout tensor {name!r} has local shape {tuple(have[name].shape)}, but its "
-                    f"layout gives this rank {want}; check rollout_weights / the rollout's placements"
-                )
 
     def _keep_slices(self, plan: TransferPlan, me: int) -> None:
         """The slices of this rank's local tensors each link reads and writes, kept for every
@@ -275,6 +303,7 @@ class WeightSync:
                 device_type=self.device_type,
                 backend=self.backend,
                 timeout=self.timeout,
+                strategy=self.options.strategy,  # type: ignore[arg-type]
             )
         self.group_builds += 1
 
@@ -317,13 +346,15 @@ class WeightSync:
         progress: Callable[[Progress], object] | None = None,
         timeout: timedelta | float | None = None,
         retries: int = 0,
+        version: int | None = None,
     ) -> Report:
         """Move the trainer's current weights into the rollout's tensors (collective).
 
-        Re-plans first if any rank's weights or layouts changed (see the module docstring).
+        Re-plans first if any rank's weights or layouts changed (one small all-reduce says so).
         ``progress`` / ``timeout`` override the constructor's for this call. ``retries``: after
         a ``TransferError`` in stage ``"transfer"``, build new groups and move everything
-        again, up to this many times.
+        again, up to this many times. ``version``: the version this sync makes (every rank
+        the same, newer than what any rank holds; default: the next one); ``self.version``.
 
         Returns: this rank's ``Report``.
 
@@ -331,10 +362,9 @@ class WeightSync:
             TransferError: on every rank alike (see ``execute``); after one in stage
                 ``"transfer"`` the broken groups are closed and the next call rebuilds them.
             LayoutError, MismatchError: a re-plan refused (every rank alike).
-            RuntimeError: the sync was closed.
+            ClosedError: the sync was closed (a ``RuntimeError``).
         """
-        if self._closed:
-            raise RuntimeError("this WeightSync was closed")
+        self._check_open("sync()")
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise MeshConfigError(f"retries={retries!r} must be an int >= 0")
         try:
@@ -351,6 +381,12 @@ class WeightSync:
                     self._build_groups()
             src, dst = self._views(trainer, rollout)
             try:
+                if self.delta is not None:
+                    report = move(self, src, dst, version=version, progress=progress, timeout=timeout,
+                                  wait=self._wait(), packs=self._packs)  # fmt: skip
+                    self.syncs += 1
+                    self.last_report = report
+                    return report
                 report = execute(
                     self.plan,  # type: ignore[arg-type]
                     src,
@@ -370,22 +406,30 @@ class WeightSync:
                 continue
             self.syncs += 1
             self.last_report = report
+            self.version = version if version is not None else (self.version or 0) + 1
             return report
         raise RuntimeError("meshgroups internal error: the retry loop ended without a report or an error")
 
+    def forget(self) -> None:
+        """This rank's tensors are of unknown version and its shadow is gone (local): the next
+        ``sync()`` sends it, and sends from it, dense."""
+        self.shadows.clear()
+        self.version = None
+
+    @property
+    def shadow_bytes(self) -> int:
+        """Bytes of this rank's delta shadow (what it sends in a dense sync, each box once)."""
+        return self.shadows.nbytes()
+
     # ------------------------------------------------------------------ lifetime
-    def close(self) -> int:
-        """Destroy the transfer groups (local, idempotent). Returns the groups destroyed."""
-        self._closed = True
+    def _release(self) -> int:
+        # close(): the transfer groups
         destroyed = self.groups.close() if self.groups is not None else 0
         self.groups = None
         return destroyed
 
     def __enter__(self) -> WeightSync:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         links = 0 if self.plan is None or self.plan.mapping is None else len(self.plan.mapping.links)

@@ -9,7 +9,7 @@ on (torch side; local, no collective)::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -17,15 +17,36 @@ from torch.distributed.tensor import DTensor
 from meshgroups.errors import LayoutError
 from meshgroups.transfer._spec import Box, Weight
 
-#: A module (its ``named_parameters``), a ``{name: tensor}`` mapping, or ``None`` (no part here).
+if TYPE_CHECKING:
+    from meshgroups.transfer._plan.plan import TransferPlan
+
+#: A module (its parameters and persistent buffers), a ``{name: tensor}`` mapping, or ``None`` (no part here).
 Tensors = torch.nn.Module | Mapping[str, Any] | None
+
+
+def module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's tensors a checkpoint holds: its parameters (``named_parameters``: a tied one
+    once) and then its *persistent* buffers (a router's correction bias, a running statistic):
+    coverage that read parameters only would miss them. Non-persistent buffers (a rotary cache)
+    are derived, not state.
+
+    >>> m = torch.nn.BatchNorm1d(2)
+    >>> [n for n, _ in module_tensors(m)]
+    ['weight', 'bias', 'running_mean', 'running_var', 'num_batches_tracked']
+    """
+    out: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
+    for owner, mod in module.named_modules():
+        for leaf, buf in mod._buffers.items():
+            if buf is not None and leaf not in mod._non_persistent_buffers_set:
+                out.append((f"{owner}.{leaf}" if owner else leaf, buf))
+    return out
 
 
 def _items(obj: Tensors) -> list[tuple[str, Any]]:
     if obj is None:
         return []
     if isinstance(obj, torch.nn.Module):
-        return list(obj.named_parameters())
+        return module_tensors(obj)
     if isinstance(obj, Mapping):
         return list(obj.items())
     raise TypeError(f"expected an nn.Module, a mapping name -> tensor or None, got {type(obj).__name__}")
@@ -88,4 +109,31 @@ def merge(parts: Sequence[Sequence[Weight]], side: str = "") -> list[Weight]:
     return list(merged.values())
 
 
-__all__ = ["Tensors", "describe", "local_tensors", "merge", "read", "slices"]
+def check_buffers(plan: TransferPlan, me: int, have: Mapping[str, torch.Tensor]) -> None:
+    """Each rollout tensor this rank holds has the local shape the plan writes (for a fused
+    weight: its parts' local extents one after another), and every one is there."""
+    if plan.mapping is None:  # an invariant of WeightSync, not a check of user input
+        raise RuntimeError("meshgroups internal error: plan.mapping is None")
+    for name in dict.fromkeys(link.rollout for link in plan.mapping.links.values()):
+        want = plan.mapping.buffer_shape(name, me)
+        if want is None:
+            continue
+        if name not in have:
+            raise LayoutError(f"rank {me}: the rollout has no tensor {name!r}; the plan writes {want} of it")
+        if tuple(have[name].shape) != want:
+            raise LayoutError(
+                f"rank {me}: rollout tensor {name!r} has local shape {tuple(have[name].shape)}, but its "
+                f"layout gives this rank {want}; check rollout_weights / the rollout's placements"
+            )
+
+
+__all__ = [
+    "Tensors",
+    "check_buffers",
+    "describe",
+    "local_tensors",
+    "merge",
+    "module_tensors",
+    "read",
+    "slices",
+]

@@ -3,11 +3,9 @@
 FSDP2 + TP parameters are DTensors on a slice of the trainer's root mesh: ``param.device_mesh``
 names the dims, ``param.placements`` says how each shards the tensor. ``module_weights`` turns
 them into ``Weight`` objects on the trainer's ``Layout`` (mesh dim names mapped to layout dims),
-gathers every rank's (pipeline stages hold different weights) and keeps this rank's local shards::
-
-    >>> src = module_weights(model, trainer_layout)  # doctest: +SKIP
-    >>> plan = plan_transfer(src.layout, src.weights, rollout, rollout_weights)  # doctest: +SKIP
-    >>> execute(plan, src.tensors, buffers)  # doctest: +SKIP
+gathers every rank's (pipeline stages hold different weights) and keeps this rank's local shards
+(``src = module_weights(model, layout)``, then ``plan_transfer(src.layout, src.weights, ...)``
+and ``execute(plan, src.tensors, ...)``).
 
 torch's FSDP2 shards a tensor axis that TP already shards *after* TP (``_StridedShard`` on the
 FSDP dim), the reverse of DTensor's mesh order; such a weight gets ``shard_order=("tp",
@@ -31,7 +29,7 @@ from torch.distributed.tensor import Shard as TorchShard
 from meshgroups.errors import LayoutError
 from meshgroups.layout import Layout
 from meshgroups.mesh import StridedShard as _StridedShard
-from meshgroups.transfer._run.sync_state import merge
+from meshgroups.transfer._run.sync_state import merge, module_tensors
 from meshgroups.transfer._spec import Placement, Replicate, Shard, Weight
 
 
@@ -117,25 +115,36 @@ def local_weights(
 ) -> tuple[list[Weight], dict[str, torch.Tensor]]:
     """This rank's weights and local shards (no collective).
 
-    ``module``: an ``nn.Module`` (its ``named_parameters``) or a ``{name: tensor}`` mapping such
+    ``module``: an ``nn.Module`` (its parameters and persistent buffers) or a ``{name: tensor}`` mapping such
     as a state dict; ``None`` on a rank that holds none. ``dims`` renames mesh dims to layout dims
     (``{"dp_shard": "dp"}``). When ``stage_dim`` is a layout dim the DTensor meshes do not
     cover, each weight lives on this rank's stage only (``stage=("pp", k)``).
 
     Returns:
-        A ``ModuleWeights``: ``weights`` (this rank's ``Weight`` list), ``tensors`` (its local
-        shards by name) and ``layout``.
+        ``(weights, tensors)``: this rank's ``Weight`` list and its local shards by name.
 
     Raises:
         ValueError: a DTensor whose mesh is not the layout's group of this rank, a
             ``Partial`` placement, a dim missing from ``layout`` (``TypeError`` for a wrong type).
+
+    Plain tensors live whole on every rank (one-process world here)::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from meshgroups import Layout
+        >>> from meshgroups.transfer import local_weights
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> weights, tensors = local_weights(torch.nn.Linear(3, 2), Layout(dp=1))
+        >>> [(w.name, w.shape, dict(w.placements)) for w in weights], list(tensors)
+        ([('weight', (2, 3), {}), ('bias', (2,), {})], ['weight', 'bias'])
+        >>> dist.destroy_process_group()
     """
     if module is None:
         return [], {}
     rank = dist.get_rank()
     if rank not in layout:
         raise LayoutError(f"rank {rank} passed a module but is not in the layout {layout!r}; pass None there")
-    items = module.named_parameters() if isinstance(module, torch.nn.Module) else module.items()
+    items = module_tensors(module) if isinstance(module, torch.nn.Module) else module.items()
     rename = dict(dims or {})
     coords = layout.coords(rank)
     weights: list[Weight] = []
@@ -186,6 +195,18 @@ def module_weights(
 
     Returns:
         A ``ModuleWeights`` with every rank's weights and this rank's tensors.
+
+    On a one-process world (in a job, every rank of the world calls it)::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from meshgroups import Layout
+        >>> from meshgroups.transfer import module_weights
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> src = module_weights(torch.nn.Linear(3, 2), Layout(dp=1))
+        >>> [w.name for w in src.weights], list(src.tensors), src.layout
+        (['weight', 'bias'], ['weight', 'bias'], Layout(dp=1))
+        >>> dist.destroy_process_group()
 
     Raises:
         ValueError: two ranks describe one weight differently; what ``local_weights`` raises.
