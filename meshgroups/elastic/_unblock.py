@@ -52,7 +52,7 @@ def _key(epoch: int, name: str) -> str:
 
 def _socket_fds() -> list[int]:
     """This process's file descriptors that are sockets (``/proc/self/fd``)."""
-    out = []
+    out: list[int] = []
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
@@ -90,11 +90,11 @@ def connected_endpoints() -> list[str]:
 
 def sequences(cache: GroupCache) -> dict[str, int]:
     """This rank's torch sequence number of every group in ``cache`` (by group name)."""
-    out = {}
+    out: dict[str, int] = {}
     for _, group in cache.items():
         if group is not None and group is not dist.group.WORLD:
             try:
-                out[group.group_name] = group_sequence(group)
+                out[str(group.group_name)] = group_sequence(group)
             except Exception:
                 continue  # a group torch already tore down: nothing to compare
     return out
