@@ -4,7 +4,6 @@ the spares and the verdicts (its docstring says how).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -14,11 +13,11 @@ import torch.distributed as dist
 
 from meshgroups import _deprecated
 from meshgroups._lifecycle import Closeable
+from meshgroups.elastic._join import Newcomers, publish_job
 from meshgroups.elastic._plans import RecoveryPlan, plan_grow, plan_shrink, plan_substitute, replicate_dim
 from meshgroups.elastic._recover import rebuild
 from meshgroups.elastic._unblock import StepWatcher, own_store, publish_state, severed_pairs, store_port
 from meshgroups.elastic._verdict import (
-    KEY,
     Verdict,
     agree_lost,
     commit,
@@ -43,7 +42,7 @@ from meshgroups.mesh import (
 )
 
 
-class Elastic(Closeable):
+class Elastic(Newcomers, Closeable):
     """A training job that loses ranks and keeps going: the mesh, the live ranks, the spares
     and the verdicts.
 
@@ -138,6 +137,32 @@ class Elastic(Closeable):
                 f"Elastic builds every mesh with strategy='local' (after a loss the ranks hold different "
                 f"groups), got options.strategy={given.strategy!r}"
             )
+        self._settle(layout, spares, flatten, dim, given, verdict_timeout, heartbeat, stale_after)
+        if self.rank == min({*self.members, *self.spares}):  # what a newcomer needs (Elastic.join)
+            publish_job(self.store, self._job())
+        self.cohort = self._cohort(tuple(sorted({*self.members, *self.spares})), 0)
+        set_cohort(self.cohort)
+        self.mg: MeshGroups | None = init_mesh(
+            layout, cache=self.cache, flatten=self.flatten, options=self.options
+        )
+        self._world: MeshGroups | None = self._world_mesh(self.members)
+        if self.is_spare:  # spares hold no group; they wait in standby()
+            self._drop_meshes()
+        self.cohort = self._cohort(self.members, 0, self.live_group)
+        set_cohort(self.cohort)
+
+    def _settle(
+        self,
+        layout: Layout,
+        spares: Iterable[int],
+        flatten: Iterable[Sequence[str]],
+        dim: str | None,
+        given: MeshOptions,
+        verdict_timeout: float | None,
+        heartbeat: float,
+        stale_after: float | None,
+    ) -> None:
+        """Every field but the meshes (no collective): the constructor's and ``join``'s part."""
         self.layout = layout
         self.spares: tuple[int, ...] = tuple(sorted(int(r) for r in spares))
         inside = [r for r in self.spares if r in layout]
@@ -180,16 +205,6 @@ class Elastic(Closeable):
             keep_port=store_port(self.store),
         )
         self._broken: set[tuple[int, int]] = set()
-        self.cohort = self._cohort(tuple(sorted({*self.members, *self.spares})), 0)
-        set_cohort(self.cohort)
-        self.mg: MeshGroups | None = init_mesh(
-            layout, cache=self.cache, flatten=self.flatten, options=self.options
-        )
-        self._world: MeshGroups | None = self._world_mesh(self.members)
-        if self.is_spare:  # spares hold no group; they wait in standby()
-            self._drop_meshes()
-        self.cohort = self._cohort(self.members, 0, self.live_group)
-        set_cohort(self.cohort)
 
     # ------------------------------------------------------------------ live ranks
     def _cohort(self, members: Sequence[int], epoch: int, group: dist.ProcessGroup | None = None) -> Cohort:
@@ -394,40 +409,6 @@ class Elastic(Closeable):
         mg = self._admit_spares(layout, admitted)
         if mg is None:  # every current member is in the grown layout; this is a broken invariant
             raise MeshConfigError(f"rank {self.rank} is not in the grown layout {layout!r}")
-        return mg
-
-    def _admit_spares(self, layout: Layout, admitted: Sequence[int]) -> MeshGroups | None:
-        """Tell the admitted spares (in ``standby()``) the new layout, then rebuild over it."""
-        self._enter_epoch(self.epoch + 1)
-        if self.rank == self.members[0]:
-            spares = sorted((set(self.spares) | set(self.members)) - set(layout.grid.ravel().tolist()))
-            record = json.dumps(
-                {"epoch": self.epoch, "layout": layout.to_dict(), "spares": spares, "grown": self.grown}
-            )
-            for r in admitted:
-                self.store.set(f"{KEY}/admit/{r}", record)
-        return self.rebuild(layout, site="Elastic.grow / Elastic.standby")
-
-    def standby(self, timeout: float | None = None) -> MeshGroups:
-        """On a spare: wait (``timeout`` seconds, default forever) until ``grow`` admits this
-        rank; returns the new mesh. Raises ``TimeoutError`` when not admitted in time."""
-        self._check_open("standby()")
-        key = f"{KEY}/admit/{self.rank}"
-        wait = timedelta(seconds=timeout) if timeout is not None else timedelta(days=365)
-        try:
-            self.store.wait([key], wait)
-        except (RuntimeError, dist.DistError) as exc:
-            raise TimeoutError(f"spare rank {self.rank} was not admitted within {timeout}s ({exc})") from None
-        record = json.loads(self.store.get(key))
-        self.store.delete_key(key)
-        self._enter_epoch(int(record["epoch"]))
-        self.spares = tuple(record["spares"])
-        self.grown = tuple(record["grown"])
-        layout = Layout.from_dict(record["layout"])
-        self.members = tuple(r for r in sorted(layout.grid.ravel().tolist()) if r != self.rank)
-        mg = self.rebuild(layout, site="Elastic.grow / Elastic.standby")
-        if mg is None:
-            raise MeshConfigError(f"spare rank {self.rank} was admitted but is not in the layout {layout!r}")
         return mg
 
     def _drop_meshes(self) -> int:
