@@ -23,6 +23,7 @@ from meshgroups.elastic._verdict import (
     commit,
     failed_step,
     publish_failure,
+    wake_commits,
 )
 from meshgroups.errors import MeshConfigError, RanksLostError, StepFailedError
 from meshgroups.layout import Layout, Topology
@@ -288,6 +289,7 @@ class Elastic(Newcomers, Closeable):
             self.store, self.epoch, self.rank, self.cache
         )  # before the failure: a reader finds both
         publish_failure(self.store, self.epoch, self.rank, exc, step=self._steps)
+        wake_commits(self.store, self.epoch, self._commits)  # peers waiting in commit() see it now
         verdict = agree_lost(
             self.store,
             self.epoch,

@@ -116,7 +116,7 @@ def rebuild(
             world-wide group's); their out-of-step groups are forgotten too.
         site: compared instead of the caller's line (ranks that reach the same rebuild from
             different places on purpose, e.g. ``Elastic.grow`` and ``Elastic.standby``).
-        broken: rank pairs whose connections were shut down (``meshgroups.elastic._unblock``):
+        broken: rank pairs whose connections were shut down (``Elastic`` wakes a blocked rank so):
             every group holding both ends of one is replaced (the same pairs on every rank).
 
     Returns:
