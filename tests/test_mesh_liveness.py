@@ -39,6 +39,9 @@ from .support.liveness import (
     kill_rank,
     leave_together,
     publish_pid,
+    results_of,
+    share,
+    shared_results,
     timed,
 )
 
@@ -148,6 +151,7 @@ def worker_a(rank, world):
     # 5. ranks 2, 3 exit before a call (one without a word, one after destroying its default
     #    group): ranks 0, 1 name both "exited" within a few intervals
     publish_pid(rank)
+    share(rank, out)
     if rank == 2:
         os._exit(0)
     if rank == 3:
@@ -159,14 +163,14 @@ def worker_a(rank, world):
     assert isinstance(exc, RanksGoneError), repr(exc)
     lines.close()
     leave_together(rank, 2)
+    if rank == 0:
+        out["shared"] = shared_results([2])
     return out
 
 
 def test_world_a_partial_layouts_non_members_late_skipping_and_exiting_ranks():
-    results = run(worker_a, 4, timeout=150, pg_timeout=PG_TIMEOUT, may_exit={2})
+    results = results_of(run(worker_a, 4, timeout=150, pg_timeout=PG_TIMEOUT, may_exit={2}))
     for rank, out in enumerate(results):
-        if out is None:
-            continue
         assert out["full_sentinel"] is False
         for name, message in out["refused"]:
             assert name == "MeshConfigError", (rank, name, message)
@@ -223,6 +227,7 @@ def worker_b(rank, world):
         die_in_nth_new_group(2)
     exc, elapsed = timed(lambda: gi.TPGroupInitializer(rank, world, 2).init_dist_group("gloo"))
     out["compat"] = (type(exc).__name__, str(exc), elapsed, getattr(exc, "ranks", None))
+    share(rank, out)
 
     # 2. over the survivors (a cohort): rank 4 dies inside init_mesh's group creation
     with use_cohort(Cohort((0, 1, 2, 3, 4), epoch=1)):
@@ -231,6 +236,7 @@ def worker_b(rank, world):
             die_in_nth_new_group(1)
         exc, elapsed = timed(lambda: init_mesh(lay, strategy="local", **OPTIONS))
         out["init_mesh"] = (type(exc).__name__, str(exc), elapsed, getattr(exc, "ranks", None))
+        share(rank, out)
 
     # 3. rank 3 dies inside flatten's group creation
     with use_cohort(Cohort((0, 1, 2, 3), epoch=2)):
@@ -239,6 +245,7 @@ def worker_b(rank, world):
             die_in_nth_new_group(1)
         exc, elapsed = timed(lambda: mg.flatten("dp", "tp"))
         out["flatten"] = (type(exc).__name__, str(exc), elapsed, getattr(exc, "ranks", None))
+        share(rank, out)
 
     # 4. rank 2 stops (SIGSTOP) before a call: alive, but its heartbeat stops
     try:
@@ -252,11 +259,13 @@ def worker_b(rank, world):
         if rank == 0:  # (whatever happened: a stopped process would hold the job until its timeout)
             kill_rank(2)
     leave_together(rank, 2)
+    if rank == 0:
+        out["shared"] = shared_results([2, 3, 4])
     return out
 
 
 def test_world_b_killed_in_compat_init_mesh_flatten_and_a_stopped_rank():
-    results = run(worker_b, 6, timeout=150, pg_timeout=PG_TIMEOUT, may_exit={2, 3, 4, 5})
+    results = results_of(run(worker_b, 6, timeout=150, pg_timeout=PG_TIMEOUT, may_exit={2, 3, 4, 5}))
     expected = {"compat": (5, range(5)), "init_mesh": (4, range(4)), "flatten": (3, range(3))}
     for key, (victim, survivors) in expected.items():
         for rank in survivors:
@@ -341,6 +350,7 @@ def worker_d(rank, world):
     out = {"step1": step()}
     exc, elapsed = timed(lambda: step(die=5))
     out["killed"] = (type(exc).__name__, str(exc), elapsed, getattr(exc, "lost", None))
+    share(rank, out)
     if not isinstance(exc, RanksLostError):
         return out  # (the test says what happened)
     mg = el.shrink()
@@ -355,13 +365,16 @@ def worker_d(rank, world):
         if rank == 0:  # (whatever happened: a stopped process would hold the job until its timeout)
             kill_rank(3)
     leave_together(rank, 4)
+    if rank == 0:
+        out["shared"] = shared_results([3])
     return out
 
 
 def test_world_d_the_elastic_verdict_names_a_killed_then_a_stopped_rank():
-    results = run(worker_d, 6, timeout=150, pg_timeout=PG_TIMEOUT, may_exit={3, 5})
-    assert results[3] is None and results[5] is None  # SIGKILLed (3 once stopped, at the end)
-    for rank in (0, 1, 2, 4):
+    returned = run(worker_d, 6, timeout=150, pg_timeout=PG_TIMEOUT, may_exit={3, 5})
+    assert returned[3] is None and returned[5] is None  # SIGKILLed (3 once stopped, at the end)
+    results = results_of(returned)  # rank 3's first verdict, shared before it was stopped
+    for rank in (0, 1, 2, 3, 4):
         out = results[rank]
         assert out["step1"] == 6.0, out  # tp (2) × dp_replicate (3)
         name, message, elapsed, lost = out["killed"]

@@ -107,3 +107,29 @@ def leave_together(rank: int, survivors: int, key: str = "test/done") -> None:
         return
     while int(store.add(f"{key}/left", 0)) < survivors - 1 and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+def share(rank: int, out: dict) -> None:
+    """Leave this rank's results so far in the store (rank 0 hosts it), for a rank that dies
+    later in the job: ``shared_results`` on rank 0 reads them back."""
+    import pickle
+
+    from meshgroups.mesh._torch_seam import default_store
+
+    default_store().set(f"test/out/{rank}", pickle.dumps(out))
+
+
+def shared_results(ranks) -> dict:
+    """``{rank: results}`` that ``share`` left for ``ranks`` (those that left any)."""
+    import pickle
+
+    from meshgroups.mesh._torch_seam import default_store
+
+    store = default_store()
+    return {r: pickle.loads(store.get(f"test/out/{r}")) for r in ranks if store.check([f"test/out/{r}"])}
+
+
+def results_of(results: list, shared_by: int = 0) -> list:
+    """Each rank's results: what it returned, else what it shared before it died."""
+    kept = results[shared_by].get("shared", {}) if results[shared_by] is not None else {}
+    return [out if out is not None else kept.get(rank) for rank, out in enumerate(results)]

@@ -78,7 +78,7 @@ class Status:
         except (RuntimeError, ValueError, AttributeError):  # no store to look through (fake backend)
             pass
 
-    def _wait(self, work: dist.Work, bound: timedelta, what: str) -> None:
+    def wait(self, work: dist.Work, bound: timedelta, what: str) -> None:
         """Wait for ``work`` up to ``bound``, looking at the other ranks' liveness meanwhile;
         raises ``RanksGoneError`` when one is gone, ``TimeoutError`` at the bound, and the
         work's own error."""
@@ -136,7 +136,7 @@ class Status:
         bound = timeout if timeout is not None else self.timeout
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         if work is not None:
-            self._wait(work, bound, "the status exchange of a weight transfer")
+            self.wait(work, bound, "the status exchange of a weight transfer")
         flags = t.tolist()
         failed_ranks = [self.ranks[i] for i in range(self.size) if flags[i]]
         return failed_ranks, flags[self.size] == -flags[self.size + 1], int(flags[self.size + 2])
@@ -146,7 +146,7 @@ class Status:
         t = torch.tensor(values, dtype=torch.int64, device=self.device)
         work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         if work is not None:
-            self._wait(work, self.timeout, "the status exchange of a weight transfer")
+            self.wait(work, self.timeout, "the status exchange of a weight transfer")
         return [int(v) for v in t.tolist()]
 
     def reasons(self, error: BaseException | None) -> list[str | None]:

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 
-from meshgroups.errors import TransferError, VersionError
+from meshgroups.errors import VersionError
 from meshgroups.mesh import as_timedelta, default_timeout
 from meshgroups.transfer._run.delta import execute_delta, fill_shadows
 from meshgroups.transfer._run.delta_state import DeltaStats
 from meshgroups.transfer._run.execute import Progress, Report, execute
+from meshgroups.transfer._run.status import Status, no_status
 
 if TYPE_CHECKING:
     from meshgroups.transfer._run.sync import WeightSync
@@ -45,7 +46,8 @@ def agree_version(
     Raises:
         VersionError: ranks asked for different versions, or one older than what a rank holds
             (every rank alike, before anything moves).
-        TransferError: a rank did not answer within ``timeout``.
+        TransferError: a rank did not answer within ``timeout``, or exited or stopped
+            responding before (named within seconds: ``ranks``).
     """
     if proposal is not None and (isinstance(proposal, bool) or not isinstance(proposal, int) or proposal < 1):
         bad = proposal
@@ -54,16 +56,14 @@ def agree_version(
         bad = None
     p = 0 if proposal is None else proposal
     mine = torch.tensor([p, -p, (held if held is not None else 0) + 1, int(has_base)], dtype=torch.int64)
+    # (watches the ranks' liveness while it waits; the default group exists: it is reduced over)
+    status = Status(cast(dist.ProcessGroup, dist.group.WORLD), timeout)
     work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, async_op=True)
-    if work is not None and work.wait(timeout) is False:
-        raise TransferError(
-            f"weight sync: rank {dist.get_rank()} got no answer from every rank agreeing the version within "
-            f"{timeout}; a rank is gone or stuck",
-            (),
-            -1,
-            "check",
-            (),
-        )
+    if work is not None:
+        try:
+            status.wait(work, timeout, "the version agreement of a weight sync")
+        except Exception as exc:
+            raise no_status(status, exc, "agreeing the version", -1, "check", ()) from exc
     top, low, newest, any_base = (int(v) for v in mine.tolist())
     if top != -low:
         raise VersionError(
