@@ -12,6 +12,7 @@ data dims), Adam, a batch of 16 × h per data-parallel rank.
 - **step overhead**: ``--steps`` steps without ``Elastic``'s protocol, then ``--steps`` with it
   (``with el.step(): ... el.commit() ...``), interleaved in blocks of 5 on the same mesh and
   model; the medians of rank 0's step times and their difference.
+  Also the protocol alone: an empty ``with el.step(): el.commit()`` after a barrier.
 - **kill → next good step**: rank 5 SIGKILLs itself after a forward; the survivors' time from
   the kill (written to the store just before it) to the end of their first good step after
   ``shrink()``, rebuilding the model and loading its state (the collective timeout is 60 s:
@@ -106,6 +107,16 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> dict:
             step += 1
     out["plain"] = statistics.median(times["plain"][2:])
     out["elastic"] = statistics.median(times["elastic"][2:])
+    # The protocol alone: an empty guarded step, the ranks lined up first by a barrier (so no
+    # rank's wait for a slower one is counted).
+    alone = []
+    for _ in range(args.steps):
+        dist.barrier(group=el.live_group)
+        t = time.perf_counter()
+        with el.step():
+            el.commit()
+        alone.append(time.perf_counter() - t)
+    out["protocol"] = statistics.median(alone)
     # SIGKILL rank 5 mid-step.
     try:
         with el.step():
@@ -197,7 +208,7 @@ def trial(args: argparse.Namespace) -> list[dict]:
             [sys.executable, __file__, "child", str(r), str(store.port), json.dumps(vars(args))],
             cwd=ROOT,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench-elastic-{r}.log"), "w"),
             text=True,
         )
         for r in range(8)
@@ -228,7 +239,7 @@ def main() -> None:
         return
     args = parser.parse_args()
     rows: dict[str, list[float]] = {
-        k: [] for k in ("plain", "elastic", "verdict", "kill", "replacement", "startup")
+        k: [] for k in ("plain", "elastic", "protocol", "verdict", "kill", "replacement", "startup")
     }
     for _ in range(args.trials):
         res = {r["rank"]: r for r in trial(args)}
@@ -238,6 +249,7 @@ def main() -> None:
         survivors = [res[r] for r in (0, 1, 2, 3) if r in res]
         rows["plain"].append(res[0]["plain"])
         rows["elastic"].append(res[0]["elastic"])
+        rows["protocol"].append(res[0]["protocol"])
         rows["verdict"].append(max(r["verdict"] for r in survivors))
         rows["kill"].append(max(r["kill_to_good"] for r in survivors))
         rows["replacement"].append(res[0]["replacement"])
@@ -257,6 +269,7 @@ def main() -> None:
     print(
         f"| step with Elastic (step() + commit()) | {1e3 * med['elastic']:.1f} ms (+{1e3 * over:.1f} ms, {100 * over / med['plain']:.1f} %) |"
     )
+    print(f"| the protocol alone (an empty guarded step, ranks lined up) | {1e3 * med['protocol']:.2f} ms |")
     print(f"| kill → next good step | {med['kill']:.2f} s (verdict {med['verdict']:.2f} s) |")
     print(
         f"| add a replacement (a brand-new process) | {med['replacement']:.2f} s "

@@ -62,7 +62,12 @@ WAITING = f"{KEY}/join/waiting"
 
 def publish_job(store: dist.Store, settings: dict[str, Any]) -> None:
     """What a newcomer needs to build its world and its ``Elastic`` (first member only)."""
-    record = {"world": dist.get_world_size(), "name": default_group_name(), **settings}
+    record = {
+        "world": dist.get_world_size(),
+        "name": default_group_name(),
+        "world_timeout": default_timeout().total_seconds(),  # the default group's: calls compare it
+        **settings,
+    }
     store.set(JOB, json.dumps(record))
 
 
@@ -154,7 +159,7 @@ def build_world(store: dist.Store, rank: int, job: dict[str, Any]) -> dist.Store
             "Elastic.join() makes this process's default group: call it instead of init_process_group"
         )
     prefixed = dist.PrefixStore(f"{job['name']}/", store)
-    timeout = timedelta(seconds=float(job["timeout"]))
+    timeout = timedelta(seconds=float(job["world_timeout"]))
     pg = unconnected_world(prefixed, rank, int(job["world"]), job["name"], timeout)
     register_world(pg, prefixed, job["name"], "cpu")
     set_default_world(pg, 1)
