@@ -9,9 +9,10 @@ hosted by this process as torchrun's agent hosts it), an MLP of ``--layers`` blo
 (``Linear(h, 4h)``, GELU, ``Linear(4h, h)``, tensor-parallel colwise/rowwise, FSDP2 over the
 data dims), Adam, a batch of 16 × h per data-parallel rank.
 
-- **step overhead**: ``--steps`` steps without ``Elastic``'s protocol, then ``--steps`` with it
-  (``with el.step(): ... el.commit() ...``), interleaved in blocks of 5 on the same mesh and
-  model; the medians of rank 0's step times and their difference.
+- **step overhead**: ``--steps`` steps without ``Elastic``'s protocol, ``--steps`` with a gloo
+  barrier over the ranks before ``opt.step()`` (what waiting for every rank costs by itself),
+  and ``--steps`` with the protocol (``with el.step(): ... el.commit() ...``), interleaved in
+  blocks of 5 on the same mesh and model; the medians of rank 0's step times.
   Also the protocol alone: an empty ``with el.step(): el.commit()`` after a barrier.
 - **kill → next good step**: rank 5 SIGKILLs itself after a forward; the survivors' time from
   the kill (written to the store just before it) to the end of their first good step after
@@ -69,11 +70,15 @@ def batch(layout, rank: int, step: int, hidden: int):
     return torch.randn(16, hidden, generator=torch.Generator().manual_seed(1000 * step + index))
 
 
-def step_once(model, opt, x, el=None) -> None:
+def step_once(model, opt, x, el=None, barrier=None) -> None:
+    import torch.distributed as dist
+
     loss = model(x).pow(2).mean()
     loss.backward()
     if el is not None:
         el.commit()
+    if barrier is not None:
+        dist.barrier(group=barrier)
     opt.step()
     opt.zero_grad(set_to_none=True)
 
@@ -91,15 +96,17 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> dict:
     st = default_store()
     out: dict = {"rank": rank}
     model, opt = build(el.mg, args.hidden, args.layers)
-    times: dict[str, list[float]] = {"plain": [], "elastic": []}
+    times: dict[str, list[float]] = {"plain": [], "barrier": [], "elastic": []}
     step = 0
-    for block in range(2 * args.steps // 5):
-        kind = "plain" if block % 2 == 0 else "elastic"
+    for block in range(3 * args.steps // 5):
+        kind = ("plain", "barrier", "elastic")[block % 3]
         for _ in range(5):
             x = batch(el.layout, rank, step, args.hidden)
             t = time.perf_counter()
             if kind == "plain":
                 step_once(model, opt, x)
+            elif kind == "barrier":  # what any "apply only if every rank got here" costs
+                step_once(model, opt, x, barrier=el.live_group)
             else:
                 with el.step():
                     step_once(model, opt, x, el)
@@ -107,6 +114,7 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> dict:
             step += 1
     out["plain"] = statistics.median(times["plain"][2:])
     out["elastic"] = statistics.median(times["elastic"][2:])
+    out["barrier"] = statistics.median(times["barrier"][2:])
     # The protocol alone: an empty guarded step, the ranks lined up first by a barrier (so no
     # rank's wait for a slower one is counted).
     alone = []
@@ -239,7 +247,8 @@ def main() -> None:
         return
     args = parser.parse_args()
     rows: dict[str, list[float]] = {
-        k: [] for k in ("plain", "elastic", "protocol", "verdict", "kill", "replacement", "startup")
+        k: []
+        for k in ("plain", "barrier", "elastic", "protocol", "verdict", "kill", "replacement", "startup")
     }
     for _ in range(args.trials):
         res = {r["rank"]: r for r in trial(args)}
@@ -250,6 +259,7 @@ def main() -> None:
         rows["plain"].append(res[0]["plain"])
         rows["elastic"].append(res[0]["elastic"])
         rows["protocol"].append(res[0]["protocol"])
+        rows["barrier"].append(res[0]["barrier"])
         rows["verdict"].append(max(r["verdict"] for r in survivors))
         rows["kill"].append(max(r["kill_to_good"] for r in survivors))
         rows["replacement"].append(res[0]["replacement"])
@@ -266,6 +276,10 @@ def main() -> None:
     print("| | meshgroups |")
     print("|---|---|")
     print(f"| step without Elastic | {1e3 * med['plain']:.1f} ms |")
+    bar = med["barrier"] - med["plain"]
+    print(
+        f"| step + a gloo barrier before the optimizer (no Elastic) | {1e3 * med['barrier']:.1f} ms (+{1e3 * bar:.1f} ms) |"
+    )
     print(
         f"| step with Elastic (step() + commit()) | {1e3 * med['elastic']:.1f} ms (+{1e3 * over:.1f} ms, {100 * over / med['plain']:.1f} %) |"
     )
