@@ -16,7 +16,7 @@ from meshgroups._lifecycle import Closeable
 from meshgroups.elastic._join import Newcomers, publish_job
 from meshgroups.elastic._plans import RecoveryPlan, plan_grow, plan_shrink, plan_substitute, replicate_dim
 from meshgroups.elastic._recover import rebuild
-from meshgroups.elastic._unblock import StepWatcher, own_store, publish_state, severed_pairs, store_port
+from meshgroups.elastic._unblock import StepWatcher, publish_state, severed_pairs, wake_watchers
 from meshgroups.elastic._verdict import (
     Verdict,
     agree_lost,
@@ -195,16 +195,9 @@ class Elastic(Newcomers, Closeable):
         self.grown: tuple[int, ...] = ()
         self.liveness = start_heartbeat(self.store, beat)  # this process's observer of the world
         self.cache = GroupCache()
-        # Wakes this rank when it is blocked in a collective with a peer that left a failed
-        # step (meshgroups.elastic._unblock); the rank pairs it severed break groups that the
-        # next rebuild replaces.
-        self._watcher = StepWatcher(
-            own_store(self.store),
-            self.rank,
-            self.cache,
-            poll=min(0.05, beat),
-            keep_port=store_port(self.store),
-        )
+        # Wakes this rank when blocked in a collective with a peer that left a failed step; the
+        # pairs it severs break groups the next rebuild replaces (elastic/_unblock.py).
+        self._watcher = StepWatcher.over(self.store, self.rank, self.cache, poll=min(0.05, beat))
         self._broken: set[tuple[int, int]] = set()
 
     # ------------------------------------------------------------------ live ranks
@@ -261,7 +254,10 @@ class Elastic(Newcomers, Closeable):
             raise self._fail(None)
 
     def _enter_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        current: int | None = getattr(self, "epoch", None)
+        if getattr(self, "_watcher", None) is not None and current is not None and epoch != current:
+            self._watcher.release(current)
+        self.epoch: int = epoch
         self._commits = self._steps = 0
 
     def commit(self) -> None:
@@ -290,6 +286,7 @@ class Elastic(Newcomers, Closeable):
         )  # before the failure: a reader finds both
         publish_failure(self.store, self.epoch, self.rank, exc, step=self._steps)
         wake_commits(self.store, self.epoch, self._commits)  # peers waiting in commit() see it now
+        wake_watchers(self.store, self.epoch, self.members)  # peers blocked in a collective, too
         verdict = agree_lost(
             self.store,
             self.epoch,
@@ -422,7 +419,7 @@ class Elastic(Newcomers, Closeable):
         # close(): close the meshes, leave the cohort (the heartbeat is the process's: it beats
         # until the process exits, for every meshgroups wait)
         destroyed = self._drop_meshes()
-        self._watcher.close()
+        self._watcher.close(self.epoch)
         set_cohort(None)
         return destroyed
 

@@ -10,8 +10,8 @@ the blocked rank wake itself:
 - A rank whose step fails publishes, before it checks in for the verdict, how many collectives
   it issued on each of its groups (torch's per-group sequence number) and the endpoints of its
   connected TCP sockets (``publish_state``).
-- A ``StepWatcher`` thread runs beside every guarded step. Once a failure is published in the
-  epoch, it compares this rank's sequence numbers with those of every peer that published: a
+- A ``StepWatcher`` thread runs beside every guarded step, blocked on the store (no cost to a
+  step) until the first failure of the epoch wakes it (``wake_watchers``). It then compares this rank's sequence numbers with those of every peer that published: a
   group where this rank issued more than a failed peer holds an operation that peer will never
   post (it left the step), so this rank is, or will be, stuck there. The watcher records the pair
   (``this rank, peer``) in the store, then shuts down this process's sockets whose remote
@@ -38,6 +38,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -137,6 +138,18 @@ def sever(peer_ends: Iterable[str], keep_port: int | None) -> int:
     return n
 
 
+def watch_key(epoch: int, rank: int) -> str:
+    """The key ``rank``'s watcher blocks on during ``epoch``."""
+    return _key(epoch, f"watch/{rank}")
+
+
+def wake_watchers(store: dist.Store, epoch: int, members: Sequence[int]) -> None:
+    """The first failing rank of ``epoch`` wakes every member's watcher (one ``multi_set``)."""
+    if int(store.add(_key(epoch, "watch-sent"), 1)) == 1:
+        keys = [watch_key(epoch, r) for r in members]
+        store.multi_set(keys, ["1"] * len(keys))  # type: ignore[attr-defined]
+
+
 def _append(store: dist.Store, key: str, item: str) -> None:
     """Append ``item,`` to the string at ``key`` (compare-and-set, safe against other ranks)."""
     expected = ""
@@ -183,9 +196,16 @@ class StepWatcher:
     """
 
     def __init__(
-        self, store: dist.Store, rank: int, cache: GroupCache, poll: float, keep_port: int | None
+        self,
+        store: dist.Store,
+        rank: int,
+        cache: GroupCache,
+        poll: float,
+        keep_port: int | None,
+        main: dist.Store | None = None,
     ) -> None:
         self.store, self.rank, self.cache, self.poll, self.keep_port = store, rank, cache, poll, keep_port
+        self.main = main if main is not None else store  # the main thread's connection
         self.lock = threading.Lock()
         self.armed: tuple[int, tuple[int, ...]] | None = None
         self._wake = threading.Event()
@@ -193,6 +213,11 @@ class StepWatcher:
         self.severed: dict[tuple[int, int], int] = {}  # (epoch, peer) -> connections shut down
         self._thread = threading.Thread(target=self._run, name=f"meshgroups-step-watch-{rank}", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def over(cls, store: dist.Store, rank: int, cache: GroupCache, poll: float) -> StepWatcher:
+        """A watcher on a connection of its own to ``store`` (``store`` stays the main thread's)."""
+        return cls(own_store(store), rank, cache, poll, store_port(store), main=store)
 
     def arm(self, epoch: int, members: Sequence[int]) -> None:
         with self.lock:
@@ -203,12 +228,20 @@ class StepWatcher:
         with self.lock:
             self.armed = None
 
-    def close(self) -> None:
+    def release(self, epoch: int) -> None:
+        """On the main thread, as this rank leaves ``epoch``: the watcher stops waiting on it."""
+        self.main.set(watch_key(epoch, self.rank), "1")
+
+    def close(self, epoch: int) -> None:
         self.disarm()
         self._closed = True
         self._wake.set()
+        self.release(epoch)
 
     def _run(self) -> None:
+        # Blocks on the store while steps run (no polling, no GIL taken from the training
+        # thread): woken by the first failure of the epoch (``wake_watchers``) or by this rank
+        # leaving the epoch (``release``); then looks every ``poll`` seconds while armed.
         try:
             while not self._closed:
                 armed = self.armed
@@ -216,9 +249,16 @@ class StepWatcher:
                     self._wake.wait()  # (set by arm and close)
                     self._wake.clear()
                     continue
-                if self.store.check([_key(armed[0], "failed")]):
+                self.store.wait([watch_key(armed[0], self.rank)], timedelta(days=1))
+                if self._closed:
+                    return
+                if not self.store.check([_key(armed[0], "failed")]):
+                    self._wake.wait(self.poll)  # released: the rank left the epoch
+                    continue
+                while self.armed == armed and not self._closed:
                     self._look(*armed)
-                self._wake.wait(self.poll)
+                    self._wake.wait(self.poll)
+                self._wake.clear()
         except Exception:
             return  # the store is gone: the main thread's own calls fail and say so
 
@@ -262,4 +302,6 @@ __all__ = [
     "sever",
     "severed_pairs",
     "store_port",
+    "wake_watchers",
+    "watch_key",
 ]
