@@ -59,7 +59,7 @@ from meshgroups.compat._versioned import versioned
 from meshgroups.compat.megatron_layout import MegatronPlan, megatron_plan
 
 from meshgroups import GroupCache, MeshGroups, Strategy, init_mesh
-from meshgroups.mesh import collective_entry
+from meshgroups.mesh import collective_call, collective_entry
 
 _MODULE = sys.modules[__name__]
 
@@ -173,7 +173,32 @@ def _timeout(minutes: object) -> timedelta:
     return timedelta(minutes=minutes)
 
 
+#: initialize_model_parallel's arguments every rank must pass alike, compared across ranks under
+#: Megatron's own names (callables are not: their repr differs between processes), so a rank
+#: with another tp reads ``tensor_model_parallel_size=4`` rather than the layout built from it.
+_COMPARED_OPTIONS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "hierarchical_context_parallel_sizes",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "gtp_remat_size",
+    "expert_gtp_remat_size",
+    "num_distributed_optimizer_instances",
+    "order",
+    "rank_offset",
+    "local_world_size",
+    "create_gloo_process_groups",
+    "create_all_gather_group",
+)
+
+
 def _initialize(options: dict[str, Any]) -> None:
+    if dist.is_available() and dist.is_initialized():
+        with collective_call("initialize_model_parallel") as call:  # the call this one runs in
+            call.compare(**{name: options[name] for name in _COMPARED_OPTIONS if name in options})
     config = megatron_config(
         options["tensor_model_parallel_size"],
         options["pipeline_model_parallel_size"],

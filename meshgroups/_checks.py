@@ -11,6 +11,7 @@ int64 and every grid can be materialised.
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import keyword
 import reprlib
@@ -184,11 +185,27 @@ def check_dims(requested: Sequence[object], names: Sequence[str], where: str = "
         if not isinstance(dim, str):
             raise TypeError(f"dims are named by str, got {short_repr(dim)} ({type(dim).__name__})")
         if dim not in names:
-            raise UnknownDimError(f"unknown dim {dim!r}; dims{suffix} are {', '.join(names)}")
+            raise UnknownDimError(
+                f"unknown dim {dim!r}; dims{suffix} are {', '.join(names)}{did_you_mean(dim, names, '; ')}"
+            )
         if dim in out:
             raise DuplicateNameError(f"dim {dim!r} given twice in {tuple(requested)}")
         out.append(dim)
     return tuple(out)
+
+
+def did_you_mean(name: str, known: Iterable[str], before: str = " ") -> str:
+    """A suggestion for a mistyped name: ``before + "did you mean 'tp'?"``, or ``""`` when no
+    known name is close (difflib's ratio of at least 0.6; the command line and the Python API
+    suggest alike)::
+
+        >>> did_you_mean("tpp", ["dp", "tp"])
+        " did you mean 'tp'?"
+        >>> did_you_mean("xp", ["dp", "tp"])
+        ''
+    """
+    close = difflib.get_close_matches(name, list(known), n=2, cutoff=0.6)
+    return f"{before}did you mean {' or '.join(map(repr, close))}?" if close else ""
 
 
 def product(values: Iterable[int]) -> int:
@@ -232,6 +249,7 @@ __all__ = [
     "check_positive",
     "check_size",
     "check_world",
+    "did_you_mean",
     "formula",
     "is_int",
     "parse_int",

@@ -100,7 +100,7 @@ def test_substitute_with_spares_and_a_rank(capsys):
             "2 lost ranks need 2 spares, got 1",
         ),
         (["shrink", "--lost", "3"], "give the current layout"),
-        (["shrink", "--layout", "pp=x", "--lost", "3"], "--layout takes name=size words"),
+        (["shrink", "pp=x", "--lost", "3"], "size of 'pp' must be an integer"),
         (["grow", "--layout", "pp=2,dp=4,tp=8", "--ranks", "64-70"], "a replica has pp=2 × tp=8 = 16 ranks"),
         (["grow", "--layout", "pp=2,dp=4,tp=8", "--ranks", "3"], "already in the layout"),
         (["grow", "--layout", "pp=2,dp=4,tp=8", "--ranks", "64-79", "--from-json", "x"], "one of them"),
@@ -141,7 +141,7 @@ def test_plot_marks_ranks():
 
     points = [coll.get_offsets().tolist() for coll in ax.collections if isinstance(coll, PathCollection)]
     assert points == [[[5, 1], [6, 1]], [[c, 5] for c in range(8)]]  # (column, row) of 13, 14 and 40..47
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["lost (2)", "spare (8)"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()][:2] == ["lost (2)", "spare (8)"]
     with pytest.raises(TypeError, match="marked\\['lost'\\] must hold int ranks"):
         plot(lay, "dp", marked={"lost": ["13"]})
     with pytest.raises(TypeError, match="marked maps at most 5 labels"):

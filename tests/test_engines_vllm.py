@@ -277,6 +277,7 @@ def test_delta_and_lora_bf16(tmp_path: Path) -> None:
         assert r["engine_version"] == str(r["version"]), r
         assert abs(r["checksum"] - r["expected_checksum"]) <= 1e-6 * max(1.0, abs(r["expected_checksum"])), r
         assert r["tokens_equal"] and r["max_logprob_diff"] <= 0.2, r  # bf16 kernels: logprobs to 0.2
+        assert r["buffers_exact"], r  # every element of both workers, bit for bit
     assert rows["A1"]["base"] is None and rows["A1"]["ratio"] == 1.0
     for key in ("A2", "A3", "C8", "D10"):
         assert rows[key]["base"] == rows[key]["version"] - 1 and not rows[key]["refused"], rows[key]

@@ -108,6 +108,43 @@ def corrupt_worker_1(worker) -> str:
     return name
 
 
+def worker_buffers(worker) -> dict[str, Any]:
+    """Run in each engine worker (``collective_rpc``): its receive buffers (what it committed)."""
+    return {n: b.clone() for n, b in worker.weight_transfer_engine.buffers.items()}
+
+
+def expected_shard(state: dict[str, Any], name: str, r: int, tp: int = 2):
+    """What vLLM's tp rank ``r`` holds of ``name``, cut from the full HF ``state`` (an oracle
+    that never looks at the plan): fused q ‖ k ‖ v and gate ‖ up of this rank's rows, row-parallel
+    columns, vocab rows, the rest whole."""
+    import torch
+
+    def rows(n: str):
+        return state[n].chunk(tp, dim=0)[r]
+
+    if ".qkv_proj." in name:
+        return torch.cat([rows(name.replace("qkv_proj", f"{x}_proj")) for x in "qkv"])
+    if ".gate_up_proj." in name:
+        return torch.cat([rows(name.replace("gate_up_proj", x)) for x in ("gate_proj", "up_proj")])
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return state[name].chunk(tp, dim=1)[r]
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return rows(name)
+    return state[name]
+
+
+def buffers_exact(llm, state: dict[str, Any]) -> bool:
+    """Every element every worker holds equals the oracle's bf16 cast, bit for bit."""
+    import torch
+
+    for r, bufs in enumerate(llm.collective_rpc(worker_buffers)):
+        for name, buf in bufs.items():
+            want = expected_shard(state, name, r).to(torch.bfloat16)
+            if not torch.equal(buf.view(torch.int16), want.view(torch.int16)):
+                return False
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -159,6 +196,7 @@ def main() -> None:
                 r["expected_checksum"] = sum(
                     float(v.double().sum()) * (2 if is_replicated(k) else 1) for k, v in engine_state.items()
                 )
+                r["buffers_exact"] = buffers_exact(llm, state)
             if extra:
                 r.update(extra())
         out["rows"].append(r)

@@ -55,6 +55,11 @@ def worker_in_step(rank, world):
     assert ps.get_tensor_model_parallel_group() is not None
     out["c1_megatron_retry"] = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
     ps.destroy_model_parallel()
+    # issue 52: a tp valid on every rank but different on one is said in Megatron's words
+    out["c1_megatron_tp"] = _outcome(
+        lambda: ps.initialize_model_parallel(tensor_model_parallel_size=4 if rank == 3 else 2)
+    )
+    ps.destroy_model_parallel()
     claimed = 0 if rank == 1 else rank  # rank 1 names the wrong rank
     out["c1_legacy"] = _outcome(lambda: gi.TPGroupInitializer(claimed, world, 2).init_dist_group("gloo"))
     out["c1_legacy_retry"] = gi.TPGroupInitializer(rank, world, 2).init_dist_group("gloo")[3]
@@ -201,6 +206,18 @@ def test_issue18_case1_one_ranks_early_error_or_skipped_call_reaches_every_rank(
     assert results[1]["c1_flatten"][0] in ("LayoutError", "UnknownDimError")
     _same_error_everywhere(results, "c1_flatten", results[1]["c1_flatten"][0], bad_rank=1, words=["'xx'"])
     _same_error_everywhere(results, "c1_skip", "MismatchError", bad_rank=1, words=["call_site"])
+    # issue 52: a skipped call is reported as one, not as a different layout
+    for _, message in (out["c1_skip"] for out in results):
+        assert "A rank skipped a collective call" in message and "pairs different calls" in message, message
+    # issue 52: Megatron's argument and both values, not meshgroups' internal layouts
+    _same_error_everywhere(
+        results,
+        "c1_megatron_tp",
+        "MismatchError",
+        words=["tensor_model_parallel_size=4", "rank 3", "2", "rank 0"],
+    )
+    for _, message in (out["c1_megatron_tp"] for out in results):
+        assert "Layout(" not in message and "dense_opt" not in message, message
     _same_error_everywhere(results, "c1_operation", "MismatchError", words=["init_mesh", "flatten"])
     for rank, out in enumerate(results):  # and the identical retries paired up
         assert out["c1_megatron_retry"] == [rank // 2 * 2, rank // 2 * 2 + 1]

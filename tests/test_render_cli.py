@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html as html_lib
 import json
 import os
 import subprocess
@@ -44,8 +45,9 @@ def test_group_ids_and_html():
     assert group_ids(lay, "tp").ravel().tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     assert group_ids(lay, "pp").ravel().tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
     page = html(lay, "dp", highlight_rank=3, ranks_per_node=4)
-    assert page.count("<td") == 8 and page.count("outline:3px") == 2 and "coloured by dp" in page
-    assert "border-left:3px" not in page  # 2 columns never straddle a 4-rank node boundary
+    assert page.count("<td") == 8 + 4 and page.count("<td style='background") == 8  # + each row's nodes
+    assert page.count("outline:3px solid #d62728;") == 2 and "coloured by dp" in page
+    assert "border-left:3px solid #000;" not in page  # 2 columns never straddle a 4-rank node boundary
     assert "first 4 of 8192 ranks" in html(Layout(a=4096, b=2), max_cells=4)
     assert Layout(a=2)._repr_html_().startswith("<table")
     with pytest.raises(ValueError, match="unknown dim 'zz'"):
@@ -189,14 +191,18 @@ def test_cli_demo_joins_torchrun():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [*cmd, "-m", "meshgroups", "demo", "dp=2"],
+        # no --node: torchrun's own parser refuses it (a prefix of its --node-rank) before the
+        # demo sees it; under torchrun the node is torchrun's LOCAL_WORLD_SIZE
+        [*cmd, "-m", "meshgroups", "demo", "dp=2", "--json"],
         capture_output=True,
         text=True,
         timeout=scaled(180),
         env=env,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "2 processes (torchrun, gloo)" in out.stdout and "checks passed" in out.stdout
+    data = json.loads(out.stdout)  # one JSON document (issue 52's CLI convention), rank 0's
+    assert data["processes"] == 2 and data["how"] == "torchrun, gloo" and data["ok"] and data["checks"] > 0
+    assert data["node"] == 2 and data["nodes"] == {"dp": "intra"}  # LOCAL_WORLD_SIZE=2
 
 
 def test_demo_report_names_the_failing_group():
@@ -278,3 +284,44 @@ def test_render_docstring_examples_run():
     )
     results = [doctest.testmod(m) for m in modules]
     assert all(r.failed == 0 for r in results) and sum(r.attempted for r in results) >= 1
+
+
+def test_every_colour_drawn_is_in_the_legend_and_rows_name_their_nodes():
+    """Issue 52: a legend for every colour and outline, node labels, the rank named."""
+    from meshgroups.layout import Topology
+    from meshgroups.render import legend
+
+    # a re-placed layout: a row of the drawing spans two nodes, and its label says which
+    placed = Layout.place({"pp": 2, "dp": 4, "tp": 2}, Topology(node=4), fast_first=("dp",))
+    for lay, by, node, rank in [
+        (Layout(pp=2, dp=2, tp=4), "tp", 4, 5),
+        (Layout(pp=2, dp=16, tp=4), "dp", 8, 9),
+        (placed, "dp", 4, 3),
+    ]:
+        keys = legend(lay, by, ranks_per_node=node, highlight_rank=rank)
+        fig = plot(lay, by, ranks_per_node=node, highlight_rank=rank)
+        ax = fig.axes[0]
+        shown = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert shown == [k["label"] for k in keys]
+        # every colour in the image is a legend entry's colour, and every entry's colour is drawn
+        image = ax.get_images()[0]
+        drawn = {
+            "#{:02x}{:02x}{:02x}".format(*(round(255 * v) for v in image.cmap(image.norm(g))[:3]))
+            for g in np.unique(image.get_array())
+        }
+        assert drawn == {k["colour"] for k in keys if k["kind"] == "colour"}
+        assert {"outline", "rank", "node boundary"} <= {k["kind"] for k in keys}
+        assert any(f"red outline: rank {rank}'s {by} group" in s for s in shown)
+        coords = ", ".join(f"{d}={c}" for d, c in lay.coords(rank).items())
+        assert f"rank {rank} ({coords}, node {rank // node})" in " ".join(shown)
+        nodes = [t.get_text() for t in ax.child_axes[0].get_yticklabels()]
+        assert nodes and all(n.startswith("node") for n in nodes)
+        page = html(lay, by, ranks_per_node=node, highlight_rank=rank)
+        assert all(k["colour"] in page and html_lib.escape(str(k["label"])) in page for k in keys)
+        assert "<th>nodes</th>" in page and f"rank {rank} in red" in page
+    # the re-placed layout's rows: each label names the nodes its ranks sit on
+    labels = [t.get_text() for t in ax.child_axes[0].get_yticklabels()]
+    rows = [placed.grid.reshape(-1, placed.shape[-1])[r] for r in range(len(labels))]
+    from meshgroups.render._legend import row_nodes
+
+    assert labels == [row_nodes(r, 4) for r in rows]

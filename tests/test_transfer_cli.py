@@ -86,11 +86,11 @@ def test_min_part_bytes_spreads_a_small_rollout(capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--src", "pp2", "--dst", "tp=2"], "--src takes name=size words"),
-        (["--src", "tp=2", "--dst", ""], "--dst is empty"),
+        (["--src", "pp2", "--dst", "tp=2"], "dims are name=size words like tp=4, got 'pp2'"),
+        (["--src", "tp=2", "--dst", ""], "--dst takes name=size words"),
         (["--src", "tp=0", "--dst", "tp=2"], "tp=0"),
-        (["--src", "tp=2", "--dst", "tp=2", "--model", "gpt5"], "invalid choice: 'gpt5'"),
-        (["--src", "tp=2", "--dst", "tp=2", "--ranks-per-node", "0"], "must be a positive integer"),
+        (["--src", "tp=2", "--dst", "tp=2", "--model", "gpt5"], "--model 'gpt5' is not a preset"),
+        (["--src", "tp=2", "--dst", "tp=2", "--node", "0"], "--node must be positive"),
         (["--src", "tp=2", "--dst", "tp=2", "--src-offset", "-1"], "must be an integer >= 0"),
         (["--src", "tp=2", "--dst", "tp=2", "--min-part-bytes", "0"], "must be a positive integer"),
         (["--src", "tp=2", "--dst", "tp=2", "--weights", "/no/such/file.json"], "cannot read --weights"),

@@ -23,6 +23,7 @@ from .support.transfer_exec_util import _buffers, _check, _full, _run, _shards, 
 def _fsdp_tp(rank):
     """Trainer FSDP2 × TP (dp_shard=2, tp=2) on ranks 0-3 -> rollout tp=4 on ranks 4-7."""
     import torch
+    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -39,7 +40,7 @@ def _fsdp_tp(rank):
         assert job.roles() == (("trainer",) if rank < 4 else ("rollout",))
         assert (job["trainer"].mesh.get_coordinate() is None) == (rank >= 4)
         assert (job["rollout"].mesh.get_coordinate() is None) == (rank < 4)
-        assert (job["trainer"].group("tp") is None) == (rank >= 4)
+        assert (job["trainer"].group("tp") == dist.GroupMember.NON_GROUP_MEMBER) == (rank >= 4)
         if rank < 4:
             mesh = job["trainer"].mesh
             parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})

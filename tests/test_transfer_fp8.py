@@ -118,7 +118,7 @@ def test_scales_count_in_the_plan_bytes() -> None:
         (  # trainer tp=2 over 6 rows with blocks of 4: a shard holds [0, 3)
             [Weight("w", (6, 4), "float32", {"tp": Shard(0)})],
             [Weight("w", (6, 4), "float8_e4m3fn"), Weight("w_scale_inv", (2, 1), "float32")],
-            r"a shard holds \[0, 3\) of axis 0",
+            r"the trainer's shard over tp at tp=0 holds \[0, 3\) of axis 0",
         ),
         (
             [Weight("w", (8, 4), "float32")],

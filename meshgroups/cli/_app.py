@@ -1,19 +1,24 @@
 """``python -m meshgroups`` (also the ``meshgroups`` command): show, plot and demo a layout.
 
-    python -m meshgroups show pp=2 dp=2 cp=1 tp=4 --ranks-per-node 8 --rank 5
+    python -m meshgroups show pp=2 dp=2 cp=1 tp=4 --node 8 --rank 5
     python -m meshgroups show tp=2 cp=1 dp=2 pp=2 --order tp-cp-dp-pp --json
     python -m meshgroups show pp=4 dp=8 cp=2 tp=8 --topology node=8,domain=32
     python -m meshgroups show --from-json groups.json      # a running job's groups read back
-    python -m meshgroups place pp=4 dp=8 cp=2 tp=8 --topology node=8,domain=32 --fast-first tp,cp
-    python -m meshgroups plot pp=2 dp=2 cp=1 tp=4 -o layout.png --color-by tp
+    python -m meshgroups place pp=4 dp=8 cp=2 tp=8 --node 8 --fast-first tp,cp
+    python -m meshgroups plot pp=2 dp=2 cp=1 tp=4 -o layout.png --color-by tp --node 8 --rank 5
     python -m meshgroups demo pp=2 dp=2 cp=1 tp=2          # spawns the 8 processes it needs
-    python -m meshgroups shrink --layout pp=2,dp=4,tp=8 --lost 13,14 --node 8   # also grow
+    python -m meshgroups shrink pp=2 dp=4 tp=8 --lost 13,14 --node 8   # also grow
+    python -m meshgroups transfer --src pp=2 tp=4 --dst tp=8 --dst-offset 8 --node 8
+    python -m meshgroups cost tp=8 dp_shard=4 pp=2 --model llama3-8b --node 8
 
-Dims are ``name=size`` words, outermost first (or in ``--order``, Megatron's fastest-first
-order), anywhere among the options; one size may be ``-1`` with ``--world-size``. A dim name
+One convention for every subcommand (:mod:`meshgroups.cli._conventions`): dims are
+``name=size`` words, outermost first (or in ``--order``, Megatron's fastest-first order),
+anywhere among the options; one size may be ``-1`` with ``--world-size``; ``--node N`` is the
+ranks per node; ``--json`` prints one JSON document; ``--help`` states every default. A dim name
 close to a usual one (``dpp``) is refused with a suggestion unless ``--any-names`` is given.
 Every bad value exits with status 2 and a usage line naming the problem and the rule; big
-layouts print a bounded summary that says what it left out (``--full`` prints everything).
+layouts print a bounded summary that says what it left out (``--full`` prints everything). Old
+spellings (``--ranks-per-node``) still work, with a ``warning:`` line on stderr.
 """
 
 from __future__ import annotations
@@ -24,20 +29,16 @@ import os
 import sys
 from collections.abc import Sequence
 
-from meshgroups._checks import MAX_RANK, formula, product
 from meshgroups.cli._args import (
-    bounded_float,
     bounded_int,
     check_order,
     key_values,
     parse_dims,
     rank_arg,
     signed_int,
-    strict_int,
 )
-from meshgroups.cli._demo import MAX_PROCESSES
-from meshgroups.cli._demo import MAX_TIMEOUT as DEMO_MAX_TIMEOUT
-from meshgroups.layout import Layout, Topology, megatron_order
+from meshgroups.cli._conventions import HelpFormatter, add_node, node_of, print_json, topology_of
+from meshgroups.layout import Layout, megatron_order
 from meshgroups.render import MAX_DPI, short_list, span_table
 from meshgroups.render import text as render_text
 
@@ -47,8 +48,6 @@ SUMMARY_GROUPS = 8
 SUMMARY_MEMBERS = 16
 #: Largest --from-json file read (a million-rank job's groups fit comfortably).
 MAX_JSON_BYTES = 256 * 2**20
-#: Longest --timeout of the demo (a day).
-MAX_TIMEOUT = DEMO_MAX_TIMEOUT
 
 
 def _from_json(parser: argparse.ArgumentParser, path: str) -> Layout:
@@ -72,15 +71,6 @@ def _from_json(parser: argparse.ArgumentParser, path: str) -> Layout:
         return Layout.infer(data)  # {"tp": [[0, 1], ...], "dp": [...], ...}: read the job back
     except (ValueError, TypeError) as exc:
         parser.error(f"--from-json {path}: {exc}")
-
-
-def _topology(parser: argparse.ArgumentParser, text: str | None) -> Topology | None:
-    if text is None:
-        return None
-    try:
-        return Topology.parse(text)
-    except (ValueError, TypeError) as exc:
-        parser.error(f"--topology {text!r}: {exc}")
 
 
 def _layout(parser: argparse.ArgumentParser, args: argparse.Namespace, default: Sequence[str] = ()) -> Layout:
@@ -124,12 +114,13 @@ def _check_rank(parser: argparse.ArgumentParser, layout: Layout, rank: int | Non
 def _show(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     layout = _layout(parser, args)
     _check_rank(parser, layout, args.rank)
-    topology = _topology(parser, args.topology)
+    args.ranks_per_node = node_of(parser, args)
+    topology = None if args.topology is None else topology_of(parser, args.ranks_per_node, args.topology)
     if args.json:
         data = _json(layout, args)
         if topology is not None:
             data["span"] = {d: layout.span(d, topology=topology) for d in layout.names}
-        print(json.dumps(data, indent=1))
+        print_json(data)
         return 0
     members = None if args.full else SUMMARY_MEMBERS
     print(render_text(layout, ranks_per_node=args.ranks_per_node, max_members=members))
@@ -174,9 +165,9 @@ def _json(layout: Layout, args: argparse.Namespace) -> dict[str, object]:
 
 def _place(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     pairs = parse_dims(parser, args.dims, args.any_names)
-    topology = _topology(parser, args.topology)
-    if topology is None:  # an invariant of this module, not a check of user input
-        raise RuntimeError("meshgroups internal error: topology is None (required by the parser)")
+    topology = topology_of(parser, node_of(parser, args), args.topology, required=True)
+    if topology is None:  # an invariant of topology_of(required=True), not a check of user input
+        raise RuntimeError("meshgroups internal error: topology is None (required)")
     require = key_values(parser, "--require", args.require, "tp=node")
     fast = [d for d in (args.fast_first or "").split(",") if d]
     if len(set(fast)) < len(fast):
@@ -194,7 +185,7 @@ def _place(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             "megatron_order": order,
             "megatron_order_note": why,
         }
-        print(json.dumps(data, indent=1))
+        print_json(data)
         return 0
     print(render_text(layout, max_members=SUMMARY_MEMBERS))
     print()
@@ -215,10 +206,11 @@ def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not args.output.strip() or args.output.endswith(("/", os.sep)) or os.path.isdir(args.output):
         parser.error(f"-o needs a file name such as layout.png, got {args.output!r}")
     color_by = tuple(args.color_by.split(",")) if args.color_by is not None else None
+    node = node_of(parser, args)
     try:
-        from meshgroups.render import plot
+        from meshgroups.render import legend, plot
 
-        fig = plot(layout, color_by, ranks_per_node=args.ranks_per_node, highlight_rank=args.rank)
+        fig = plot(layout, color_by, ranks_per_node=node, highlight_rank=args.rank)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     except ImportError as exc:
@@ -230,121 +222,43 @@ def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"cannot write -o {args.output}: {exc.strerror or exc}")
     except ValueError as exc:  # e.g. an extension matplotlib has no writer for
         parser.error(f"cannot write -o {args.output}: {exc}")
-    print(f"wrote {args.output}")
+    if args.json:
+        keys = legend(layout, color_by, ranks_per_node=node, highlight_rank=args.rank)
+        print_json({"wrote": args.output, "layout": repr(layout), "legend": keys})
+    else:
+        print(f"wrote {args.output}")
     return 0
 
 
-def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """The demo's processes: one per rank of the layout. A ``-1`` dim is filled from ``--nproc``
-    or torchrun's ``WORLD_SIZE``; a layout of another size than the processes is an error; at most
-    ``MAX_PROCESSES`` are spawned on this machine (torchrun starts its own)."""
-    from meshgroups.cli._demo import main as demo_main
-
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world, source = args.nproc, f"--nproc {args.nproc}"
-    if torchrun:
-        try:
-            world = strict_int(os.environ["WORLD_SIZE"], "WORLD_SIZE")
-        except argparse.ArgumentTypeError as exc:
-            parser.error(str(exc))
-        if args.nproc is not None and args.nproc != world:
-            parser.error(
-                f"--nproc {args.nproc} but torchrun started WORLD_SIZE={world} processes; drop --nproc"
-            )
-        source = f"torchrun's WORLD_SIZE={world}"
-    if args.dims:
-        layout = _demo_layout(parser, args, world, source)
-        if world is None:
-            world = layout.world_size
-        elif layout.world_size != world:
-            fix = (
-                f"start torchrun with {layout.world_size} processes"
-                if torchrun
-                else f"drop --nproc (it follows the dims) or give --nproc {layout.world_size}"
-            )
-            parser.error(
-                f"the layout has {layout.world_size} ranks but {source}; the demo runs one process per rank: {fix}"
-            )
-    else:
-        world = world or 8
-        tp = 2 if world % 2 == 0 else 1
-        pp = 2 if world % (2 * tp) == 0 and world > 2 * tp else 1
-        layout = Layout(pp=pp, dp=world // (pp * tp), cp=1, tp=tp)
-    if not torchrun and world > MAX_PROCESSES:
-        parser.error(
-            f"the layout has {world} ranks; the demo spawns at most {MAX_PROCESSES} processes on this "
-            "machine (one per rank); run it under torchrun for more"
-        )
-    status = demo_main(layout, world, strategy=args.strategy, timeout=args.timeout)
-    if torchrun:
-        # A torchrun worker whose groups are all destroyed (demo._shut_down) still aborts at
-        # interpreter exit now and then (SIGABRT on one rank, about one run in fifty in CI, after
-        # every check passed): a gloo worker thread meeting Python's finalization. Nothing is
-        # left to finalize, so the worker exits here with its status instead.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    return status
-
-
-def _demo_layout(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, world: int | None, source: str
-) -> Layout:
-    """The demo's layout; a ``-1`` size is the processes' count over the other sizes."""
-    pairs = parse_dims(parser, args.dims, args.any_names or bool(args.order))
-    unknown = [name for name, size in pairs if size == -1]
-    if len(unknown) > 1:
-        parser.error(f"only one size may be -1 (inferred), got {', '.join(unknown)}")
-    if unknown:
-        if world is None:
-            parser.error(
-                f"{unknown[0]}=-1 needs the number of processes: give --nproc N (or run under torchrun)"
-            )
-        known = [(n, s) for n, s in pairs if s != -1 and s > 0]
-        rest = product(s for _, s in known)
-        if len(known) < len(pairs) - 1 or world % rest:
-            parser.error(
-                f"{formula([n for n, _ in known], [s for _, s in known]) if known else 'the other dims'} "
-                f"does not divide the {world} processes of {source}, so {unknown[0]}=-1 cannot be inferred"
-            )
-        pairs = [(n, world // rest if s == -1 else s) for n, s in pairs]
-    try:
-        if args.order is not None:
-            check_order(parser, args.order)
-            return Layout.from_order(args.order, **dict(pairs))
-        return Layout(pairs)
-    except (ValueError, TypeError) as exc:
-        parser.error(str(exc))
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The ``meshgroups`` command line: ``show``, ``plot``, ``demo`` and ``place`` (and ``transfer``).
+    """The ``meshgroups`` command line: ``show``, ``place``, ``plot``, ``demo``, ``transfer``,
+    ``shrink``, ``grow`` and ``cost``, one convention for all (:mod:`meshgroups.cli._conventions`).
 
     Returns:
         The ``argparse`` parser; ``main`` uses it.
     """
-    parser = argparse.ArgumentParser(prog="meshgroups", description="Show, plot and demo rank layouts.")
+    parser = argparse.ArgumentParser(
+        prog="meshgroups",
+        description="Show, plot, demo, cost and plan rank layouts.",
+        formatter_class=HelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def layout_args(p: argparse.ArgumentParser) -> None:
+    def layout_args(p: argparse.ArgumentParser, node: str) -> None:
         p.add_argument("dims", nargs="*", help="name=size words, outermost first (e.g. pp=2 dp=2 tp=4)")
         p.add_argument("--order", help="Megatron order string, fastest first (e.g. tp-cp-dp-pp)")
         p.add_argument(
             "--world-size",
             type=signed_int("--world-size"),
-            help="check the sizes against it (one size may be -1)",
+            help="check the sizes against it (one size may be -1, inferred from it)",
         )
-        p.add_argument(
-            "--ranks-per-node",
-            type=bounded_int("--ranks-per-node", 1, MAX_RANK + 1),
-            help="report intra/inter-node groups",
-        )
+        add_node(p, node)
         p.add_argument("--rank", type=rank_arg, help="show this rank's coordinates and groups")
         p.add_argument("--any-names", action="store_true", help="accept dim names that look like typos")
 
     show = sub.add_parser("show", help="print a layout and its groups")
-    layout_args(show)
-    show.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    layout_args(show, "each dim's groups are said to stay inside a node (intra) or not")
+    show.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     show.add_argument(
         "--topology",
         help="levels of consecutive ranks, smallest first (node=8,domain=32): which groups leave them",
@@ -358,54 +272,43 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(run=_show, parser=show)
     place = sub.add_parser("place", help="order dims so the bandwidth-hungry ones stay on fast levels")
     place.add_argument("dims", nargs="*", help="name=size words, outermost first (e.g. pp=4 dp=8 tp=8)")
-    place.add_argument("--topology", required=True, help="levels, smallest first (e.g. node=8,domain=32)")
+    add_node(place, "the first level dims are placed on (this or --topology is required)")
+    place.add_argument("--topology", help="levels, smallest first (e.g. node=8,domain=32)")
     place.add_argument("--fast-first", help="dims by bandwidth need, most first (e.g. tp,cp,dp)")
     place.add_argument("--require", help="constraints dim=level, comma separated (e.g. tp=node)")
-    place.add_argument("--json", action="store_true", help="print the layout and spans as JSON")
+    place.add_argument("--json", action="store_true", help="print the layout and spans as one JSON document")
     place.add_argument("--any-names", action="store_true", help="accept dim names that look like typos")
     place.set_defaults(run=_place, parser=place)
     plot = sub.add_parser("plot", help="draw a layout to a PNG (needs matplotlib)")
-    layout_args(plot)
+    layout_args(plot, "node boundaries drawn as thick lines, each row labelled with its nodes")
     plot.add_argument("-o", "--output", default="layout.png", help="output file (default layout.png)")
-    plot.add_argument("--color-by", help="dim or comma-separated dims whose groups get colours")
+    plot.add_argument(
+        "--color-by", help="dim or comma-separated dims whose groups get colours (default: the innermost dim)"
+    )
     plot.add_argument(
         "--dpi",
         type=bounded_int("--dpi", 1, MAX_DPI, " (a 16 x 12 inch figure at most)"),
         default=120,
         help=f"resolution of the PNG (default 120, at most {MAX_DPI})",
     )
+    plot.add_argument("--json", action="store_true", help="print the file written and the legend as JSON")
     plot.set_defaults(run=_plot, parser=plot)
-    demo = sub.add_parser("demo", help="build the mesh on real processes and verify every group")
-    demo.add_argument("dims", nargs="*", help="name=size words (default: pp=2 dp=2 cp=1 tp=2 for 8)")
-    demo.add_argument(
-        "--nproc",
-        type=bounded_int("--nproc", 1, MAX_PROCESSES, " (processes the demo spawns on this machine)"),
-        help=f"processes to spawn, at most {MAX_PROCESSES} (default: the layout's world, or 8; a -1 dim "
-        "is filled from it); under torchrun, its WORLD_SIZE",
-    )
-    demo.add_argument("--order", help="Megatron order string, fastest first")
-    demo.add_argument("--any-names", action="store_true", help="accept dim names that look like typos")
-    demo.add_argument("--strategy", choices=["global", "local"], default="global")
-    demo.add_argument(
-        "--timeout",
-        type=bounded_float("--timeout", MAX_TIMEOUT, 1.0, " seconds"),
-        default=60.0,
-        help=f"seconds before a stuck job fails (1 to {MAX_TIMEOUT:g})",
-    )
-    demo.set_defaults(run=_demo, parser=demo, world_size=None)
-    parser.set_defaults(commands={"show": show, "place": place, "plot": plot, "demo": demo})
-    from meshgroups.cli._transfer import register as register_transfer  # weight transfer: its own module
-
-    parser.get_default("commands")["transfer"] = register_transfer(sub)
-    from meshgroups.cli._elastic import register as register_elastic  # recovery plans: their own module
-
-    parser.get_default("commands").update(register_elastic(sub))
+    commands = {"show": show, "place": place, "plot": plot}
     from meshgroups.cli._cost import add_parser as add_cost  # what a layout costs
     from meshgroups.cli._cost import run as run_cost
+    from meshgroups.cli._demo_command import register as register_demo  # the demo's processes
+    from meshgroups.cli._elastic import register as register_elastic  # recovery plans
+    from meshgroups.cli._transfer import register as register_transfer  # weight transfer
 
+    commands["demo"] = register_demo(sub)
+    commands["transfer"] = register_transfer(sub)
+    commands.update(register_elastic(sub))
     cost = add_cost(sub)
     cost.set_defaults(run=lambda _parser, args: run_cost(args), parser=cost)
-    parser.get_default("commands")["cost"] = cost
+    commands["cost"] = cost
+    for command in commands.values():
+        command.formatter_class = HelpFormatter
+    parser.set_defaults(commands=commands)
     return parser
 
 

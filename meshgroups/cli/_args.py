@@ -18,7 +18,7 @@ import difflib
 import re
 from collections.abc import Callable, Sequence
 
-from meshgroups._checks import MAX_RANK, parse_int
+from meshgroups._checks import MAX_RANK, did_you_mean, parse_int
 from meshgroups.errors import LayoutError
 
 #: Megatron's order tokens (RankGenerator accepts these and no others).
@@ -31,6 +31,7 @@ USUAL_NAMES = (
     "sp",
     "dp_replicate",
     "dp_shard",
+    "fsdp",
     "expt_tp",
     "expt_dp",
     "world",
@@ -112,13 +113,9 @@ def parse_dims(
             pairs.append((name, parse_int(size, f"size of {name!r}")))
         except LayoutError:
             parser.error(f"size of {name!r} must be an integer in digits 0-9, got {size!r}")
-        if not any_names and name not in USUAL_NAMES:
-            close = difflib.get_close_matches(name, USUAL_NAMES, n=2, cutoff=0.6)
-            if close:
-                parser.error(
-                    f"unknown dim {name!r}: did you mean {' or '.join(map(repr, close))}? "
-                    "(pass --any-names to use it as it is)"
-                )
+        hint = "" if any_names or name in USUAL_NAMES else did_you_mean(name, USUAL_NAMES, ": ")
+        if hint:
+            parser.error(f"unknown dim {name!r}{hint} (pass --any-names to use it as it is)")
     if not pairs:
         parser.error("give at least one dim, e.g. pp=2 dp=2 tp=4")
     return pairs

@@ -1,14 +1,19 @@
 """``python -m meshgroups cost``: what a layout costs, or every layout of a world ranked.
 
-    python -m meshgroups cost tp=8 dp_shard=4 pp=2 --model llama3-8b --topology node=8
-    python -m meshgroups cost --world 64 --model mixtral-8x7b --topology node=8 --budget-gib 80
+    python -m meshgroups cost tp=8 dp_shard=4 pp=2 --model llama3-8b --node 8
+    python -m meshgroups cost --world 64 --model mixtral-8x7b --topology node=8,domain=32 --budget-gib 80
     python -m meshgroups cost --world 16 --hf-config config.json --seq-len 4096 --json
     python -m meshgroups cost dp_shard=8 --model llama3-8b --precision fsdp2 --recompute op \
         --separate-projections --budget-gib 95 --allocator-overhead 1.2
+    python -m meshgroups cost dp=4 tp=2 --roles dp=dp_shard --model tiny
 
-Dims are ``role=size`` words (roles: pp, dp_replicate, dp_shard, ep, cp, tp), outermost first.
-Every bad value exits with status 2 and one ``error:`` line naming it and the rule. The CLI wires
-this in with :func:`add_parser` and :func:`run`::
+Dims are ``name=size`` words, outermost first, as in every subcommand; a dim named like a role
+(pp, dp_replicate, dp_shard, ep, cp, tp) plays it, ``dp`` plays ``dp_replicate`` (parameters
+replicated, as in Megatron and DDP), and ``--roles name=role`` gives any other dim its role.
+The ``--world`` table is ordered by ``--sort`` (default: the pipeline bubble, then the bytes over
+the slowest level crossed), says so in its header, and is not a step-time prediction. Every bad
+value exits with status 2 and one ``error:`` line naming it and the rule. The CLI wires this in
+with :func:`add_parser` and :func:`run`::
 
     >>> import argparse
     >>> sub = argparse.ArgumentParser(prog="meshgroups").add_subparsers()
@@ -23,22 +28,25 @@ import json
 import re
 from typing import Any
 
+from meshgroups.cli._args import key_values, parse_dims
+from meshgroups.cli._conventions import MODEL_HELP, add_node, model_name, node_of, print_json, topology_of
+from meshgroups.cli._cost_text import header, text
 from meshgroups.cost import (
     ATTENTION,
     DTYPE_BYTES,
     RECOMPUTE,
     ROLES,
     SORT_KEYS,
+    SORT_WORDS,
     Parallelism,
     Precision,
     cost_report,
     enumerate_layouts,
-    format_bytes,
     sort_candidates,
     table,
 )
-from meshgroups.layout import Layout, Topology
-from meshgroups.models import Model, preset, preset_names
+from meshgroups.layout import Layout
+from meshgroups.models import Model, preset
 
 __all__ = ["add_parser", "run"]
 
@@ -102,23 +110,33 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "cost",
         help="memory per rank and bytes per group family and topology level of a layout, or of every layout of a world",
-        description="What a layout costs for a model: per-rank memory and each collective's bytes per "
-        "topology level; with --world, every layout the model admits, ordered by the bytes over the "
-        "slowest level crossed (not a predicted step time).",
+        description="What a layout costs for a model: per-rank memory, the pipeline bubble and each "
+        "collective's bytes per topology level; with --world, every layout the model admits, in the "
+        "order --sort names. None of it is a step-time prediction (compute, overlap and link speeds "
+        "are not modelled).",
     )
     p.add_argument(
-        "dims", nargs="*", help="role=size words, outermost first (roles: " + ", ".join(ROLES) + ")"
+        "dims",
+        nargs="*",
+        help="name=size words, outermost first; a dim named like a role plays it (roles: "
+        + ", ".join(ROLES)
+        + "), dp plays dp_replicate",
+    )
+    p.add_argument(
+        "--roles",
+        metavar="NAME=ROLE,...",
+        help="the role of each dim not named like one, e.g. dp=dp_shard (default: dp=dp_replicate)",
     )
     p.add_argument(
         "--world", type=_count("--world", MAX_CLI_WORLD), help="enumerate every layout of this many ranks"
     )
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument(
-        "--model", choices=preset_names(aliases=True), help="a preset model (meshgroups.models.PRESETS)"
-    )
+    source.add_argument("--model", metavar="MODEL", help=MODEL_HELP)
     source.add_argument("--hf-config", metavar="FILE", help="a Hugging Face config.json")
+    add_node(p, "bytes are counted per level, inside a node and beyond")
     p.add_argument(
-        "--topology", help="levels of consecutive ranks, e.g. node=8,domain=32 (default: one level)"
+        "--topology",
+        help="levels of consecutive ranks, e.g. node=8,domain=32; --node names the first (default: one level)",
     )
     p.add_argument(
         "--seq-len", type=_count("--seq-len", 1 << 24), help="tokens per sample (default: the model's)"
@@ -241,12 +259,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(default 1.0: allocated compared as it is)",
     )
     p.add_argument(
-        "--sort", choices=SORT_KEYS, default="slow", help="order of the --world table (default slow)"
+        "--sort",
+        choices=SORT_KEYS,
+        default="bubble",
+        help="order of the --world table: bubble (the pipeline bubble, then bytes over the slowest "
+        "level crossed), slow (those bytes first), memory or layout (default bubble)",
     )
     p.add_argument(
         "--top", type=_count("--top", 1 << 20), default=20, help="rows of the --world table (default 20)"
     )
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=run, cost_parser=p)
     return p
 
@@ -259,7 +281,7 @@ def _model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Model:
         overrides["fused_projections"] = False
     try:
         if args.model:
-            return preset(args.model).with_(**overrides)
+            return preset(model_name(parser, args.model)).with_(**overrides)
         try:
             with open(args.hf_config, "rb") as f:
                 raw = f.read(MAX_CONFIG_BYTES + 1)
@@ -276,19 +298,28 @@ def _model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Model:
         parser.error(f"the model: {exc}")
 
 
-def _layout(parser: argparse.ArgumentParser, words: list[str]) -> Layout:
-    pairs: dict[str, int] = {}
-    for word in words:
-        name, sep, size = word.partition("=")
-        if not sep or name not in ROLES:
-            parser.error(f"dims are role=size words with roles {', '.join(ROLES)}; got {word!r}")
-        if not _DIGITS.fullmatch(size) or int(size) < 1:
-            parser.error(f"size of {name!r} must be a positive integer in digits 0-9, got {size!r}")
-        if name in pairs:
-            parser.error(f"dim {name!r} is given twice")
-        pairs[name] = int(size)
+def _layout(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Layout, dict[str, str]]:
+    """The layout of the dims and each dim's role (only those not named like their role)."""
+    roles = key_values(parser, "--roles", args.roles, "dp=dp_shard")
+    for name, role in roles.items():
+        if role not in ROLES:
+            parser.error(f"--roles {name}={role}: unknown role; roles are {', '.join(ROLES)}")
+    pairs = parse_dims(parser, args.dims, any_names=True)
+    for name, size in pairs:
+        if size < 1:
+            parser.error(f"size of {name!r} must be a positive integer, got {size}")
+        if name not in ROLES and name not in roles:
+            if name != "dp":
+                parser.error(
+                    f"dim {name!r} plays no role: name it after one ({', '.join(ROLES)}) "
+                    f"or give it one with --roles {name}=ROLE"
+                )
+            roles["dp"] = "dp_replicate"
+    unknown = sorted(set(roles) - {n for n, _ in pairs})
+    if unknown:
+        parser.error(f"--roles names {unknown[0]!r}, which is not among the dims")
     try:
-        return Layout(**pairs)
+        return Layout(pairs), {n: r for n, r in roles.items() if n != r}
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
 
@@ -313,14 +344,11 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.dims) == (args.world is not None):
         parser.error("give either dims (one layout) or --world N (every layout), not both or neither")
     model = _model(parser, args)
-    topology = None
-    if args.topology is not None:
-        try:
-            topology = Topology.parse(args.topology)
-        except (ValueError, TypeError) as exc:
-            parser.error(f"--topology {args.topology!r}: {exc}")
+    topology = topology_of(parser, node_of(parser, args), args.topology)
+    layout, roles = _layout(parser, args) if args.dims else (None, {})
     try:
         plan = Parallelism(
+            roles=roles,
             sequence_parallel=args.sequence_parallel,
             schedule=args.schedule,
             virtual_stages=args.virtual_stages,
@@ -338,16 +366,15 @@ def run(args: argparse.Namespace) -> int:
         parser.error(str(exc))
     budget = None if args.budget_gib is None else args.budget_gib * 2**30
     overhead = args.allocator_overhead
-    if args.world is None:
-        layout = _layout(parser, args.dims)
+    if layout is not None:
         try:
             report = cost_report(model, layout, topology, plan, budget, overhead)
         except (ValueError, TypeError) as exc:
             parser.error(str(exc))
         if args.json:
-            print(json.dumps(report, indent=1))
+            print_json({**report, "dim_roles": roles} if roles else report)
         else:
-            print(_text(report))
+            print(text(report, roles))
         return 0
     try:
         found = enumerate_layouts(
@@ -357,16 +384,11 @@ def run(args: argparse.Namespace) -> int:
         parser.error(str(exc))
     found = sort_candidates(found, args.sort)
     if args.json:
-        print(json.dumps({"model": model.name, "world": args.world, "order": args.sort,
-                          "candidates": [c.to_dict() for c in found]}, indent=1))  # fmt: skip
+        print_json({"model": model.name, "world": args.world, "order": args.sort, "order_means": SORT_WORDS[args.sort],
+                    "micro_batches": args.micro_batches, "not_a_step_time_prediction": True,
+                    "candidates": [c.to_dict() for c in found]})  # fmt: skip
         return 0
-    fits = sum(c.fits for c in found)
-    basis = "allocated" if overhead == 1.0 else f"allocated × {overhead:g}"
-    print(f"{len(found)} layouts of {args.world} ranks admit {model.name or 'the model'}"
-          + (f"; {fits} fit {args.budget_gib:g} GiB per rank ({basis})" if budget is not None else ""))  # fmt: skip
-    print(
-        f"ordered by {'bytes over the slowest level crossed (not step time)' if args.sort == 'slow' else args.sort}; bytes are per step, all ranks\n"
-    )
+    print(header(model, args, found, budget, overhead))
     print(table(found, limit=args.top))
     if len(found) > args.top:
         print(f"(first {args.top} of {len(found)}; --top N shows more)")
@@ -387,43 +409,3 @@ def _precision(args: argparse.Namespace) -> Precision:
         compute=args.compute_dtype,
         reduce=args.reduce_dtype,
     )
-
-
-def _text(report: dict[str, Any]) -> str:
-    peak = report["peak_memory"]
-    parts = ", ".join(
-        f"{k} {format_bytes(peak[k])}"
-        for k in ("params", "grads", "master", "optimizer", "activations", "loss", "transient")
-    )
-    lines = [
-        f"{report['layout']}  model {report['model']}  {report['topology'] or 'no topology'}",
-        f"peak memory per rank: {format_bytes(peak['total'])} at the {peak['phase']} ({parts}; peak allocated)",
-        f"pipeline bubble: {report['bubble_fraction']:.3f} of the step",
-    ]
-    verdict = report.get("fit")
-    if verdict:
-        lines.append(
-            f"fits {format_bytes(verdict['budget'])} per rank: {'yes' if verdict['fits'] else 'no'} "
-            f"({verdict['basis']}: {format_bytes(verdict['needed'])})"
-        )
-    fams = report["traffic"]["families"]
-    levels = list(report["traffic"]["by_level"])
-    lines.append("")
-    head = ["family", "group size", "sent/rank", *levels]
-    rows = [
-        [
-            f,
-            str(d["group_size"]),
-            format_bytes(d["sent_per_rank"]),
-            *(format_bytes(d["by_level"][lv]) for lv in levels),
-        ]
-        for f, d in fams.items()
-    ]
-    rows.append(["all", "", "", *(format_bytes(report["traffic"]["by_level"][lv]) for lv in levels)])
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    for r in [head, *rows]:
-        lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
-    lines.append(
-        f"slowest level crossed: {report['traffic']['slowest_level'] or 'none'} (bytes per step, all ranks)"
-    )
-    return "\n".join(lines)

@@ -162,7 +162,7 @@ def report(
     return "\n".join(lines), not failures
 
 
-def _join_torchrun(layout: Layout, strategy: str, timeout: float) -> int:
+def _join_torchrun(layout: Layout, strategy: str, timeout: float, node: int | None, as_json: bool) -> int:
     import torch
     import torch.distributed as dist
 
@@ -183,8 +183,8 @@ def _join_torchrun(layout: Layout, strategy: str, timeout: float) -> int:
         dist.all_gather_object(results, result)
         ok = all(not r["failures"] for r in results)
         if dist.get_rank() == 0:
-            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
-            print(report(layout, results, per_node, f"torchrun, {backend}")[0], flush=True)
+            per_node = node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
+            _print(layout, results, per_node, f"torchrun, {backend}", as_json)
     finally:
         _shut_down()
     return 0 if ok else 1
@@ -211,7 +211,9 @@ def _spawned_rank(
         queue.put({"rank": rank, "build_seconds": 0.0, "checks": 0, "failures": [f"rank {rank}: {exc!r}"]})
 
 
-def _spawn_local(layout: Layout, nproc: int, strategy: str, timeout: float) -> int:
+def _spawn_local(
+    layout: Layout, nproc: int, strategy: str, timeout: float, node: int | None, as_json: bool
+) -> int:
     import queue as queue_mod
 
     import torch.multiprocessing as mp
@@ -249,17 +251,57 @@ def _spawn_local(layout: Layout, nproc: int, strategy: str, timeout: float) -> i
             if p.is_alive():
                 p.kill()
     results.sort(key=lambda r: r["rank"])
-    text, ok = report(layout, results, None, "spawned on 127.0.0.1, gloo")
-    print(text, flush=True)
+    ok = _print(layout, results, node, "spawned on 127.0.0.1, gloo", as_json)
     return 0 if ok else 1
 
 
-def main(layout: Layout, nproc: int, strategy: str = "global", timeout: float = 60.0) -> int:
-    """Run the demo; returns the process exit status."""
+def main(
+    layout: Layout,
+    nproc: int,
+    strategy: str = "global",
+    timeout: float = 60.0,
+    node: int | None = None,
+    as_json: bool = False,
+) -> int:
+    """Run the demo; returns the process exit status.
+
+    Args:
+        layout: the layout built. nproc: processes (one per rank). strategy, timeout: ``init_mesh``'s.
+        node: ranks per node, for the report's node verdicts (under torchrun default:
+            ``LOCAL_WORLD_SIZE``). as_json: print the report as one JSON document.
+    """
     check_args(layout, nproc, strategy, timeout)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _join_torchrun(layout, strategy, timeout)
-    return _spawn_local(layout, nproc, strategy, timeout)
+        return _join_torchrun(layout, strategy, timeout, node, as_json)
+    return _spawn_local(layout, nproc, strategy, timeout, node, as_json)
+
+
+def _print(layout: Layout, results: list[dict[str, Any]], node: int | None, how: str, as_json: bool) -> bool:
+    """Print the report (text or one JSON document); whether every check passed."""
+    text, ok = report(layout, results, node, how)
+    if not as_json:
+        print(text, flush=True)
+        return ok
+    from meshgroups.cli._conventions import print_json
+
+    print_json(
+        {
+            "processes": len(results),
+            "how": how,
+            "layout": layout.to_dict(),
+            "node": node,
+            "nodes": {d: layout.node_locality(d, ranks_per_node=node) for d in layout.names}
+            if node
+            else None,
+            "families": ["×".join(f) for f in families(layout)],
+            "checks": sum(r["checks"] for r in results),
+            "failures": [f for r in results for f in r["failures"]],
+            "build_seconds": max(r["build_seconds"] for r in results),
+            "ok": ok,
+        }
+    )
+    sys.stdout.flush()
+    return ok
 
 
 def check_args(layout: Layout, nproc: int, strategy: str, timeout: float) -> None:

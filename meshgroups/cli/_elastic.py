@@ -1,12 +1,13 @@
 """``python -m meshgroups shrink`` / ``grow``: a recovery plan from the command line (numpy only,
 no processes)::
 
-    python -m meshgroups shrink --layout pp=2,dp=4,tp=8 --lost 13,14 --node 8
-    python -m meshgroups shrink --layout pp=2,dp=4,tp=8 --lost 13 --spares 64-71 --node 8   # substitute
+    python -m meshgroups shrink pp=2 dp=4 tp=8 --lost 13,14 --node 8
+    python -m meshgroups shrink pp=2 dp=4 tp=8 --lost 13 --spares 64-71 --node 8   # substitute
     python -m meshgroups grow --from-json plan.json --ranks 8-15,40-47 --node 8
-    python -m meshgroups shrink --layout pp=2,dp=4,cp=2,tp=4 --lost 5 --flatten dp,cp --rank 7 --json
+    python -m meshgroups shrink pp=2 dp=4 cp=2 tp=4 --lost 5 --flatten dp,cp --rank 7 --json
 
-Ranks are comma-separated numbers or ``a-b`` ranges. ``--from-json`` reads a layout dict
+The layout is ``name=size`` words, outermost first, as in every subcommand (the old ``--layout
+pp=2,dp=4,tp=8`` still works, with a warning). Ranks are comma-separated numbers or ``a-b`` ranges. ``--from-json`` reads a layout dict
 (``Layout.to_dict``) or a plan printed with ``--json`` (its new layout), so plans chain: a shrink,
 then a grow of its result. Bad input exits with status 2, naming the rule.
 """
@@ -18,8 +19,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from meshgroups._checks import MAX_RANK, formula
-from meshgroups.cli._args import bounded_int, rank_arg
+from meshgroups._checks import formula
+from meshgroups.cli._args import parse_dims, rank_arg
+from meshgroups.cli._conventions import add_node, deprecated, node_of, print_json, topology_of
 from meshgroups.elastic import RecoveryPlan, family_label, plan_grow, plan_shrink, plan_substitute
 from meshgroups.layout import Layout, Topology
 
@@ -57,8 +59,17 @@ def dim_sets(text: str) -> list[tuple[str, ...]]:
 
 
 def _layout(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Layout:
-    if (args.layout is None) == (args.from_json is None):
-        parser.error("give the current layout with --layout pp=2,dp=4,tp=8 or --from-json FILE (one of them)")
+    words = list(args.dims)
+    if args.layout is not None:
+        old = [w for w in args.layout.replace(" ", ",").split(",") if w]
+        if not old:
+            parser.error("--layout takes name=size words: pp=2 dp=4 tp=8 (dims as words, no --layout)")
+        deprecated(f"--layout {args.layout}", " ".join(old) + " (dims as words, no --layout)")
+        words += old
+    if bool(words) == (args.from_json is not None):
+        parser.error(
+            "give the current layout as dims (pp=2 dp=4 tp=8) or with --from-json FILE (one of them)"
+        )
     if args.from_json is not None:
         try:
             with open(args.from_json) as f:
@@ -71,23 +82,14 @@ def _layout(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Layout
             return Layout.from_dict(data)
         except (ValueError, TypeError) as exc:
             parser.error(f"--from-json {args.from_json}: {exc}")
-    pairs = []
-    for word in args.layout.replace(" ", ",").split(","):
-        if not word:
-            continue
-        name, sep, size = word.partition("=")
-        if not sep or not size.isdigit():
-            parser.error(f"--layout takes name=size words, outermost first (pp=2,dp=4,tp=8); got {word!r}")
-        pairs.append((name, int(size)))
-    return Layout(pairs, rank_offset=args.offset)
+    try:
+        return Layout(parse_dims(parser, words, args.any_names), rank_offset=args.offset)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
 
 
 def _topology(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Topology | None:
-    if args.node is not None and args.topology is not None:
-        parser.error("give --node N or --topology node=N,... (not both)")
-    if args.node is not None:
-        return Topology(node=args.node)
-    return Topology.parse(args.topology) if args.topology is not None else None
+    return topology_of(parser, node_of(parser, args), args.topology)
 
 
 def ranges(ranks: Sequence[int], limit: int = 0) -> str:
@@ -205,7 +207,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 "new_coords": plan.new_coords(args.rank),
                 "status": {family_label(k): plan.status(args.rank, k) for k in plan.families},
             }
-        print(json.dumps(data))
+        print_json(data)
     else:
         print(report(plan, args.rank, args.full))
     return 0
@@ -219,8 +221,12 @@ def register(sub: Any) -> dict[str, argparse.ArgumentParser]:
         ("grow", "re-admit ranks as new replicas along the replicate dim"),
     ):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--layout", help="current dims, outermost first: pp=2,dp=4,tp=8")
-        p.add_argument("--offset", type=rank_arg, default=0, help="first rank of --layout (default 0)")
+        p.add_argument(
+            "dims", nargs="*", help="the current layout: name=size words, outermost first (pp=2 dp=4 tp=8)"
+        )
+        p.add_argument("--layout", help=argparse.SUPPRESS)  # the old spelling: pp=2,dp=4,tp=8
+        p.add_argument("--offset", type=rank_arg, default=0, help="first rank of the layout (default 0)")
+        p.add_argument("--any-names", action="store_true", help="accept dim names that look like typos")
         p.add_argument(
             "--from-json", metavar="FILE", help="current layout: a Layout.to_dict file or a --json plan"
         )
@@ -234,15 +240,11 @@ def register(sub: Any) -> dict[str, argparse.ArgumentParser]:
                 "--ranks", type=rank_list, required=True, help="ranks of the new replicas: 8-15,40-47"
             )
         p.add_argument("--dim", help="the replicate dim (default: the outermost of dp_replicate, dp, ...)")
-        p.add_argument(
-            "--node",
-            type=bounded_int("--node", 1, MAX_RANK + 1),
-            help="ranks per node: lost ranks take their node along",
-        )
-        p.add_argument("--topology", help="levels, smallest first (node=8,domain=32), instead of --node")
+        add_node(p, "lost ranks take their node along")
+        p.add_argument("--topology", help="levels, smallest first (node=8,domain=32); --node names the first")
         p.add_argument("--flatten", help="flattened dim sets to include, e.g. dp,cp;pp,tp")
         p.add_argument("--rank", type=rank_arg, help="also show this rank's role, coordinates and groups")
-        p.add_argument("--json", action="store_true", help="print the plan as JSON")
+        p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
         p.add_argument("--full", action="store_true", help="list every group and rank, however many")
         p.set_defaults(run=run, parser=p, command=name)
         out[name] = p

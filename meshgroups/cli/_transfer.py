@@ -1,14 +1,16 @@
 """``python -m meshgroups transfer``: what a weight transfer between two layouts moves, per node
 and per rank, from the plan (numpy only, no processes)::
 
-    python -m meshgroups transfer --src pp=2,tp=4 --dst tp=8 --dst-offset 8 --ranks-per-node 8
-    python -m meshgroups transfer --src dp_shard=4,tp=2 --dst dp=2,tp=4 --model llama-8b --json
+    python -m meshgroups transfer --src pp=2 tp=4 --dst tp=8 --dst-offset 8 --node 8
+    python -m meshgroups transfer --src dp_shard=4 tp=2 --dst dp=2 tp=4 --model llama3-8b --json
     python -m meshgroups transfer --src tp=4 --dst tp=2 --dst-offset 4 --weights weights.json
-    python -m meshgroups transfer --src dp_shard=4,tp=2 --dst tp=4 --dst-offset 8 --name-map vllm --cast bfloat16
+    python -m meshgroups transfer --src dp_shard=4 tp=2 --dst tp=4 --dst-offset 8 --name-map vllm --cast bfloat16
 
-Models are the presets of ``meshgroups.transfer.model_weights``, placed per layout
-(``tp`` like Megatron, ``pp`` stages, ``ep``/``etp`` experts, ``dp_shard``/``fsdp`` FSDP2 after
-``tp``; other dims replicate). ``--weights FILE`` reads ``{"src": [...], "dst": [...]}`` instead, each
+``--src`` and ``--dst`` take ``name=size`` words, outermost first, like every subcommand's dims
+(the old ``--src pp=2,tp=4`` still works, with a warning). Models are the package's presets
+(:data:`meshgroups.models.PRESETS`, the names ``cost`` takes), placed per layout (``tp`` like
+Megatron, ``pp`` stages, ``ep``/``etp`` experts, ``dp_shard``/``fsdp`` FSDP2 after ``tp``; other
+dims replicate). ``--weights FILE`` reads ``{"src": [...], "dst": [...]}`` instead, each
 weight as ``Weight.to_dict`` writes it: ``{"name", "shape", "dtype", "placements": {dim:
 "Shard(0)" | "Replicate()"}, "stage": [dim, i], "shard_order": [dims]}`` (all but name and
 shape optional). ``--name-map`` maps rollout names to trainer weights (fusions, splits, ties):
@@ -29,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from meshgroups.cli._args import parse_dims
+from meshgroups.cli._conventions import MODEL_HELP, add_node, dim_words, model_name, node_of, print_json
 from meshgroups.layout import Layout, Topology
 from meshgroups.transfer import (
-    ALIASES,
-    MODELS,
     PRESET_MAPS,
     NameMap,
     Weight,
@@ -72,22 +74,6 @@ def read_weights(path: str) -> tuple[list[Weight], list[Weight]]:
                 )
             weights.append(Weight.from_dict(item))
     return out
-
-
-def _dims(text: str, what: str) -> list[tuple[str, int]]:
-    pairs = []
-    for word in text.replace(" ", ",").split(","):
-        if not word:
-            continue
-        name, sep, size = word.partition("=")
-        if not sep or not name or not size.lstrip("-").isdigit():
-            raise ValueError(
-                f"{what} takes name=size words separated by commas, like pp=2,tp=4; got {word!r}"
-            )
-        pairs.append((name, int(size)))
-    if not pairs:
-        raise ValueError(f"{what} is empty; give dims like pp=2,tp=4")
-    return pairs
 
 
 def _bytes(n: float) -> str:
@@ -234,9 +220,14 @@ def _print(data: dict[str, Any], plan: Any, n_weights: int, total: int, full: bo
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run ``transfer`` for parsed ``args``; bad input exits 2 through ``parser.error``."""
+    src_pairs = parse_dims(parser, dim_words(parser, args.src, "--src"), args.any_names)
+    dst_pairs = parse_dims(parser, dim_words(parser, args.dst, "--dst"), args.any_names)
+    args.model = model_name(parser, args.model)
+    args.ranks_per_node = node_of(parser, args)
     try:
-        src = Layout(_dims(args.src, "--src"), rank_offset=args.src_offset)
-        dst = Layout(_dims(args.dst, "--dst"), rank_offset=args.dst_offset)
+        src = Layout(src_pairs, rank_offset=args.src_offset)
+        dst = Layout(dst_pairs, rank_offset=args.dst_offset)
         name_map: NameMap | None = None
         src_names, dst_names = MAP_NAMES.get(args.name_map or "", ("preset", "preset"))
         if args.name_map in PRESET_MAPS:
@@ -270,7 +261,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         data["fused"] = fused(plan, None if args.full or args.json else 4)
         data["unused"] = list(plan.mapping.unused)
     if args.json:
-        print(json.dumps(data, indent=1))
+        print_json(data)
     else:
         _print(data, plan, len(dst_w), sum(w.nbytes for w in dst_w), args.full)
     return 0
@@ -279,23 +270,29 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def register(sub: Any) -> argparse.ArgumentParser:
     """Add the ``transfer`` subcommand to ``cli.py``'s subparsers; returns its parser."""
     p = sub.add_parser("transfer", help="plan a weight transfer between two layouts and summarise it")
-    p.add_argument("--src", required=True, help="trainer dims, outermost first: pp=2,tp=4")
-    p.add_argument("--dst", required=True, help="rollout dims, outermost first: tp=8")
+    p.add_argument(
+        "--src",
+        nargs="+",
+        required=True,
+        metavar="NAME=SIZE",
+        help="trainer dims, outermost first: pp=2 tp=4",
+    )
+    p.add_argument(
+        "--dst", nargs="+", required=True, metavar="NAME=SIZE", help="rollout dims, outermost first: tp=8"
+    )
     for side in ("src", "dst"):
-        p.add_argument(f"--{side}-offset", type=_offset, default=0, help=f"first rank of the {side} layout")
-    p.add_argument("--ranks-per-node", type=_positive, help="node size (default: every rank its own node)")
+        p.add_argument(
+            f"--{side}-offset", type=_offset, default=0, help=f"first rank of the {side} layout (default 0)"
+        )
+    add_node(p, "bytes that leave a node are counted apart and kept to the least possible")
+    p.add_argument("--any-names", action="store_true", help="accept dim names that look like typos")
     p.add_argument(
         "--min-part-bytes",
         type=_positive,
         default=1 << 16,
         help="cut pieces on multiples of this many bytes to balance senders (default 65536)",
     )
-    p.add_argument(
-        "--model",
-        default="small",
-        choices=[*MODELS, *ALIASES],
-        help="a preset model, the package's one set (meshgroups.models.PRESETS; default small)",
-    )
+    p.add_argument("--model", default="small", metavar="MODEL", help=f"{MODEL_HELP} (default small)")
     p.add_argument("--weights", metavar="FILE", help='JSON {"src": [...], "dst": [...]} instead of --model')
     p.add_argument(
         "--name-map",
@@ -306,8 +303,12 @@ def register(sub: Any) -> argparse.ArgumentParser:
         "--cast", metavar="DTYPE", help="cast at the sender to the rollout's dtype (bfloat16, ...)"
     )
     p.add_argument("--src-dtype", metavar="DTYPE", help="the trainer preset's dtype (default: the preset's)")
-    p.add_argument("--allow-unused", action="store_true", help="list trainer weights no rollout weight reads")
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument(
+        "--allow-unused",
+        action="store_true",
+        help="allow trainer weights no rollout weight reads, and list them",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.add_argument("--full", action="store_true", help="list every rank, however many")
     p.set_defaults(run=run, parser=p)
     return p

@@ -24,9 +24,10 @@ from meshgroups.cost._enumerate import Candidate, enumerate_layouts
 from meshgroups.cost._model import PRESETS, Model, preset
 from meshgroups.cost._peak import Fit, RankMemory, fit, peak_memory, rank_memory
 
-# SORT_KEYS, ATTENTION, DTYPE_BYTES, RECOMPUTE: not in __all__, for the CLI's cost command.
+# SORT_KEYS, SORT_WORDS, ATTENTION, DTYPE_BYTES, RECOMPUTE: not in __all__, for the CLI's cost command.
 from meshgroups.cost._report import (
     SORT_KEYS,
+    SORT_WORDS,
     breakdown,
     breakdown_html,
     cost_report,

@@ -6,8 +6,10 @@ heads and kv heads over tp, layers over the pipeline's chunks, experts over ep, 
 cp), lays each out in the canonical order (``pp`` outermost, then ``dp_replicate``,
 ``dp_shard``, ``ep``, ``cp``, ``tp`` innermost: the fast dims on consecutive ranks) and gives
 each its peak memory per rank, whether it fits a budget, and its traffic per topology level.
-They come ordered by the bytes over the slowest level crossed (then the next level, then
-memory) — an order of bytes on slow links, **not** a predicted step time::
+Each also carries its pipeline bubble (the share of a step a stage idles). They come ordered by
+the bytes over the slowest level crossed (then the next level, then memory) — an order of bytes
+on slow links, **not** a predicted step time; :func:`meshgroups.cost.sort_candidates` orders
+them otherwise (``"bubble"``: the least idle first, then the bytes)::
 
     >>> from meshgroups.cost._model import preset
     >>> best = enumerate_layouts(preset("tiny"), 8, Topology(node=8))[0]
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 from meshgroups.cost._model import Model
 from meshgroups.cost._peak import RankMemory, fit, peak_memory
-from meshgroups.cost._roles import ROLES, Parallelism
+from meshgroups.cost._roles import ROLES, Parallelism, bubble_fraction
 from meshgroups.cost._rules import problems
 from meshgroups.cost._traffic import Traffic, traffic
 from meshgroups.errors import LayoutError
@@ -47,6 +49,8 @@ class Candidate:
         budget: the per-rank budget in bytes it was checked against (``None``: none).
         allocator_overhead: the factor the peak (allocated bytes) is multiplied by before the
             comparison (:func:`meshgroups.cost._peak.fit`; 1.0: allocated as it is).
+        bubble: the share of a step a pipeline stage idles
+            (:func:`meshgroups.cost.bubble_fraction`; 0.0 without pipeline stages).
 
     >>> c = enumerate_layouts(preset("tiny"), 2)[0]
     >>> c.fits, c.sizes["dp_shard"] * c.sizes["tp"] * c.sizes["pp"]
@@ -58,6 +62,7 @@ class Candidate:
     traffic: Traffic
     budget: float | None = None
     allocator_overhead: float = 1.0
+    bubble: float = 0.0
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -100,6 +105,7 @@ class Candidate:
             "memory": self.memory.to_dict(),
             "fits": self.fits,
             "fit_basis": fit(self.memory, 0.0, self.allocator_overhead).basis,
+            "bubble_fraction": self.bubble,
             "slowest_level": self.slowest_level,
             "slow_bytes": self.slow_bytes,
             "by_level": self.traffic.by_level,
@@ -196,6 +202,7 @@ def enumerate_layouts(
             continue
         layout = Layout(**named)
         mem, moved = peak_memory(model, layout, plan), traffic(model, layout, topology, plan)
-        out.append(Candidate(layout, mem, moved, budget, allocator_overhead))
+        idle = bubble_fraction(named.get("pp", 1), plan.micro_batches, plan.virtual_stages)
+        out.append(Candidate(layout, mem, moved, budget, allocator_overhead, idle))
     out.sort(key=lambda c: (c.traffic.order_key(), c.memory.total))
     return out

@@ -3,7 +3,7 @@ full report as a JSON-ready dict::
 
     >>> from meshgroups.cost._model import preset
     >>> print(table(enumerate_layouts(preset("tiny"), 2), limit=1).splitlines()[0])
-    layout  fits  memory/rank  slowest level  bytes there  world
+    layout  fits  memory/rank  bubble  slowest level  bytes there  world
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from meshgroups.layout import Layout, Topology
 
 __all__ = [
     "SORT_KEYS",
+    "SORT_WORDS",
     "breakdown",
     "breakdown_html",
     "cost_report",
@@ -32,8 +33,16 @@ __all__ = [
 #: The categories of a peak, in the order they are shown.
 CATEGORIES = ("params", "grads", "master", "optimizer", "activations", "loss", "transient")
 
-#: How :func:`sort_candidates` can order: bytes over the slowest level crossed, memory, label.
-SORT_KEYS = ("slow", "memory", "layout")
+#: How :func:`sort_candidates` can order: bytes over the slowest level crossed, the pipeline
+#: bubble (then those bytes), memory, label.
+SORT_KEYS = ("slow", "bubble", "memory", "layout")
+#: What each order is, in the words a table's header uses.
+SORT_WORDS = {
+    "slow": "bytes over the slowest level crossed, then the next level, then memory",
+    "bubble": "pipeline bubble, then bytes over the slowest level crossed, then memory",
+    "memory": "memory (the peak per rank), then bytes over the slowest level crossed",
+    "layout": "the layout's sizes, as text",
+}
 
 
 def format_bytes(n: float) -> str:
@@ -118,7 +127,8 @@ def breakdown_html(memory: RankMemory, budget: float | None = None, allocator_ov
 
 def sort_candidates(candidates: Sequence[Candidate], by: str = "slow") -> list[Candidate]:
     """``candidates`` ordered by ``by``: ``"slow"`` (bytes per level from the slowest, as
-    enumerated), ``"memory"`` (peak bytes per rank) or ``"layout"`` (the label).
+    enumerated), ``"bubble"`` (the pipeline bubble, then as ``"slow"``), ``"memory"`` (peak bytes
+    per rank) or ``"layout"`` (the label). None of them is a predicted step time.
 
     Args:
         candidates: the candidates. by: a key of :data:`SORT_KEYS`.
@@ -136,6 +146,7 @@ def sort_candidates(candidates: Sequence[Candidate], by: str = "slow") -> list[C
 
     keys = {
         "slow": lambda c: (c.traffic.order_key(), c.memory.total),
+        "bubble": lambda c: (c.bubble, c.traffic.order_key(), c.memory.total),
         "memory": lambda c: (c.memory.total, c.traffic.order_key()),
         "layout": lambda c: c.label(),
     }
@@ -146,12 +157,13 @@ def sort_candidates(candidates: Sequence[Candidate], by: str = "slow") -> list[C
 
 def _rows(candidates: Sequence[Candidate], limit: int | None) -> tuple[list[str], list[list[str]]]:
     levels = candidates[0].traffic.levels if candidates else ("world",)
-    head = ["layout", "fits", "memory/rank", "slowest level", "bytes there", *levels]
+    head = ["layout", "fits", "memory/rank", "bubble", "slowest level", "bytes there", *levels]
     rows = [
         [
             c.label(),
             "yes" if c.fits else "no",
             format_bytes(c.memory.total),
+            f"{c.bubble:.0%}",
             c.slowest_level or "-",
             format_bytes(c.slow_bytes),
             *(format_bytes(c.traffic.by_level[lv]) for lv in levels),
@@ -163,7 +175,8 @@ def _rows(candidates: Sequence[Candidate], limit: int | None) -> tuple[list[str]
 
 def table(candidates: Sequence[Candidate], limit: int | None = None) -> str:
     """A text table of ``candidates`` in their order: sizes, fit, peak memory per rank, the
-    slowest level crossed and the bytes there, the bytes on every level (all ranks, one step).
+    pipeline bubble (the share of a step a stage idles), the slowest level crossed and the bytes
+    there, the bytes on every level (all ranks, one step).
 
     Args:
         candidates: the candidates. limit: at most this many rows.

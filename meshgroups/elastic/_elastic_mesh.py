@@ -210,7 +210,8 @@ class Elastic(Newcomers, Closeable):
 
     @property
     def live_group(self) -> dist.ProcessGroup | None:
-        """A process group over the live members (``None`` on a spare)."""
+        """A process group over the live members (on a spare torch's ``NON_GROUP_MEMBER``, as
+        ``MeshGroups.group`` gives a non-member; ``None`` once closed)."""
         return None if self._world is None else self._world.group("member")
 
     # live_group's name before 0.4.1 (MeshGroups.group is a method looking a group up by dims)

@@ -22,10 +22,9 @@ Every wait is bounded by the timeout *and* watches liveness (``meshgroups.mesh._
 the first ``WATCHERS`` ranks to arrive at a phase (every rank in a world of up to
 ``WATCH_ALL_UP_TO``) poll the state key, look at the ranks still absent every ``LOOK_EVERY``
 seconds and log "still waiting for ..." every ``report_every`` seconds; when an absent rank has
-exited or stopped responding, a watcher decides the phase (``abandoned`` with the gone ranks)
-and every rank raises the same ``RanksGoneError`` naming them. The others wait on the key.
-A timeout names the ranks that never arrived and what each last published; a lost store
-connection is a ``StoreConnectionError``. O(1) store operations per rank on the success path.
+exited or stopped responding, a watcher decides the phase (``abandoned`` with the gone ranks):
+every rank raises the same ``RanksGoneError`` naming them. A timeout names the ranks that never
+arrived (and their last words), a lost store is a ``StoreConnectionError``. O(1) store ops a rank.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from meshgroups.errors import (
 from meshgroups.mesh._failure_records import failure_record, from_record, shared, waiting_on_peer
 from meshgroups.mesh._liveness import Liveness
 from meshgroups.mesh._options import DEFAULT_LEASE, DEFAULT_REPORT_EVERY
-from meshgroups.mesh._waiting import Lookout, gone_error
+from meshgroups.mesh._waiting import Lookout, gone_error, poll_key
 
 PREFIX = "meshgroups/rdzv"
 PHASES = ("state", "verify", "built")
@@ -159,9 +158,7 @@ class Meeting:
         return None
 
     def _watch(self, key: str, seconds: float, where: str, phase: str) -> bool:
-        """``_wait`` by polling (a short ``store.wait`` that times out logs a warning in torch
-        each time): the key, and through a ``Lookout`` the liveness of the ranks that have not
-        reached ``phase`` (O(members) store checks per look) and the "still waiting" line."""
+        """``_wait`` by polling the key (``poll_key``), watching the ranks not at ``phase``."""
         probe = self._probe()
         if probe is None:  # an invariant of this module, not a check of user input
             raise RuntimeError("meshgroups internal error: no liveness probe")
@@ -176,18 +173,9 @@ class Meeting:
             self.timeout,
             self.observer.unseen if self.observer is not None else None,
         )
-        deadline, pause = started + seconds, 0.001
-        while True:
-            if self.op("check", [key]):
-                return True
-            now = time.monotonic()
-            if now >= deadline:
-                return False
-            self.dead = lookout.gone()
-            if self.dead:
-                return False
-            time.sleep(min(pause, max(deadline - now, 0.0)))
-            pause = min(pause * 2, 0.02)
+        found = poll_key(lambda: bool(self.op("check", [key])), started + seconds, lookout)
+        self.dead = found or {}  # (None: the key is there)
+        return found is None
 
     def _wait_state(self, phase: str, done: str, where: str, started: float, late: bool = False) -> None:
         """Wait for ``phase``'s state key; return if it says ``done``, raise otherwise."""
@@ -307,6 +295,8 @@ class Meeting:
                 by_arg.setdefault(arg, {})[int(r)] = digest
         order = list(reference)
         first = min(by_arg, key=lambda a: order.index(a) if a in order else len(order))
+        if "call_site" in by_arg and first != "operation":
+            first = "call_site"  # a call paired with another: its arguments differ as a consequence
         ranks = sorted(by_arg[first])
         odd, usual = ranks[0], self.leader
         if len(ranks) > self.world_size // 2 and len(set(by_arg[first].values())) == 1:
@@ -315,7 +305,9 @@ class Meeting:
         odd_shown = json.loads(self.op("get", self._key(f"mine/{odd}")))
         usual_shown = json.loads(self.op("get", self._key(f"mine/{usual}")))
         others = [a for a in by_arg if a != first]
-        if first in ("operation", "call_site"):
+        if first == "call_site":
+            raise shared(self._skipped_call(ranks, odd, odd_shown, usual, usual_shown, others))
+        if first == "operation":
             advice = (
                 "every rank must make the same collective calls in the same order; did a rank skip a "
                 "call, or make one the others did not?"
@@ -331,6 +323,28 @@ class Meeting:
                 argument=first,
                 ranks=tuple(ranks),
             )
+        )
+
+    def _skipped_call(
+        self,
+        ranks: list[int],
+        odd: int,
+        odd_shown: Mapping[str, str],
+        usual: int,
+        usual_shown: Mapping[str, str],
+        others: list[str],
+    ) -> MismatchError:
+        """The same operation from different lines: ranks paired different calls, so one of
+        them skipped a call (or made an extra one); the arguments that differ as a result are
+        named last, as a consequence, not as the cause."""
+        then = f" (as a result its arguments differ too: {', '.join(others)})" if others else ""
+        return MismatchError(
+            f"{self.what} pairs different calls (call_site): {_ranks(ranks)} made it as "
+            f"{odd_shown.get('call_site')}, rank {usual} as {usual_shown.get('call_site')}{then}; "
+            f"this is rank {self.rank}. A rank skipped a collective call, or made one the others "
+            "did not: every rank must make the same collective calls in the same order",
+            argument="call_site",
+            ranks=tuple(ranks),
         )
 
     def finish(self, error: BaseException | None, grace: float) -> None:

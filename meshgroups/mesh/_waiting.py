@@ -109,7 +109,12 @@ class Lookout:
         self.next_look = now + LOOK_EVERY * max(1.0, len(ranks or ()) / 512)
         if not ranks:
             return {}
-        found = self.probe([r for r in ranks if r != self.rank])
+        try:
+            found = self.probe([r for r in ranks if r != self.rank])
+        except dist.DistError:
+            # the store is unreachable (its host ended): liveness can tell nothing more; the
+            # wait's own store calls or collective say what happened
+            return {}
         gone = dict(found) if isinstance(found, Mapping) else {r: "stopped responding" for r in found}
         if not gone and now >= self.next_report:
             self.report(ranks, now)
@@ -131,6 +136,28 @@ class Lookout:
             bound,
             note,
         )
+
+
+def poll_key(present: Callable[[], bool], deadline: float, lookout: Lookout) -> dict[int, str] | None:
+    """Poll ``present()`` (a store key's ``check``; a short ``store.wait`` that times out logs
+    a warning in torch each time) until ``deadline`` (``time.monotonic()``), looking through
+    ``lookout`` meanwhile (O(members) store checks per look, and the "still waiting" line).
+
+    Returns:
+        ``None``: the key is there; ``{}``: the deadline passed; else the ranks gone (how each).
+    """
+    pause = 0.001
+    while True:
+        if present():
+            return None
+        now = time.monotonic()
+        if now >= deadline:
+            return {}
+        gone = lookout.gone()
+        if gone:
+            return gone
+        time.sleep(min(pause, max(deadline - now, 0.0)))
+        pause = min(pause * 2, 0.02)
 
 
 def members_lookout(
@@ -201,4 +228,13 @@ class CallLiveness:
         return members_lookout(self.observer, self.lease, members, self.rank, f"the close of {self.what}")
 
 
-__all__ = ["LOOK_EVERY", "CallLiveness", "Lookout", "describe", "gone_error", "members_lookout", "rank_list"]
+__all__ = [
+    "LOOK_EVERY",
+    "CallLiveness",
+    "Lookout",
+    "describe",
+    "gone_error",
+    "members_lookout",
+    "poll_key",
+    "rank_list",
+]

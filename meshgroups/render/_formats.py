@@ -12,11 +12,10 @@ from __future__ import annotations
 import html as html_lib
 from collections.abc import Sequence
 
-import numpy as np
-
 from meshgroups._checks import MAX_RANK, MAX_WORLD_SIZE
 from meshgroups.layout import Layout
 from meshgroups.render._figure import plot
+from meshgroups.render._legend import HIGHLIGHT, colour_index, hex_colour, legend, legend_of, row_nodes
 from meshgroups.render._spans import span_table
 from meshgroups.render._window import (
     MAX_CELLS,
@@ -30,8 +29,6 @@ from meshgroups.render._window import (
     grid_2d,
     group_ids,
     group_index,
-    group_label,
-    palette,
     row_label,
     short_list,
     window_note,
@@ -44,6 +41,7 @@ __all__ = [
     "PALETTE",
     "group_ids",
     "html",
+    "legend",
     "plot",
     "short_list",
     "span_table",
@@ -163,7 +161,9 @@ def html(
     max_cells: int = 1024,
 ) -> str:
     """An HTML table of the grid, cells coloured by the groups of ``color_by`` (default: the
-    innermost dim); ``highlight_rank``'s group is outlined; node changes get a thick left edge.
+    innermost dim); ``highlight_rank``'s group is outlined in red and the rank itself named (bold,
+    red); node changes get a thick edge and each row's nodes a last column; a legend under the
+    table says what every colour and mark is (:func:`meshgroups.render.legend`).
 
     Args:
         layout: the layout drawn.
@@ -187,57 +187,62 @@ def html(
     dims, rows, cols, clipped, gids = coloured_window(layout, color_by, max_cells)
     check_count(ranks_per_node, "ranks_per_node", MAX_RANK + 1, allow_none=True)
     check_rank_arg(highlight_rank, "highlight_rank")
-    colors = palette(min(int(gids.max()) + 1, PALETTE))
     mine = None
     if highlight_rank is not None and highlight_rank in layout:
         mine = group_index(layout, dims, highlight_rank)
     caption = f"{html_lib.escape(repr(layout))} — coloured by {'×'.join(dims)}"
+    if mine is not None:
+        caption += f"; rank {highlight_rank} in red"
     if clipped:
         caption += f" ({window_note(layout, rows)})"
     out = [f"<table style='border-collapse:collapse;font-family:monospace'><caption>{caption}</caption>"]
-    out.append("<tr><th></th>" + "".join(f"<th>{layout.names[-1]}={c}</th>" for c in range(cols)) + "</tr>")
+    node_head = "<th>nodes</th>" if ranks_per_node else ""
+    out.append(
+        "<tr><th></th>"
+        + "".join(f"<th>{layout.names[-1]}={c}</th>" for c in range(cols))
+        + node_head
+        + "</tr>"
+    )
     for r, row in enumerate(rows.tolist()):
         cells = []
         for c, rank in enumerate(row):
-            red, green, blue = (int(255 * x) for x in colors[int(gids[r, c]) % len(colors)])
-            style = f"background:rgb({red},{green},{blue});padding:2px 6px;text-align:right"
+            style = f"background:{hex_colour(colour_index(int(gids[r, c])))};padding:2px 6px;text-align:right"
             if mine is not None and int(gids[r, c]) == mine:
-                style += ";outline:3px solid black"
+                style += f";outline:3px solid {HIGHLIGHT}"
+            if rank == highlight_rank:
+                style += f";font-weight:bold;color:{HIGHLIGHT};box-shadow:inset 0 0 0 3px {HIGHLIGHT}"
             # node boundaries wherever they fall: between columns and between rows
             if ranks_per_node and c and rank // ranks_per_node != row[c - 1] // ranks_per_node:
-                style += ";border-left:3px solid #333"
+                style += ";border-left:3px solid #000"
             if ranks_per_node and r and rank // ranks_per_node != int(rows[r - 1, c]) // ranks_per_node:
-                style += ";border-top:3px solid #333"
+                style += ";border-top:3px solid #000"
             cells.append(f"<td style='{style}'>{rank}</td>")
-        out.append(f"<tr><th>{html_lib.escape(row_label(layout, r))}</th>{''.join(cells)}</tr>")
+        nodes = f"<td style='padding:2px 6px'>{row_nodes(row, ranks_per_node)}</td>" if ranks_per_node else ""
+        out.append(f"<tr><th>{html_lib.escape(row_label(layout, r))}</th>{''.join(cells)}{nodes}</tr>")
     out.append("</table>")
-    out.append(_legend(layout, dims, gids, rows, colors, ranks_per_node))
+    out.append(_legend(legend_of(layout, dims, rows, gids, highlight_rank, ranks_per_node)))
     return "".join(out)
 
 
-def _legend(
-    layout: Layout,
-    dims: tuple[str, ...],
-    gids: np.ndarray,
-    rows: np.ndarray,
-    colors: list[tuple[float, float, float]],
-    ranks_per_node: int | None,
-    limit: int = 16,
-) -> str:
-    """Which colour is which group (the first ``limit`` groups shown), and what the edges mean."""
-    rank_of = {int(g): int(r) for g, r in zip(gids.ravel()[::-1].tolist(), rows.ravel()[::-1].tolist())}
-    owner = layout.resolve(*dims)
-    n_groups = owner.world_size // (owner.size(*dims) if dims else 1)
-    shown = sorted(set(int(g) for g in np.unique(gids)))[:limit]
-    items = []
-    for g in shown:
-        red, green, blue = (int(255 * x) for x in colors[g % len(colors)])
-        label = group_label(layout, dims, rank_of[g])
-        items.append(
-            f"<span style='background:rgb({red},{green},{blue});padding:1px 6px;margin:2px;"
-            f"display:inline-block'>{'×'.join(dims)} group {g}: {label}</span>"
-        )
-    more = n_groups - len(shown)
-    note = f" … and {more} more groups" if more > 0 else ""
-    edges = f" Thick edges: node boundaries (every {ranks_per_node} ranks)." if ranks_per_node else ""
-    return f"<div style='font-family:monospace;font-size:90%'>{''.join(items)}{note}{edges}</div>"
+def _legend(entries: list[dict[str, object]], limit: int = 16) -> str:
+    """What every colour (the first ``limit`` colours), the outline, the rank and the edges mean."""
+    colours = [e for e in entries if e["kind"] == "colour"]
+    items = [
+        f"<span style='background:{e['colour']};padding:1px 6px;margin:2px;display:inline-block'>"
+        f"{html_lib.escape(str(e['label']))}</span>"
+        for e in colours[:limit]
+    ]
+    if len(colours) > limit:
+        items.append(f"<span> … and {len(colours) - limit} more colours</span>")
+    marks = {
+        "outline": "outline:3px solid",
+        "rank": "box-shadow:inset 0 0 0 3px",
+        "node boundary": "border-left:3px solid",
+    }
+    for e in entries:
+        if e["kind"] in marks:
+            items.append(
+                f"<div><span style='{marks[str(e['kind'])]} {e['colour']};padding:0 8px;margin:2px 6px 2px 2px;"
+                f"display:inline-block'>&nbsp;</span>{html_lib.escape(str(e['label']))}</div>"
+            )
+    return f"<div style='font-family:monospace;font-size:90%'>{''.join(items)}</div>"

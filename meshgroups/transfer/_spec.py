@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
-from meshgroups._checks import is_int
+from meshgroups._checks import did_you_mean, is_int
 from meshgroups.errors import LayoutError
 
 if TYPE_CHECKING:
@@ -86,11 +86,14 @@ TORCH_ONLY_DTYPES = {
 
 
 def dtype_name(dtype: object, weight: str = "") -> str:
-    """The canonical name of ``dtype`` (a numpy name, a torch-only name, or ``torch.xxx``)::
+    """The canonical name of ``dtype`` — a numpy name, a torch-only name, ``"torch.xxx"`` or a
+    ``torch.dtype`` — the one spelling the plan, the wire and the reports use::
 
     >>> dtype_name("torch.bfloat16"), dtype_name("f4")
     ('bfloat16', 'float32')
     """
+    if type(dtype).__module__ == "torch":  # a torch.dtype, read without importing torch here
+        dtype = str(dtype)
     if not isinstance(dtype, str):
         raise TypeError(f"Weight {weight!r}: dtype must be a str like 'bfloat16', got {dtype!r}")
     name = dtype.removeprefix("torch.")
@@ -331,12 +334,14 @@ class Weight:
             if dim not in layout.names:
                 raise LayoutError(
                     f"Weight {self.name!r}: unknown dim {dim!r} in placements; dims are {', '.join(layout.names)}"
+                    + did_you_mean(dim, layout.names, "; ")
                 )
         if self.stage is not None:
             dim, index = self.stage
             if dim not in layout.names:
                 raise LayoutError(
                     f"Weight {self.name!r}: unknown stage dim {dim!r}; dims are {', '.join(layout.names)}"
+                    + did_you_mean(dim, layout.names, "; ")
                 )
             size = layout.shape[layout.names.index(dim)]
             if not 0 <= index < size:

@@ -129,10 +129,15 @@ def quantized_links(
             replace(_blocked(p, block), name=sw.name, dtype="float32", placements=sw.placements)
             for p in link.parts
         )
-        for p, vp in zip(parts, link.parts):
-            _check_scale_tiling(link.rollout, vp, p, link.dst_layout, block)
+        rollout_shape = by_name[link.rollout].shape
+        for k, (p, vp) in enumerate(zip(parts, link.parts)):
+            before = sum(q.shape[link.axis] for q in link.parts[:k]) if link.axis is not None else 0
+            where = _Where("rollout", link.rollout, rollout_shape, link.axis, before, k, len(link.parts))
+            _check_scale_tiling(where, vp, p, link.dst_layout, block)
         src = _blocked(link.src, block)
-        _check_scale_tiling(link.source, link.src.full_weight(), src.full_weight(), link.src_layout, block)
+        full = link.src.full_weight()
+        where = _Where("trainer", link.source, full.shape, None, 0, 0, 1)
+        _check_scale_tiling(where, full, src.full_weight(), link.src_layout, block)
         name = f"{link.name}{quantize.suffix}"
         src = replace(src, name=name, dtype="float32")
         dst = replace(_blocked(link.dst, block), name=name, dtype="float32", placements=sw.placements,
@@ -196,13 +201,49 @@ def _check_aligned(link: Link, block: tuple[int, int]) -> None:
                 )
 
 
+@dataclass(frozen=True)
+class _Where:
+    """Whose tensor a tiling check looks at, in the user's terms: the side (``"trainer"`` or
+    ``"rollout"``), the weight's name and full shape, and for a fused rollout weight whose parts
+    are sharded separately (vLLM's ``w13_weight`` = gate ‖ up) the part and where it starts."""
+
+    side: str
+    name: str
+    shape: tuple[int, ...]
+    axis: int | None  # the fused axis (parts lie along it)
+    offset: int  # where this part starts on it
+    part: int
+    parts: int
+
+
+def _shard_refusal(
+    where: _Where, a: int, lo: int, hi: int, n: int, b: int, dims: list[str], coords: list[int]
+) -> str:
+    """The refusal of a shard that cuts a block, in the caller's shapes: the full weight's
+    indices on its axis, the side and the dims whose shard it is."""
+    off = where.offset if a == where.axis else 0
+    owner = " × ".join(dims) or "no dim"
+    at = ", ".join(f"{d}={c}" for d, c in zip(dims, coords))
+    part = ""
+    if where.parts > 1 and a == where.axis:
+        part = (
+            f" (in its part {where.part} of {where.parts}, [{off}, {off + n}), each part sharded on its own)"
+        )
+    return (
+        f"block fp8 of {where.side} weight {where.name!r} {where.shape}: the {where.side}'s shard over "
+        f"{owner} at {at} holds [{lo + off}, {hi + off}) of axis {a} (of {where.shape[a]}){part}, which does "
+        f"not begin and end on blocks of {b}; shard it in multiples of {b} (or keep it bfloat16)"
+    )
+
+
 def _check_scale_tiling(
-    name: str, value: Weight, scale: Weight, layout: Layout, block: tuple[int, int]
+    where: _Where, value: Weight, scale: Weight, layout: Layout, block: tuple[int, int]
 ) -> None:
     """On the blocked axes, every shard of ``value`` starts on a block boundary and ends on one
     (or at the axis' end), and ``scale``'s shards are exactly its blocks."""
     nd = len(value.shape)
     sizes = dict(zip(layout.names, layout.shape))
+    name = where.name
     v_dims, s_dims = value.shard_dims(layout), scale.shard_dims(layout)
     for a, b in ((nd - 2, block[0]), (nd - 1, block[1])):
         n = value.shape[a]
@@ -210,11 +251,11 @@ def _check_scale_tiling(
         s = intervals(scale.shape[a], tuple(sizes[d] for d in s_dims[a]))
         bad = (v[:, 1] > v[:, 0]) & ((v[:, 0] % b != 0) | ((v[:, 1] % b != 0) & (v[:, 1] != n)))
         if bad.any():
-            lo, hi = v[np.argmax(bad)].tolist()
-            raise LayoutError(
-                f"block fp8 of {name!r}: a shard holds [{lo}, {hi}) of axis {a} ({n}), which does not begin "
-                f"and end on blocks of {b}; shard it in multiples of {b} (or keep it bfloat16)"
-            )
+            i = int(np.argmax(bad))
+            lo, hi = v[i].tolist()
+            dims = list(v_dims[a])
+            coords = [int(c) for c in np.unravel_index(i, [sizes[d] for d in dims])] if dims else []
+            raise LayoutError(_shard_refusal(where, a, lo, hi, n, b, dims, coords))
         want = np.stack([v[:, 0] // b, -(-v[:, 1] // b)], axis=1)
         want[v[:, 1] <= v[:, 0]] = 0
         got = s.copy()

@@ -248,7 +248,7 @@ def execute(
     check_pairing(status, parts, me)
     claim_tags(first, buckets.count)  # before any bucket: a failed call's tags stay used
     pack_bufs = (buffers if buffers is not None else PackBuffers()) if packed else None
-    run = _Buckets(parts, local, groups, report, pack_bufs, first, wait)
+    run = _BucketRunner(parts, local, groups, report, pack_bufs, first, wait)
     try:
         for b in range(buckets.count):
             if overlap:
@@ -273,8 +273,9 @@ def execute(
     return report
 
 
-class _Buckets:
-    """The buckets of one ``execute`` call on this rank: prepare, post, finish, agree."""
+class _BucketRunner:
+    """Runs the buckets of one ``execute`` call on this rank (prepare, post, finish, agree); which
+    slice goes in which bucket is ``Buckets``' (``buckets.py``), the same on every rank."""
 
     def __init__(
         self,

@@ -341,9 +341,9 @@ class TransferGroups(Closeable):
                     )
                 for rows in _layers(self.sets):  # each init_mesh joins this call (and meets)
                     mg = self._member_mesh(rows, device_type, backend, timeout, strategy, check)
-                    ranks, group = mg.ranks("member"), mg.group("member")
-                    if ranks is not None and group is not None:
-                        self._groups[tuple(ranks)] = group
+                    ranks = mg.ranks("member")  # None: this rank is in none of these rows
+                    if ranks is not None:
+                        self._groups[tuple(ranks)] = mg.group("member")
             except BaseException:
                 self.close()
                 raise
@@ -393,9 +393,10 @@ class TransferGroups(Closeable):
             return None
         override: dict[int | str, object] = {"member": backend or default_backend_name()}
         mg = self._member_mesh([talking], device_type, backend, timeout, strategy, check, override)
+        if mg.ranks("member") is None:
+            return None  # this rank neither sends nor receives
         group = mg.group("member")
-        if group is not None:  # its first call is every member's (NCCL asks that of p2p batches)
-            dist.barrier(group=group)
+        dist.barrier(group=group)  # its first call is every member's (NCCL asks that of p2p batches)
         return group
 
     def group(self, ranks: Sequence[int]) -> dist.ProcessGroup | None:

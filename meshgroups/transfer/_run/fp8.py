@@ -1,9 +1,9 @@
 """The sender's block-fp8 quantizer (torch): whole blocks of the last two axes, DeepSeek-V3's
-and vLLM's format — per block of ``block = (rows, cols)`` elements, ``scale_inv = amax / 448``
-(the block's largest magnitude over float8_e4m3fn's largest finite value; ``amax`` at least
-``1e-4`` so an all-zero block divides by a number), and the values ``clamp(x / scale_inv,
--448, 448)`` cast to float8_e4m3fn; a partial block at the end of an axis is a block of what
-it has::
+and vLLM's format — per block of ``block = (rows, cols)`` elements,
+``scale_inv = max(amax, 1e-4) / 448`` (``amax`` the block's largest magnitude, 448
+float8_e4m3fn's largest finite value; the floor of ``1e-4`` gives an all-zero block a scale to
+divide by), and the values ``clamp(x / scale_inv, -448, 448)`` cast to float8_e4m3fn; a partial
+block at the end of an axis is a block of what it has::
 
     >>> import torch
     >>> q, s = quantize_blocks(torch.tensor([[1.0, -2.0], [0.5, 4.0]]), (1, 2))

@@ -120,7 +120,10 @@ class Status:
         me = dist.get_rank()
         deadline = time.monotonic() + self.liveness.lease + 1.0
         while True:
-            gone = self.liveness.gone([r for r in self.ranks if r != me])
+            try:
+                gone = self.liveness.gone([r for r in self.ranks if r != me])
+            except dist.DistError:
+                return {}  # the store is unreachable (its host ended): nothing more to learn
             if gone or time.monotonic() >= deadline:
                 return gone
             time.sleep(0.25)
@@ -198,8 +201,16 @@ def no_status(
 ) -> TransferError:
     """The ``TransferError`` of an exchange that did not complete: naming the ranks gone
     (``ranks``) when liveness knows them (a peer's closed connection is seen first: its
-    heartbeat is looked for, up to a lease), else what the exchange raised."""
-    gone = exc.states if isinstance(exc, RanksGoneError) else status.gone()
+    heartbeat is looked for, up to a lease), else what the exchange raised (a timeout: the
+    ranks were alive throughout the wait)."""
+    if isinstance(exc, RanksGoneError):
+        gone = exc.states
+    elif isinstance(exc, TimeoutError):
+        # the wait watched liveness throughout and saw nobody gone: the timeout is the news (a
+        # rank that ends after it, its own call failed too, is a consequence, not the cause)
+        gone = {}
+    else:
+        gone = status.gone()
     if gone:
         how = ", ".join(f"rank {r} {state}" for r, state in sorted(gone.items()))
         return TransferError(

@@ -27,19 +27,10 @@ from meshgroups.errors import MeshConfigError
 from meshgroups.layout import Layout
 from meshgroups.transfer._run.buckets import Part
 from meshgroups.transfer._run.packing import PackBuffers, land, pack
-from meshgroups.transfer._spec import Box, Weight
+from meshgroups.transfer._spec import Box, Weight, dtype_name
 
 if TYPE_CHECKING:
     from meshgroups.transfer._run.fanout_groups import TransferGroups
-
-
-def dtype_name(t: torch.Tensor) -> str:
-    """A tensor's dtype as the plan names it.
-
-    >>> dtype_name(torch.zeros(1, dtype=torch.bfloat16))
-    'bfloat16'
-    """
-    return str(t.dtype).rsplit(".", 1)[-1]
 
 
 class LocalTensors:
@@ -72,9 +63,9 @@ class LocalTensors:
             )
         wire = self.pairs[w][1].dtype
         # A source may come already in the wire dtype (block fp8: quantized by the caller).
-        if dtype_name(t) != weight.dtype and not (side == "src" and dtype_name(t) == wire):
+        if dtype_name(t.dtype) != weight.dtype and not (side == "src" and dtype_name(t.dtype) == wire):
             raise MeshConfigError(
-                f"{what}[{weight.name!r}] on rank {self.me} is {dtype_name(t)}, the plan says {weight.dtype}"
+                f"{what}[{weight.name!r}] on rank {self.me} is {dtype_name(t.dtype)}, the plan says {weight.dtype}"
             )
         self.tensors[(side, w)] = (t, box)
 
@@ -87,7 +78,7 @@ class LocalTensors:
         destination's: a mapped plan with a cast), else ``None``."""
         src, dst = self.pairs[w]
         given = self.tensors.get(("src", w))
-        if src.dtype == dst.dtype or (given is not None and dtype_name(given[0]) == dst.dtype):
+        if src.dtype == dst.dtype or (given is not None and dtype_name(given[0].dtype) == dst.dtype):
             return None
         return getattr(torch, dst.dtype)
 
@@ -284,7 +275,6 @@ __all__ = [
     "Posted",
     "Step",
     "as_bytes",
-    "dtype_name",
     "finish",
     "parts_of_step",
     "post",

@@ -30,7 +30,7 @@ from meshgroups.errors import LayoutError
 from meshgroups.layout import Layout
 from meshgroups.mesh import StridedShard as _StridedShard
 from meshgroups.transfer._run.sync_state import merge, module_tensors
-from meshgroups.transfer._spec import Placement, Replicate, Shard, Weight
+from meshgroups.transfer._spec import Placement, Replicate, Shard, Weight, dtype_name
 
 
 @dataclass
@@ -41,10 +41,6 @@ class ModuleWeights:
     layout: Layout
     weights: list[Weight]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).rsplit(".", 1)[-1]
 
 
 def _check_mesh(name: str, param: DTensor, layout: Layout, dims: tuple[str, ...], rank: int) -> None:
@@ -169,7 +165,7 @@ def local_weights(
         stage = None
         if stage_dim is not None and stage_dim in layout.names and stage_dim not in mapped:
             stage = (stage_dim, coords[stage_dim])
-        weights.append(Weight(name, tuple(t.shape), _dtype(local), placements, stage, order))
+        weights.append(Weight(name, tuple(t.shape), dtype_name(local.dtype), placements, stage, order))
         tensors[name] = local.detach()
     return weights, tensors
 
