@@ -4,7 +4,9 @@ default group, re-initialise on the survivors, build the mesh again) and the tor
 (only the replicate dim's group rebuilt).
 
 Run: ``python benchmarks/bench_elastic.py [--repeat 3] [--worlds 1024,16384,131072]
-[--global-max-world 131072] [--plan-worlds 1048576]``
+[--global-max-world 131072] [--plan-worlds 1048576]``; ``--live [--trials 5 ...]`` runs
+``bench_elastic_live.py`` instead (real gloo processes: a step's overhead with and without
+``Elastic``, kill → next good step, a brand-new replacement process).
 
 Times are this process's CPU time (``time.process_time``): the fake backend does no I/O, so
 that is the work done, and a loaded machine's waiting for a core does not count.
@@ -238,6 +240,9 @@ def plan_table(repeat: int, worlds: list[int]) -> None:
 
 
 def main() -> None:
+    if "--live" in sys.argv:  # the real-process figures: bench_elastic_live.py, with its options
+        live = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_elastic_live.py")
+        sys.exit(subprocess.call([sys.executable, live, *(a for a in sys.argv[1:] if a != "--live")]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--worlds", default="1024,16384,131072", help="world sizes, comma separated")

@@ -4,7 +4,6 @@ the spares and the verdicts (its docstring says how).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -14,15 +13,17 @@ import torch.distributed as dist
 
 from meshgroups import _deprecated
 from meshgroups._lifecycle import Closeable
+from meshgroups.elastic._join import Newcomers, publish_job
 from meshgroups.elastic._plans import RecoveryPlan, plan_grow, plan_shrink, plan_substitute, replicate_dim
 from meshgroups.elastic._recover import rebuild
+from meshgroups.elastic._unblock import StepWatcher, publish_state, severed_pairs, wake_watchers
 from meshgroups.elastic._verdict import (
-    KEY,
     Verdict,
     agree_lost,
     commit,
     failed_step,
     publish_failure,
+    wake_commits,
 )
 from meshgroups.errors import MeshConfigError, RanksLostError, StepFailedError
 from meshgroups.layout import Layout, Topology
@@ -42,7 +43,7 @@ from meshgroups.mesh import (
 )
 
 
-class Elastic(Closeable):
+class Elastic(Newcomers, Closeable):
     """A training job that loses ranks and keeps going: the mesh, the live ranks, the spares
     and the verdicts.
 
@@ -137,6 +138,32 @@ class Elastic(Closeable):
                 f"Elastic builds every mesh with strategy='local' (after a loss the ranks hold different "
                 f"groups), got options.strategy={given.strategy!r}"
             )
+        self._settle(layout, spares, flatten, dim, given, verdict_timeout, heartbeat, stale_after)
+        if self.rank == min({*self.members, *self.spares}):  # what a newcomer needs (Elastic.join)
+            publish_job(self.store, self._job())
+        self.cohort = self._cohort(tuple(sorted({*self.members, *self.spares})), 0)
+        set_cohort(self.cohort)
+        self.mg: MeshGroups | None = init_mesh(
+            layout, cache=self.cache, flatten=self.flatten, options=self.options
+        )
+        self._world: MeshGroups | None = self._world_mesh(self.members)
+        if self.is_spare:  # spares hold no group; they wait in standby()
+            self._drop_meshes()
+        self.cohort = self._cohort(self.members, 0, self.live_group)
+        set_cohort(self.cohort)
+
+    def _settle(
+        self,
+        layout: Layout,
+        spares: Iterable[int],
+        flatten: Iterable[Sequence[str]],
+        dim: str | None,
+        given: MeshOptions,
+        verdict_timeout: float | None,
+        heartbeat: float,
+        stale_after: float | None,
+    ) -> None:
+        """Every field but the meshes (no collective): the constructor's and ``join``'s part."""
         self.layout = layout
         self.spares: tuple[int, ...] = tuple(sorted(int(r) for r in spares))
         inside = [r for r in self.spares if r in layout]
@@ -168,16 +195,10 @@ class Elastic(Closeable):
         self.grown: tuple[int, ...] = ()
         self.liveness = start_heartbeat(self.store, beat)  # this process's observer of the world
         self.cache = GroupCache()
-        self.cohort = self._cohort(tuple(sorted({*self.members, *self.spares})), 0)
-        set_cohort(self.cohort)
-        self.mg: MeshGroups | None = init_mesh(
-            layout, cache=self.cache, flatten=self.flatten, options=self.options
-        )
-        self._world: MeshGroups | None = self._world_mesh(self.members)
-        if self.is_spare:  # spares hold no group; they wait in standby()
-            self._drop_meshes()
-        self.cohort = self._cohort(self.members, 0, self.live_group)
-        set_cohort(self.cohort)
+        # Wakes this rank when blocked in a collective with a peer that left a failed step; the
+        # pairs it severs break groups the next rebuild replaces (elastic/_unblock.py).
+        self._watcher = StepWatcher.over(self.store, self.rank, self.cache, poll=min(0.05, beat))
+        self._broken: set[tuple[int, int]] = set()
 
     # ------------------------------------------------------------------ live ranks
     def _cohort(self, members: Sequence[int], epoch: int, group: dist.ProcessGroup | None = None) -> Cohort:
@@ -219,10 +240,13 @@ class Elastic(Closeable):
         if self.is_spare:
             raise MeshConfigError(f"rank {self.rank} is a spare: call standby(), not step()")
         self._steps += 1
+        self._watcher.arm(self.epoch, self.members)
         try:
             yield
         except Exception as exc:
             raise self._fail(exc) from exc
+        finally:
+            self._watcher.disarm()
         # A peer failed in this step (or before) while this rank got through. A failure in a
         # later step (this rank was still finishing this one) is not this step's: the next step
         # meets it as every rank did (its collectives fail, commit() aborts).
@@ -231,7 +255,10 @@ class Elastic(Closeable):
             raise self._fail(None)
 
     def _enter_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        current: int | None = getattr(self, "epoch", None)
+        if getattr(self, "_watcher", None) is not None and current is not None and epoch != current:
+            self._watcher.release(current)
+        self.epoch: int = epoch
         self._commits = self._steps = 0
 
     def commit(self) -> None:
@@ -254,7 +281,13 @@ class Elastic(Closeable):
         )
 
     def _fail(self, exc: BaseException | None) -> StepFailedError:
+        self._watcher.disarm()  # nothing severed after this rank's check-in
+        publish_state(
+            self.store, self.epoch, self.rank, self.cache
+        )  # before the failure: a reader finds both
         publish_failure(self.store, self.epoch, self.rank, exc, step=self._steps)
+        wake_commits(self.store, self.epoch, self._commits)  # peers waiting in commit() see it now
+        wake_watchers(self.store, self.epoch, self.members)  # peers blocked in a collective, too
         verdict = agree_lost(
             self.store,
             self.epoch,
@@ -265,6 +298,7 @@ class Elastic(Closeable):
             observer=self.liveness,
         )
         self.verdicts.append(verdict)
+        self._broken |= severed_pairs(self.store, verdict.epoch)  # complete: read after the close
         self._enter_epoch(self.epoch + 1)
         self.members = verdict.survivors
         self.cohort = self._cohort(self.members, self.epoch)
@@ -310,7 +344,14 @@ class Elastic(Closeable):
             with collective_call("Elastic.rebuild") as call:  # one call: the mesh and the world group
                 if site is not None:
                     call.site_key = call.site = site
-                mg = rebuild(self.mg, layout, options=self.options, flatten=self.flatten, cache=self.cache)
+                mg = rebuild(
+                    self.mg,
+                    layout,
+                    options=self.options,
+                    flatten=self.flatten,
+                    cache=self.cache,
+                    broken=self._broken,
+                )
                 self.mg = mg
                 self._world = self._world_mesh(ranks)
         except Exception as exc:
@@ -318,6 +359,7 @@ class Elastic(Closeable):
             # ranks, then the same RanksLostError everywhere; the old mesh is still open, so a
             # retry (shrink() again) starts from it.
             raise self._fail(exc) from exc
+        self._broken = set()
         if old_world is not None:
             old_world.close()
         self.cohort.group = self.live_group
@@ -369,40 +411,6 @@ class Elastic(Closeable):
             raise MeshConfigError(f"rank {self.rank} is not in the grown layout {layout!r}")
         return mg
 
-    def _admit_spares(self, layout: Layout, admitted: Sequence[int]) -> MeshGroups | None:
-        """Tell the admitted spares (in ``standby()``) the new layout, then rebuild over it."""
-        self._enter_epoch(self.epoch + 1)
-        if self.rank == self.members[0]:
-            spares = sorted((set(self.spares) | set(self.members)) - set(layout.grid.ravel().tolist()))
-            record = json.dumps(
-                {"epoch": self.epoch, "layout": layout.to_dict(), "spares": spares, "grown": self.grown}
-            )
-            for r in admitted:
-                self.store.set(f"{KEY}/admit/{r}", record)
-        return self.rebuild(layout, site="Elastic.grow / Elastic.standby")
-
-    def standby(self, timeout: float | None = None) -> MeshGroups:
-        """On a spare: wait (``timeout`` seconds, default forever) until ``grow`` admits this
-        rank; returns the new mesh. Raises ``TimeoutError`` when not admitted in time."""
-        self._check_open("standby()")
-        key = f"{KEY}/admit/{self.rank}"
-        wait = timedelta(seconds=timeout) if timeout is not None else timedelta(days=365)
-        try:
-            self.store.wait([key], wait)
-        except (RuntimeError, dist.DistError) as exc:
-            raise TimeoutError(f"spare rank {self.rank} was not admitted within {timeout}s ({exc})") from None
-        record = json.loads(self.store.get(key))
-        self.store.delete_key(key)
-        self._enter_epoch(int(record["epoch"]))
-        self.spares = tuple(record["spares"])
-        self.grown = tuple(record["grown"])
-        layout = Layout.from_dict(record["layout"])
-        self.members = tuple(r for r in sorted(layout.grid.ravel().tolist()) if r != self.rank)
-        mg = self.rebuild(layout, site="Elastic.grow / Elastic.standby")
-        if mg is None:
-            raise MeshConfigError(f"spare rank {self.rank} was admitted but is not in the layout {layout!r}")
-        return mg
-
     def _drop_meshes(self) -> int:
         destroyed = sum(m.close() for m in (self.mg, self._world) if m is not None)
         self.mg = self._world = None
@@ -412,6 +420,7 @@ class Elastic(Closeable):
         # close(): close the meshes, leave the cohort (the heartbeat is the process's: it beats
         # until the process exits, for every meshgroups wait)
         destroyed = self._drop_meshes()
+        self._watcher.close(self.epoch)
         set_cohort(None)
         return destroyed
 

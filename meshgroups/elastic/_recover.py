@@ -25,12 +25,13 @@ Over the whole world (no loss, or torch's fake backend) ``"global"`` meshes rebu
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 
+from meshgroups.elastic._unblock import holds_pair
 from meshgroups.errors import MeshConfigError
 from meshgroups.layout import Layout
 from meshgroups.mesh import (
@@ -81,6 +82,7 @@ def rebuild(
     cache: GroupCache | None = None,
     also_close: Sequence[MeshGroups] = (),
     site: str | None = None,
+    broken: Collection[tuple[int, int]] = (),
 ) -> MeshGroups:
     """Build ``new_layout`` over the current cohort, reusing ``old``'s unchanged groups, then
     close ``old``. Collective over the cohort's members (``Elastic`` runs it over the
@@ -114,6 +116,8 @@ def rebuild(
             world-wide group's); their out-of-step groups are forgotten too.
         site: compared instead of the caller's line (ranks that reach the same rebuild from
             different places on purpose, e.g. ``Elastic.grow`` and ``Elastic.standby``).
+        broken: rank pairs whose connections were shut down (``Elastic`` wakes a blocked rank so):
+            every group holding both ends of one is replaced (the same pairs on every rank).
 
     Returns:
         The new ``MeshGroups``.
@@ -153,6 +157,11 @@ def rebuild(
         call.compare(layout=new_layout.fingerprint())
         holders = [m for m in (old, *also_close) if m is not None]
         live = _Live(members)  # no set of the world: membership by range or bisection
+        for gkey, _ in cache.items() if broken else ():
+            if holds_pair(gkey[0], set(broken)):
+                cache.evict(gkey)
+                for holder in holders:
+                    holder.forget_group(gkey)
         mine = _retire_out_of_step(call, cache, holders, live)
         _shrink_nccl_groups(cache, new_layout, opts, live)
         # Every rank's cache must look alike to the cross-rank check: it is in use, by design.

@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -234,18 +235,27 @@ def commit(
     """Wait until every member reached commit ``number`` of ``epoch`` (then nobody failed the
     step's collectives, and each may apply it), or raise ``StepAbortedError`` as soon as a failure
     is published or a member is gone (exited, or stopped responding), or after ``timeout``
-    seconds. One ``add`` per rank; the last arrival deletes the previous commit's keys."""
+    seconds. One ``add`` per rank; the last arrival deletes the previous commit's keys.
+
+    The wait blocks on the store (``wake``, set by the last arrival or by a failing rank:
+    ``wake_commits``), so a commit costs a store round trip, not a polling interval; liveness is
+    looked at between blocking waits of ``max(poll, 1)`` seconds (each wait that runs out logs
+    a line in torch: rare, as a failure wakes the waiters)."""
     base = _key(epoch, f"commit/{number}")
     if int(store.add(f"{base}/count", 1)) == len(members):
         store.set(f"{base}/done", "1")
+        store.set(f"{base}/wake", "1")
         if number > 0:
-            for name in ("count", "done"):
+            for name in ("count", "done", "wake"):
                 store.delete_key(_key(epoch, f"commit/{number - 1}/{name}"))
         return
-    started, pause = time.monotonic(), poll
+    started, pause = time.monotonic(), max(poll, 1.0)
     watch = observer if observer is not None else Liveness(store, stale_after)
     while True:
-        # (polled: a short store.wait that times out logs a warning in torch each time)
+        try:
+            store.wait([f"{base}/wake"], timedelta(seconds=pause))
+        except (RuntimeError, dist.DistError):
+            pass  # not woken yet: look at failures and liveness
         if store.check([f"{base}/done"]):
             return
         # (done again after a failure: the last arrival sets it before anyone can go on and fail)
@@ -258,8 +268,13 @@ def commit(
             raise StepAbortedError(
                 f"rank {rank}: not every member reached commit {number} within {timeout:g}s"
             )
-        time.sleep(pause)
-        pause = min(pause * 1.5, 0.25)
+
+
+def wake_commits(store: dist.Store, epoch: int, number: int) -> None:
+    """Wake the ranks waiting in commit ``number`` (and the next) of ``epoch``: a failure was
+    published (``commit`` then raises there)."""
+    for n in (number, number + 1):
+        store.set(_key(epoch, f"commit/{n}/wake"), "1")
 
 
 def _describe(gone: dict[int, str]) -> str:
@@ -287,4 +302,5 @@ __all__ = [
     "failure_published",
     "heartbeat_key",
     "publish_failure",
+    "wake_commits",
 ]

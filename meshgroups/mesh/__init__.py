@@ -53,10 +53,12 @@ if TYPE_CHECKING:
         shrink_nccl_group,
     )
     from meshgroups.mesh._torch_seam.worlds import (
+        default_group_name,
         default_world,
         register_world,
         set_default_world,
         standalone_group,
+        unconnected_world,
         unregister_world,
     )
     from meshgroups.mesh._waiting import Lookout, gone_error
@@ -102,10 +104,12 @@ _WHERE = {
     "group_sequence": "_torch_seam",
     "local_shape_and_offset": "_torch_seam",
     "shrink_nccl_group": "_torch_seam",
+    "default_group_name": "_torch_seam.worlds",
     "default_world": "_torch_seam.worlds",
     "register_world": "_torch_seam.worlds",
     "set_default_world": "_torch_seam.worlds",
     "standalone_group": "_torch_seam.worlds",
+    "unconnected_world": "_torch_seam.worlds",
     "unregister_world": "_torch_seam.worlds",
 }
 __all__ = [

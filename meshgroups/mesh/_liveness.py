@@ -273,6 +273,14 @@ class Liveness:
             out[r] = "exited before its first meshgroups call (torchrun's worker of that rank has no process)"
         return out
 
+    def forget(self, ranks: Iterable[int]) -> None:
+        """Forget what this observer saw of ``ranks``: a new process took each of these ranks
+        (an elastic job's newcomer), and the lost one's counter or process says nothing of it."""
+        for r in ranks:
+            self.seen.pop(r, None)
+            self.info.pop(r, None)
+            self.beating.discard(r)
+
     def unseen(self, ranks: Iterable[int]) -> list[int]:
         """Those of ``ranks`` this observer has never seen beating (no meshgroups call yet)."""
         return [r for r in ranks if r not in self.beating]

@@ -128,8 +128,11 @@ class Builder:
         # An overridden backend gets a group of its own even over the whole world (as in torch).
         if self.overridden:
             return False
-        cohort = current_cohort()  # after a loss WORLD holds a dead rank: never hand it out
-        if cohort is not None and len(cohort) != self.world_size:
+        # After a loss WORLD holds a dead rank, and after an elastic job admitted a new process
+        # in a lost one's place (epoch > 0) the default groups never connected to it: never
+        # hand WORLD out then.
+        cohort = current_cohort()
+        if cohort is not None and (len(cohort) != self.world_size or cohort.epoch > 0):
             return False
         return len(row) == self.world_size and row[0] == 0 and row == tuple(range(self.world_size))
 

@@ -10,6 +10,7 @@ group is, and made the default only inside ``TransferWorld.active()``.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,31 @@ def standalone_group(
     pg._set_group_name(c10d.GroupName(name))
     pg._set_group_desc("meshgroups transfer world")
     return pg
+
+
+def unconnected_world(
+    store: dist.Store, rank: int, size: int, name: str, timeout: timedelta
+) -> dist.ProcessGroup:
+    """A gloo default group for a process that joins a running world in a lost rank's place
+    (``meshgroups.elastic``): gloo's lazy initialisation, so it connects to nobody unless used,
+    and the rest of the world never is."""
+    gloo_cls = dist.ProcessGroupGloo
+    opts: Any = gloo_cls._Options() if hasattr(gloo_cls, "_Options") else gloo_cls.Options()
+    opts._devices = [gloo_cls.create_default_device(lazy_init=True)]
+    opts._timeout = timeout
+    pg = dist.ProcessGroup(store, rank, size)
+    gloo = gloo_cls(dist.PrefixStore("cpu/", store), rank, size, opts)
+    gloo._set_sequence_number_for_group()
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    pg._set_group_name(c10d.GroupName(name))
+    pg._set_group_desc("default_pg")
+    return pg
+
+
+def default_group_name() -> str:
+    """The default group's name (its store prefix is ``"<name>/"`` over the store it was given)."""
+    return str(c10d._world.pg_names[c10d._get_default_group()])
 
 
 def register_world(group: dist.ProcessGroup, store: dist.Store, name: str, device_type: str) -> None:
@@ -71,4 +97,12 @@ def set_default_world(group: dist.ProcessGroup | None, group_count: int) -> None
     c10d._update_default_pg(group)
 
 
-__all__ = ["default_world", "register_world", "set_default_world", "standalone_group", "unregister_world"]
+__all__ = [
+    "default_group_name",
+    "default_world",
+    "register_world",
+    "set_default_world",
+    "standalone_group",
+    "unconnected_world",
+    "unregister_world",
+]
