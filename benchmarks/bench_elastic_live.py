@@ -2,12 +2,12 @@
 costs from the kill to the next good step, and what adding a brand-new replacement process costs.
 
 Run: ``python benchmarks/bench_elastic_live.py [--trials 5] [--hidden 512] [--layers 4]
-[--steps 20]`` (``python benchmarks/bench_elastic.py --live`` runs it too).
+[--steps 20] [--replicas 2]`` (``python benchmarks/bench_elastic.py --live`` runs it too).
 
-Each trial is one job: 8 processes (``dp_replicate=2 × dp_shard=2 × tp=2``, HSDP × TP, the store
-hosted by this process as torchrun's agent hosts it), an MLP of ``--layers`` blocks
-(``Linear(h, 4h)``, GELU, ``Linear(4h, h)``, tensor-parallel colwise/rowwise, FSDP2 over the
-data dims), Adam, a batch of 16 × h per data-parallel rank.
+Each trial is one job: 4R processes for ``--replicas R`` (``dp_replicate=R × dp_shard=2 × tp=2``,
+HSDP × TP; 8 by default; the store hosted by this process as torchrun's agent hosts it), an MLP
+of ``--layers`` blocks (``Linear(h, 4h)``, GELU, ``Linear(4h, h)``, tensor-parallel
+colwise/rowwise, FSDP2 over the data dims), Adam, a batch of 16 × h per data-parallel rank.
 
 - **step overhead**: ``--steps`` steps without ``Elastic``'s protocol, ``--steps`` with a gloo
   barrier over the ranks before ``opt.step()`` (what waiting for every rank costs by itself),
@@ -24,7 +24,7 @@ data dims), Adam, a batch of 16 × h per data-parallel rank.
   torch and meshgroups); ``admit + heal`` the rest.
 
 Medians over the trials (each trial's value: the slowest survivor for the kill, rank 0 else).
-A 2-core machine shared by 9 processes: the step times are slow, and the figures are for this
+A 2-core machine shared by 4R + 1 processes: the step times are slow, and the figures are for this
 machine only.
 """
 
@@ -41,7 +41,12 @@ import time
 from datetime import timedelta
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SIZES = {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
+SIZES = {"dp_shard": 2, "tp": 2}
+LOST_REPLICA = (4, 5, 6, 7)  # replica 1: rank 5 is killed, 4, 6 and 7 wait as spares
+
+
+def sizes(args: argparse.Namespace) -> dict[str, int]:
+    return {"dp_replicate": args.replicas, **SIZES}
 
 
 def build(mg, hidden: int, layers: int):
@@ -91,8 +96,10 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> dict:
     from meshgroups.mesh import default_store
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=8, timeout=timedelta(seconds=300))
-    el = Elastic(Layout(**SIZES), timeout=60, heartbeat=0.25, stale_after=5)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=4 * args.replicas, timeout=timedelta(seconds=300)
+    )
+    el = Elastic(Layout(**sizes(args)), timeout=60, heartbeat=0.25, stale_after=5)
     st = default_store()
     out: dict = {"rank": rank}
     model, opt = build(el.mg, args.hidden, args.layers)
@@ -166,7 +173,7 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> dict:
             )
         el.admit_newcomers(count=1, timeout=300)
         del model, opt
-        mg = el.grow([4, 5, 6, 7])
+        mg = el.grow(list(LOST_REPLICA))
     else:
         mg = el.standby(timeout=300)
     model, opt = build(mg, args.hidden, args.layers)
@@ -219,7 +226,7 @@ def trial(args: argparse.Namespace) -> list[dict]:
             stderr=open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench-elastic-{r}.log"), "w"),
             text=True,
         )
-        for r in range(8)
+        for r in range(4 * args.replicas)
     ]
     results = []
     for p in procs:
@@ -238,6 +245,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--replicas", type=int, default=2, help="dp_replicate; the world is 4 × this")
     if len(sys.argv) > 1 and sys.argv[1] in ("child", "newcomer"):
         sub = argparse.Namespace(**json.loads(sys.argv[-1]))
         if sys.argv[1] == "child":
@@ -246,6 +254,8 @@ def main() -> None:
             newcomer(int(sys.argv[2]), sub)
         return
     args = parser.parse_args()
+    if args.replicas < 2:
+        parser.error(f"--replicas must be at least 2 (replica 1 is the one lost), got {args.replicas}")
     rows: dict[str, list[float]] = {
         k: []
         for k in ("plain", "barrier", "elastic", "protocol", "verdict", "kill", "replacement", "startup")
@@ -255,7 +265,7 @@ def main() -> None:
         if 0 not in res or "replacement" not in res[0]:
             print(f"trial failed: ranks {sorted(res)} reported", flush=True)
             continue
-        survivors = [res[r] for r in (0, 1, 2, 3) if r in res]
+        survivors = [v for r, v in res.items() if r not in LOST_REPLICA]
         rows["plain"].append(res[0]["plain"])
         rows["elastic"].append(res[0]["elastic"])
         rows["protocol"].append(res[0]["protocol"])
@@ -271,7 +281,7 @@ def main() -> None:
     n = len(rows["plain"])
     over = med["elastic"] - med["plain"]
     print(
-        f"\nMLP {args.layers} × (Linear({args.hidden}, {4 * args.hidden}), GELU, Linear) on HSDP 2×2 × TP 2, 8 gloo processes; medians of {n} trials\n"
+        f"\nMLP {args.layers} × (Linear({args.hidden}, {4 * args.hidden}), GELU, Linear) on HSDP {args.replicas}×2 × TP 2, {4 * args.replicas} gloo processes; medians of {n} trials\n"
     )
     print("| | meshgroups |")
     print("|---|---|")
