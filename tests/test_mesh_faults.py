@@ -10,6 +10,7 @@ checked against it; every time is scaled by MESHGROUPS_TEST_TIME_SCALE (``scaled
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -199,8 +200,36 @@ def worker_rank_dies(rank, world, victim):
 
     with init_mesh(LAYOUT, timeout=scaled(10)) as mg:
         verify_groups(mg, LAYOUT, rank)
+    leaving_first = None
+    if victim == 0:
+        # Every rank fails one call alike; ranks 1-3 are still reading the closing call's
+        # counters when rank 0, the store's host, leaves it and exits: they raise the call's own
+        # error, not the store's loss (CI caught the lost store in a docs block).
+        from meshgroups.mesh._collective import Call
+        from meshgroups.mesh._torch_seam import default_store
+
+        store, peek, deadline = default_store(), Call._peek, time.monotonic() + scaled(30)
+
+        def held_peek(self, name):  # ranks 1-3: held until rank 0's process (the store) is gone
+            store.add("held", 1)
+            with contextlib.suppress(RuntimeError):
+                while time.monotonic() < deadline:
+                    store.add("held", 0)
+                    time.sleep(0.05)
+            Call._peek = peek
+            return peek(self, name)
+
+        if rank != 0:
+            Call._peek = held_peek
+        while rank == 0 and int(store.add("held", 0)) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)  # rank 0 fails the call last, and leaves it at once
+        leaving_first, _ = _timed(lambda: init_mesh(Layout(tp=8), timeout=scaled(10)))
+        Call._peek = peek
     if rank == victim:
         os._exit(1)
+    if leaving_first is not None:
+        assert not isinstance(leaving_first, StoreConnectionError), repr(leaving_first)
+        assert "uses rank 7, outside the default group" in str(leaving_first), repr(leaving_first)
     exc, elapsed = _timed(lambda: init_mesh(LAYOUT, timeout=scaled(3)))
     expected = StoreConnectionError if victim == 0 else RendezvousTimeoutError
     assert isinstance(exc, expected), repr(exc)

@@ -272,6 +272,11 @@ def _run_blocks(rank: int, world: int, blocks: list[tuple[str, int, str, bool]],
             exec(compile(code, str(ROOT / page), "exec"), namespace)
         except BaseException as exc:
             raise AssertionError(f"{page}:{line}: the block failed on rank {rank}: {exc!r}") from exc
+        if dist.is_initialized():
+            # Rank 0 hosts this block's store (tcp://, where torchrun's agent would outlive the
+            # workers): every rank done with the block before rank 0 moves on and drops it; a
+            # rank still in its last call would otherwise lose the store under it.
+            dist.barrier()
     if dist.is_initialized():
         dist.destroy_process_group()
     return len(blocks)

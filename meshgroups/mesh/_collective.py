@@ -36,7 +36,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -246,7 +246,12 @@ class Call(CallLiveness):
 
     def _leave(self, failed: bool, gone: int = 0) -> None:
         """Leave the call; a failed one only once every rank that entered it has left, except
-        ``gone`` ranks that never reported (dead or hung)."""
+        ``gone`` ranks that never reported (dead or hung). The outcome is decided by now: a store
+        lost meanwhile (its host, rank 0 under tcp://, left first and exited) is the next call's news."""
+        with suppress(StoreConnectionError):
+            self._leave_store(failed, gone)
+
+    def _leave_store(self, failed: bool, gone: int) -> None:
         if not failed:  # (a failed call's keys may still be read by ranks building its error)
             for meeting in self.meetings:
                 for key in meeting.own_keys():
@@ -296,9 +301,8 @@ def _program() -> str:
 
 
 def _next_number() -> int:
-    # Restarts with a new default group (destroy_process_group + init_process_group). A weak
-    # reference: a strong one kept the destroyed default group alive until interpreter exit,
-    # where its destructor could abort the process (the demo's exit status 1 under torchrun).
+    # Restarts with a new default group (destroy + init_process_group). A weak reference: a strong
+    # one kept the destroyed group alive until exit, where its destructor could abort the process.
     known = _state["group"]() if _state["group"] is not None else None
     cohort = current_cohort()
     epoch = cohort.tag if cohort is not None else ""  # epoch 0 shares the world's numbering
@@ -310,11 +314,7 @@ def _next_number() -> int:
 
 
 def active_call() -> Call | None:
-    """The call this thread is inside, if any.
-
-    Returns:
-        The ``Call``, or None outside a collective call.
-    """
+    """The call this thread is inside, if any; ``None`` outside a collective call."""
     return _state["active"] if _state["thread"] == threading.get_ident() else None
 
 
