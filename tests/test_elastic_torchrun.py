@@ -151,3 +151,22 @@ def test_torchrun_restarts_a_nodes_workers_and_they_take_their_ranks_back(tmp_pa
         assert res["rank"] == r, res  # each restarted worker got its own rank back (prefer=)
         assert res["received"] > 0 and res["healed_equal"] is True and res["equal_after"] is True, res
         assert res["reference_close"], (r, res["vs_reference"])
+
+
+def test_python_m_meshgroups_store_hosts_the_job_store_until_sigterm():
+    """The store process of one's own that docs/elastic.md launches the job with."""
+    cmd = [sys.executable, "-m", "meshgroups", "store", "--host", "127.0.0.1", "--port", "0", "--json"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline()  # the address, printed once the store listens
+        address = json.loads(line)
+        assert address["address"] == f"127.0.0.1:{address['port']}", line
+        client = dist.TCPStore(
+            "127.0.0.1", address["port"], is_master=False, timeout=timedelta(seconds=scaled(30))
+        )
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=scaled(30)) == 0
+    finally:
+        _stop([proc])

@@ -10,16 +10,18 @@ worker of node B dies, agent B stops B's other workers and starts them all again
 ranks lost, shrink, and admit the restarted processes, which take B's ranks back.
 
 - First run (``TORCHELASTIC_RESTART_COUNT`` 0 or unset): ``init_process_group`` on the job's
-  store with this worker's rank ``node_rank × LOCAL_WORLD_SIZE + LOCAL_RANK`` in a world of
-  ``world_size`` (default: the layout's ranks and the spares), then ``Elastic(layout, ...)``.
+  store with this worker's rank ``node_rank × WORLD_SIZE + RANK`` (torchrun's ``WORLD_SIZE`` and
+  ``RANK`` are its agent's world: with ``--nnodes=1``, ``node_rank × nproc + LOCAL_RANK``) in a
+  world of ``world_size`` (default: the layout's ranks and the spares), then
+  ``Elastic(layout, ...)``.
 - After a restart: ``Elastic.join(store, prefer=<that same rank>)``: a spare, which waits in
   ``standby()`` until the survivors' ``admit_newcomers()`` and ``grow()`` take it in.
 
-``node_rank`` is the node's number in the job (0, 1, ...): torchrun's own ``GROUP_RANK`` is 0 on
-every node when each agent has a rendezvous of its own, so it is given here (the argument, or the
-environment variable ``MESHGROUPS_NODE_RANK``)::
+``node_rank`` is the agent's number in the job (its node's, or its replica group's: 0, 1, ...):
+torchrun's own ``GROUP_RANK`` is 0 on every node when each agent has a rendezvous of its own, so
+it is given here (the argument, or the environment variable ``MESHGROUPS_NODE_RANK``)::
 
-    >>> worker_rank({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MESHGROUPS_NODE_RANK": "1"})
+    >>> worker_rank({"RANK": "1", "WORLD_SIZE": "4", "MESHGROUPS_NODE_RANK": "1"})
     5
     >>> restarted({"TORCHELASTIC_RESTART_COUNT": "1"}), restarted({})
     (True, False)
@@ -45,15 +47,16 @@ STORE = "MESHGROUPS_STORE"
 
 
 def worker_rank(env: Mapping[str, str], node_rank: int | None = None) -> int:
-    """This worker's rank in the job: ``node_rank × LOCAL_WORLD_SIZE + LOCAL_RANK``."""
+    """This worker's rank in the job: ``node_rank × WORLD_SIZE + RANK`` (torchrun's, its agent's
+    world; 0 and 1 without torchrun)."""
     if node_rank is None:
         if NODE_RANK not in env:
             raise MeshConfigError(
-                f"start() needs the node's number in the job: pass node_rank= or set {NODE_RANK} "
+                f"start() needs the agent's (node's) number in the job: pass node_rank= or set {NODE_RANK} "
                 "(torchrun's GROUP_RANK is 0 on every node when each agent has a rendezvous of its own)"
             )
         node_rank = int(env[NODE_RANK])
-    return int(node_rank) * int(env.get("LOCAL_WORLD_SIZE", "1")) + int(env.get("LOCAL_RANK", "0"))
+    return int(node_rank) * int(env.get("WORLD_SIZE", "1")) + int(env.get("RANK", "0"))
 
 
 def restarted(env: Mapping[str, str]) -> bool:
@@ -100,7 +103,8 @@ def start(
         store: the job's store: a ``dist.Store``, its ``host:port``, or ``None`` for the
             ``MESHGROUPS_STORE`` environment variable. Never torchrun's agent store: a restart
             ends it with the node's workers.
-        node_rank: this node's number in the job (default: ``MESHGROUPS_NODE_RANK``).
+        node_rank: this agent's number in the job, its node's or replica group's (default:
+            ``MESHGROUPS_NODE_RANK``).
         spares, world_size: the job's idle ranks; the default group's size (default: one more
             than the largest rank of the layout and the spares).
         backend: ``init_process_group``'s (first run only).
