@@ -33,14 +33,21 @@ HEARTBEAT = scaled(0.25)  # the job's liveness interval
 BOUND = 16 * HEARTBEAT  # kill -> next good step on node 0; the collective timeout is scaled(60)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECTED = {(r, 0) for r in range(4)} | {(r, 1) for r in range(4, 8)}
+# python -m torch.distributed.run, dying with this process even when it is SIGKILLed (its workers
+# die with it: tests/support/elastic_torchrun.py)
+AGENT = (
+    "import sys; from tests.support.reaper import die_with_parent; die_with_parent(); "
+    "from torch.distributed.run import main; main(sys.argv[1:])"
+)
 
 
 def _agent(node: int, port: int, log) -> subprocess.Popen:
-    """torchrun for one node: its own c10d rendezvous on a port of its own (0: the OS picks)."""
+    """torchrun for one node (``python -m torch.distributed.run``): its own c10d rendezvous on a
+    port of its own (0: the OS picks)."""
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
+        "-c",
+        AGENT,
         "--nnodes=1",
         "--nproc-per-node=4",
         "--max-restarts=1",
