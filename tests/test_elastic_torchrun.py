@@ -177,3 +177,14 @@ def test_python_m_meshgroups_store_hosts_the_job_store_until_sigterm():
         assert proc.wait(timeout=scaled(30)) == 0
     finally:
         _stop([proc])
+
+
+def test_a_newcomer_gets_the_rank_it_prefers_when_free_else_the_lowest_left():
+    """``Elastic.join(prefer=)``: how the first member pairs waiting processes with free ranks."""
+    from meshgroups.elastic._join import KEY, _pair
+
+    store = dist.HashStore()
+    for token, rank in (("a", 6), ("b", 6), ("c", 9)):  # b wants a taken rank, c one not free
+        store.set(f"{KEY}/join/{token}/prefers", str(rank))
+    assert _pair(store, ["a", "b", "c", "d"], [4, 5, 6, 7]) == [("a", 6), ("b", 4), ("c", 5), ("d", 7)]
+    assert _pair(store, [], [4]) == []
