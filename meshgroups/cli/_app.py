@@ -232,7 +232,8 @@ def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``meshgroups`` command line: ``show``, ``place``, ``plot``, ``demo``, ``transfer``,
-    ``shrink``, ``grow`` and ``cost``, one convention for all (:mod:`meshgroups.cli._conventions`).
+    ``shrink``, ``grow`` and ``cost``, one convention for all (:mod:`meshgroups.cli._conventions`),
+    and ``store`` (an elastic job's store, no layout).
 
     Returns:
         The ``argparse`` parser; ``main`` uses it.
@@ -298,11 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
     from meshgroups.cli._cost import run as run_cost
     from meshgroups.cli._demo_command import register as register_demo  # the demo's processes
     from meshgroups.cli._elastic import register as register_elastic  # recovery plans
+    from meshgroups.cli._store import register as register_store  # an elastic job's store
     from meshgroups.cli._transfer import register as register_transfer  # weight transfer
 
     commands["demo"] = register_demo(sub)
     commands["transfer"] = register_transfer(sub)
     commands.update(register_elastic(sub))
+    commands["store"] = register_store(sub)
     cost = add_cost(sub)
     cost.set_defaults(run=lambda _parser, args: run_cost(args), parser=cost)
     commands["cost"] = cost

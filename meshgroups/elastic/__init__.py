@@ -31,6 +31,7 @@ from meshgroups.elastic._plans import (
 if TYPE_CHECKING:
     from meshgroups.elastic._elastic_mesh import Elastic
     from meshgroups.elastic._heal import fill_replicas, init_optimizer_state, training_state
+    from meshgroups.elastic._launch import start
     from meshgroups.elastic._recover import mesh_options, rebuild
     from meshgroups.elastic._verdict import Verdict, agree_lost
 
@@ -39,6 +40,7 @@ _TORCH_SIDE = {
     "fill_replicas": "_heal",
     "init_optimizer_state": "_heal",
     "training_state": "_heal",
+    "start": "_launch",
     "mesh_options": "_recover",
     "rebuild": "_recover",
     "Verdict": "_verdict",
@@ -61,6 +63,7 @@ __all__ = [
     "plan_substitute",
     "rebuild",
     "replicate_dim",
+    "start",
     "training_state",
 ]
 

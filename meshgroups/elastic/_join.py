@@ -31,10 +31,11 @@ the old one would have to be rebuilt).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -54,6 +55,8 @@ from meshgroups.mesh import (
     set_default_world,
     unconnected_world,
 )
+
+logger = logging.getLogger("meshgroups")
 
 KEY = "meshgroups/elastic"
 JOB = f"{KEY}/job"
@@ -93,26 +96,58 @@ def waiting(store: dist.Store) -> list[str]:
     return _items(store, WAITING)[taken:]
 
 
+def _pair(store: dist.Store, tokens: list[str], free: list[int]) -> list[tuple[str, int]]:
+    """Give each token (at most ``len(free)``) a free rank: the rank it prefers (``join(prefer=)``:
+    a restarted worker's own) when free and not yet given, else the lowest left."""
+    prefers = {}
+    for token in tokens:
+        key = f"{KEY}/join/{token}/prefers"
+        if store.check([key]):
+            prefers[token] = int(store.get(key))
+    left, given = sorted(free), {}
+    for token in tokens:
+        if prefers.get(token) in left:
+            given[token] = prefers[token]
+            left.remove(given[token])
+    for token in tokens:
+        if token not in given:
+            given[token] = left.pop(0)
+    return [(token, given[token]) for token in tokens]
+
+
 def assign(
-    store: dist.Store, epoch: int, number: int, leader: bool, free: list[int], count: int, timeout: float
-) -> list[int]:
+    store: dist.Store,
+    epoch: int,
+    number: int,
+    leader: bool,
+    vacant: Callable[[], tuple[list[int], list[int]]],
+    count: int,
+    timeout: float,
+) -> tuple[list[int], list[int]]:
     """Collective over the members: the leader waits (up to ``timeout`` seconds) until ``count``
-    newcomers are waiting, gives waiting tokens free ranks (in order) and publishes the ranks;
-    every member returns them once each newcomer is ready."""
+    newcomers are waiting and ``count`` ranks are free (``vacant()``: the free ranks and the
+    spares whose process is gone, whose ranks are free too), gives waiting tokens free ranks and
+    publishes them; every member returns ``(ranks given, spares gone)`` once each newcomer is
+    ready."""
     record_key = f"{KEY}/e{epoch}/admit-newcomers/{number}"
     if leader:
         started = time.monotonic()
-        while len(waiting(store)) < min(count, len(free)) and time.monotonic() - started < timeout:
-            time.sleep(0.05)
-        tokens = waiting(store)[: len(free)]
-        pairs = list(zip(tokens, free))
+        while True:
+            free, gone = vacant()
+            if len(waiting(store)) >= count and len(free) >= count:
+                break
+            if time.monotonic() - started >= timeout:
+                break
+            time.sleep(0.1)
+        pairs = _pair(store, waiting(store)[: len(free)], free)
         for token, rank in pairs:
             store.set(f"{KEY}/join/{token}", str(rank))
         store.add(f"{KEY}/join/taken", len(pairs))
-        store.set(record_key, json.dumps(pairs))
+        store.set(record_key, json.dumps({"pairs": pairs, "gone": gone}))
     else:
         store.wait([record_key], timedelta(seconds=timeout))
-    pairs = json.loads(store.get(record_key))
+    record = json.loads(store.get(record_key))
+    pairs = record["pairs"]
     if pairs:
         ready = [f"{KEY}/join/{token}/ready" for token, _ in pairs]
         try:
@@ -122,12 +157,13 @@ def assign(
                 f"newcomers {[t for t, _ in pairs]} were given ranks {[r for _, r in pairs]} but did not get "
                 f"ready within {timeout:g}s ({exc})"
             ) from None
-    return [int(r) for _, r in pairs]
+    return [int(r) for _, r in pairs], [int(r) for r in record["gone"]]
 
 
-def announce(store: dist.Store, timeout: float) -> tuple[str, int, dict[str, Any]]:
-    """On a new process: wait for the job's record, announce, wait for a rank; returns
-    ``(token, rank, job)``. ``store`` is the store the job's default group was given."""
+def announce(store: dist.Store, timeout: float, prefer: int | None = None) -> tuple[str, int, dict[str, Any]]:
+    """On a new process: wait for the job's record, announce (asking for rank ``prefer`` if it
+    is free), wait for a rank; returns ``(token, rank, job)``. ``store`` is the store the job's
+    default group was given."""
     wait = timedelta(seconds=timeout)
     probe = dist.PrefixStore("0/", store)  # the default group's name is "0" unless told otherwise
     try:
@@ -140,6 +176,8 @@ def announce(store: dist.Store, timeout: float) -> tuple[str, int, dict[str, Any
         ) from None
     job = json.loads(probe.get(JOB))
     token = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
+    if prefer is not None:
+        probe.set(f"{KEY}/join/{token}/prefers", str(int(prefer)))  # before the token is seen
     _append(probe, WAITING, token)
     try:
         probe.wait([f"{KEY}/join/{token}"], wait)
@@ -241,18 +279,19 @@ class Newcomers:
         }
 
     @classmethod
-    def join(cls, store: dist.Store, *, timeout: float | None = None) -> Any:
+    def join(cls, store: dist.Store, *, timeout: float | None = None, prefer: int | None = None) -> Any:
         """On a process started after the job, instead of ``init_process_group``: announce this
         process in the job's ``store`` (the store the job's default group was given), wait
         (``timeout`` seconds, default forever) until the survivors' ``admit_newcomers()`` gives it
-        the rank of a lost process, and return its ``Elastic``, a spare: call ``standby()``.
+        the rank of a lost process (``prefer``, when that rank is free: a restarted worker asks
+        for its own), and return its ``Elastic``, a spare: call ``standby()``.
 
         Raises:
             MeshConfigError: no job in the store in time, or torch.distributed already initialised.
             TimeoutError: no rank was given in time.
         """
         wait = timeout if timeout is not None else 365 * 86400.0
-        token, rank, job = announce(store, wait)
+        token, rank, job = announce(store, wait, prefer)
         default = build_world(store, rank, job)
         clear_heartbeat(default, rank)
         el: Any = cls.__new__(cls)
@@ -277,25 +316,37 @@ class Newcomers:
 
     def admit_newcomers(self: Any, count: int = 0, timeout: float | None = None) -> tuple[int, ...]:
         """Collective over the members: give every process waiting in ``Elastic.join`` a free rank
-        (lost: neither a member nor a spare; the lowest first) and return those ranks, now
-        spares: admit them with ``grow()`` or ``substitute()``. With ``count``, first wait (up to
-        ``timeout`` seconds, default ``verdict_timeout``) until that many are waiting. Processes
-        beyond the free ranks keep waiting."""
-        used = {*self.members, *self.spares}
-        free = [r for r in range(dist.get_world_size()) if r not in used]
+        (lost: neither a member nor a spare; a rank it asked for when free, else the lowest
+        first) and return those ranks (sorted), now spares: admit them with ``grow()`` or
+        ``substitute()``. A spare whose process is gone (exited, or no heartbeat for
+        ``stale_after``: a node whose launcher restarted its workers) is dropped and its rank is
+        free too. With ``count``, first wait (up to ``timeout`` seconds, default
+        ``verdict_timeout``) until that many are waiting and that many ranks are free.
+        Processes beyond the free ranks keep waiting."""
+        world = dist.get_world_size()
+
+        def vacant() -> tuple[list[int], list[int]]:
+            gone = sorted(self.liveness.gone(self.spares, self.stale_after)) if self.spares else []
+            used = {*self.members, *self.spares} - set(gone)
+            return [r for r in range(world) if r not in used], gone
+
         self._newcomer_calls = getattr(self, "_newcomer_calls", 0) + 1
-        ranks = assign(
+        ranks, gone = assign(
             self.store,
             self.epoch,
             self._newcomer_calls,
             self.rank == self.members[0],
-            free,
-            count,
+            vacant,
+            min(count, world - len(self.members)),
             timeout if timeout is not None else self.verdict_timeout,
         )
-        self.liveness.forget(ranks)
-        self.spares = tuple(sorted({*self.spares, *ranks}))
-        return tuple(ranks)
+        if gone:
+            logger.warning(
+                "meshgroups: spares %s are gone (their processes ended); their ranks are free", gone
+            )
+        self.liveness.forget([*ranks, *gone])
+        self.spares = tuple(sorted((set(self.spares) - set(gone)) | set(ranks)))
+        return tuple(sorted(ranks))
 
 
 __all__ = [

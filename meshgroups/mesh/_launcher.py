@@ -8,7 +8,10 @@ starts them as children of one agent process, with the job's ``TORCHELASTIC_RUN_
 ``MASTER_PORT`` in each one's environment. A rank of this host's block for which no running
 child of the agent carries that run id, port and ``RANK`` has exited (a zombie not yet reaped
 counts as exited). Ranks of other hosts
-are not judged here: their own host's ranks see them when they wait.
+are not judged here: their own host's ranks see them when they wait. A job that numbers its ranks
+itself (one torchrun agent per node, each its own world, the job's rank ``node_rank × nproc +
+LOCAL_RANK`` on a store of its own: ``meshgroups.elastic.start``) shifts the block, and every
+sibling's ``RANK``, by this process's rank minus its ``RANK``.
 
 Linux only (``/proc``); where the launcher is not torchrun, or other processes' environments
 cannot be read, nothing is judged and the heartbeat and the timeout decide as before::
@@ -30,6 +33,16 @@ SCAN_EVERY = 1.0
 _last: list[tuple[float, frozenset[int]]] = []
 
 
+def _shift() -> int:
+    """This process's rank in the default group minus torchrun's ``RANK`` (0 before
+    ``init_process_group``, and where the job takes torchrun's numbering)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank() - int(os.environ["RANK"])
+
+
 def host_ranks() -> range | None:
     """The global ranks torchrun placed on this host (``None``: not launched by torchrun)."""
     env = os.environ
@@ -40,7 +53,8 @@ def host_ranks() -> range | None:
         return None
     if "TORCHELASTIC_RUN_ID" not in env or not os.path.isdir("/proc"):
         return None
-    return range(rank - local, rank - local + size)
+    first = rank - local + _shift()
+    return range(first, first + size)
 
 
 def _running_ranks() -> frozenset[int] | None:
@@ -51,7 +65,7 @@ def _running_ranks() -> frozenset[int] | None:
         b"TORCHELASTIC_RUN_ID": os.environ["TORCHELASTIC_RUN_ID"].encode(),
         b"MASTER_PORT": os.environ.get("MASTER_PORT", "").encode(),
     }
-    agent = os.getppid()
+    agent, shift = os.getppid(), _shift()
     found: set[int] = set()
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -70,8 +84,8 @@ def _running_ranks() -> frozenset[int] | None:
             return None
         env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
         if all(env.get(k) == v for k, v in want.items()) and env.get(b"RANK", b"").isdigit():
-            found.add(int(env[b"RANK"]))
-    return frozenset(found) if int(os.environ["RANK"]) in found else None
+            found.add(int(env[b"RANK"]) + shift)
+    return frozenset(found) if int(os.environ["RANK"]) + shift in found else None
 
 
 def exited_before_first_call(ranks: Iterable[int]) -> list[int]:
