@@ -197,7 +197,13 @@ class Elastic(Newcomers, Closeable):
         self.cache = GroupCache()
         # Wakes this rank when blocked in a collective with a peer that left a failed step; the
         # pairs it severs break groups the next rebuild replaces (elastic/_unblock.py).
-        self._watcher = StepWatcher.over(self.store, self.rank, self.cache, poll=min(0.05, beat))
+        self._watcher = StepWatcher.over(
+            self.store,
+            self.rank,
+            self.cache,
+            poll=min(0.05, beat),
+            lease=self.stale_after,
+        )
         self._broken: set[tuple[int, int]] = set()
 
     # ------------------------------------------------------------------ live ranks

@@ -13,7 +13,12 @@ the blocked rank wake itself:
 - A ``StepWatcher`` thread runs beside every guarded step, blocked on the store (no cost to a
   step) until the first failure of the epoch wakes it (``wake_watchers``). It then compares this rank's sequence numbers with those of every peer that published: a
   group where this rank issued more than a failed peer holds an operation that peer will never
-  post (it left the step), so this rank is, or will be, stuck there. The watcher records the pair
+  post (it left the step), so this rank is, or will be, stuck there. So is a rank level with a
+  failed peer in a group this step used whose current collective can never complete (it holds
+  a rank known gone: exited, or silent past the lease; or a failed member behind this rank's
+  count): in a ring over more than two ranks, the neighbour of the rank that will never post
+  fails inside the collective and the next one waits on that neighbour at the same count (a
+  16-rank HSDP's replicate all-reduce waited out the collective timeout without this). The watcher records the pair
   (``this rank, peer``) in the store, then shuts down this process's sockets whose remote
   endpoint is one of that peer's: gloo sees ``Connection closed`` and the blocked collective
   raises on the main thread, which goes to the verdict like any failure.
@@ -42,7 +47,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from meshgroups.mesh import GroupCache, group_sequence
+from meshgroups.mesh import GroupCache, Liveness, group_sequence
 
 KEY = "meshgroups/elastic"
 
@@ -193,6 +198,9 @@ class StepWatcher:
         cache: this rank's groups.
         poll: seconds between looks for a published failure while armed.
         keep_port: the store's port (never severed).
+        main: the main thread's connection (``release`` sets its key there).
+        lease: seconds of silence after which a rank counts as gone (exited ranks at once);
+            ``None``: levels with a failed peer are never severed, only a count ahead of it.
     """
 
     def __init__(
@@ -203,25 +211,41 @@ class StepWatcher:
         poll: float,
         keep_port: int | None,
         main: dist.Store | None = None,
+        lease: float | None = None,
     ) -> None:
         self.store, self.rank, self.cache, self.poll, self.keep_port = store, rank, cache, poll, keep_port
+        # Ranks gone (exited, or silent past ``lease``), looked up on the watcher's own
+        # connection: the main thread may hold its own in a blocking store wait.
+        self.liveness = Liveness(store, lease) if lease is not None else None
+        self._at_arm: dict[str, int] = {}  # the groups' counts as the step started
         self.main = main if main is not None else store  # the main thread's connection
         self.lock = threading.Lock()
         self.armed: tuple[int, tuple[int, ...]] | None = None
         self._wake = threading.Event()
         self._closed = False
         self.severed: dict[tuple[int, int], int] = {}  # (epoch, peer) -> connections shut down
+        self.records: dict[tuple[int, int], dict] = {}  # (epoch, peer) -> its published state
         self._thread = threading.Thread(target=self._run, name=f"meshgroups-step-watch-{rank}", daemon=True)
         self._thread.start()
 
     @classmethod
-    def over(cls, store: dist.Store, rank: int, cache: GroupCache, poll: float) -> StepWatcher:
+    def over(
+        cls,
+        store: dist.Store,
+        rank: int,
+        cache: GroupCache,
+        poll: float,
+        lease: float | None = None,
+    ) -> StepWatcher:
         """A watcher on a connection of its own to ``store`` (``store`` stays the main thread's)."""
-        return cls(own_store(store), rank, cache, poll, store_port(store), main=store)
+        return cls(own_store(store), rank, cache, poll, store_port(store), main=store, lease=lease)
 
     def arm(self, epoch: int, members: Sequence[int]) -> None:
+        at_arm = sequences(self.cache)
         with self.lock:
-            self.armed = (epoch, tuple(members))
+            self.armed, self._at_arm = (epoch, tuple(members)), at_arm
+            if any(e != epoch for e, _ in self.records):
+                self.records = {key: record for key, record in self.records.items() if key[0] == epoch}
         self._wake.set()
 
     def disarm(self) -> None:
@@ -255,6 +279,7 @@ class StepWatcher:
                 if not self.store.check([_key(armed[0], "failed")]):
                     self._wake.wait(self.poll)  # released: the rank left the epoch
                     continue
+                self._wake.clear()  # (set by this step's arm: would make the looks below spin)
                 while self.armed == armed and not self._closed:
                     self._look(*armed)
                     self._wake.wait(self.poll)
@@ -263,22 +288,68 @@ class StepWatcher:
             return  # the store is gone: the main thread's own calls fail and say so
 
     def _look(self, epoch: int, members: tuple[int, ...]) -> None:
-        peers = [r for r in members if r != self.rank and (epoch, r) not in self.severed]
-        names = [_key(epoch, f"state/{r}") for r in peers]
-        published = [(r, name) for r, name in zip(peers, names) if self.store.check([name])]
-        if not published:
+        # A failed peer's record never changes: each is read once, and every look judges them
+        # all (a peer severed already still tells that a group's collective cannot complete).
+        unread = [r for r in members if r != self.rank and (epoch, r) not in self.records]
+        keys = [_key(epoch, f"state/{r}") for r in unread]
+        new = [(r, key) for r, key in zip(unread, keys) if self.store.check([key])]
+        if new:
+            for (r, _), raw in zip(new, self.store.multi_get([key for _, key in new])):
+                record = json.loads(raw)
+                record["seq"] = {name: int(n) for name, n in record["seq"].items()}
+                self.records[(epoch, r)] = record
+        counts = {r: record["seq"] for (e, r), record in self.records.items() if e == epoch}
+        if not counts:
             return
         mine = sequences(self.cache)
-        raws = self.store.multi_get([name for _, name in published])
-        for (r, _), raw in zip(published, raws):
-            record = json.loads(raw)
-            theirs = record["seq"]
-            if any(name in theirs and n > int(theirs[name]) for name, n in mine.items()):
-                with self.lock:
-                    if self.armed != (epoch, members):
-                        return
-                    _append(self.store, _key(epoch, "severed"), f"{self.rank}-{r}")
-                    self.severed[(epoch, r)] = sever(record["ends"], self.keep_port)
+        used = {name for name, n in mine.items() if n > self._at_arm.get(name, n)}
+        ranks = {
+            str(g.group_name): set(dist.get_process_group_ranks(g))
+            for _, g in self.cache.items()
+            if g is not None and str(g.group_name) in used
+        }
+        dead = set(self.liveness.gone(members)) if used and self.liveness is not None else set()
+        for r in stuck_on(mine, counts, ranks, dead):
+            if (epoch, r) in self.severed:
+                continue
+            with self.lock:
+                if self.armed != (epoch, members):
+                    return
+                _append(self.store, _key(epoch, "severed"), f"{self.rank}-{r}")
+                self.severed[(epoch, r)] = sever(self.records[(epoch, r)]["ends"], self.keep_port)
+
+
+def stuck_on(
+    mine: dict[str, int],
+    counts: dict[int, dict[str, int]],
+    used: dict[str, set[int]],
+    dead: set[int],
+) -> list[int]:
+    """The failed peers this rank is, or will be, stuck with in a collective, from group counts.
+
+    ``mine``: this rank's count per group (by name); ``counts``: each failed peer's (as it
+    published them); ``used``: the groups this step used (their count moved), with their
+    ranks; ``dead``: ranks known gone. A peer behind this rank's count in a shared group never
+    posts the collective this rank is in. A peer level with it is stuck-making only where that
+    collective can never complete: the group holds a rank gone, or a failed member behind::
+
+        >>> ring = {"rep": {1, 5, 9, 13}}  # 5 died; 9 failed inside the all-reduce, 13 waits on 9
+        >>> stuck_on({"rep": 16, "tp": 40}, {9: {"rep": 16}, 12: {"tp": 40}}, ring, {5})
+        [9]
+    """
+    doomed = {
+        name
+        for name, ranks in used.items()
+        if dead & ranks or any(r in ranks and counts[r].get(name, mine[name]) < mine[name] for r in counts)
+    }
+    return [
+        r
+        for r, theirs in counts.items()
+        if any(
+            name in theirs and (n > theirs[name] or (n == theirs[name] and name in doomed))
+            for name, n in mine.items()
+        )
+    ]
 
 
 def own_store(store: dist.Store) -> dist.Store:
@@ -302,6 +373,7 @@ __all__ = [
     "sever",
     "severed_pairs",
     "store_port",
+    "stuck_on",
     "wake_watchers",
     "watch_key",
 ]
