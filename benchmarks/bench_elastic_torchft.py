@@ -24,9 +24,10 @@ Both sides: 8 processes, HSDP ``dp_replicate=2 × dp_shard=2`` × TP 2, the MLP,
   replacement**: once the survivors committed, a new replica group of 4 brand-new processes (a new
   store), healed by torchft from the survivors (its HTTP checkpoint transport); from its launch to
   the end of the first committed step in which both replicas took part (``num_participants() ==
-  2``), the survivors training meanwhile; ``start-up``: until the slowest new process announced
-  itself (importing torch and torchft). The new replica's parameters are checked equal to the
-  survivors'.
+  2``); ``start-up``: until the slowest new process announced itself (importing torch and
+  torchft), ``built``: until its default group, mesh, model and ``Manager`` exist. The survivors
+  keep training meanwhile (their committed steps are counted; on 2 cores they compete with the new
+  processes for the CPU). The new replica's parameters are checked equal to the survivors'.
 
 torchft's timeouts: the lighthouse's ``heartbeat_timeout_ms`` and ``join_timeout_ms`` are
 ``default`` (5000, 60000: ``torchft_lighthouse``'s defaults) or ``tuned`` (1000, 1000);
@@ -154,11 +155,11 @@ def ft_worker(g: int, r: int, cfg: dict) -> dict:
             if not ok:
                 out.setdefault("failed", now - kill_t)
                 continue
-            out["kill"] = now - kill_t
+            out["kill"], out["recovered_step"] = now - kill_t, manager.current_step()
             bench.set(f"ft/recovered/{r}", "1")
             continue
         if ok and manager.num_participants() == 2 and "joined" not in out:
-            out["joined"] = now
+            out["joined"], out["joined_step"] = now, manager.current_step()
             if (g, r) == (0, 0):  # every process stops after the same committed step
                 bench.set("ft/stop", str(manager.current_step() + 2))
         if bench.check(["ft/stop"]) and manager.current_step() >= int(bench.get("ft/stop")):
@@ -257,16 +258,19 @@ def ft_row(results: list[dict]) -> dict | None:
     if len(survivors) != GROUP or len(new) != GROUP:
         return None
     launched = survivors[0]["launched"]
+    rank0 = next(x for x in survivors if x["r"] == 0)
     by_rank = {x["r"]: x["params"] for x in survivors}
     if any(x["params"] != by_rank[x["r"]] for x in new):
         raise RuntimeError("torchft: the new replica's parameters differ from the survivors'")
     return {
-        "step": next(x["step"] for x in survivors if x["r"] == 0),
+        "step": rank0["step"],
         "kill": max(x["kill"] for x in survivors),
         "failed": max(x.get("failed", 0.0) for x in survivors),
         "replacement": max(x["joined"] for x in results) - launched,
         "startup": max(x["announce"] for x in new) - launched,
         "built": max(x["built"] for x in new) - launched,
+        # steps the survivors committed between their recovery and the replacement's first step
+        "steps": rank0["joined_step"] - rank0["recovered_step"] - 1,
     }
 
 
@@ -307,7 +311,7 @@ def table(rows: dict[str, list[dict]], args: argparse.Namespace) -> None:
         k: f"{m['replacement']:.2f} s (1 process, start-up {m['startup']:.2f} s)"
         if k == "meshgroups"
         else f"{m['replacement']:.2f} s ({GROUP} processes, start-up {m['startup']:.2f} s, "
-        f"built {m['built']:.2f} s)"
+        f"built {m['built']:.2f} s; the survivors committed {m['steps']:.0f} steps meanwhile)"
         for k, m in med.items()
     }
     step = {k: f"{1e3 * m['step']:.1f} ms" for k, m in med.items()}
