@@ -50,6 +50,12 @@ def sizes(args: argparse.Namespace) -> dict[str, int]:
 
 
 def build(mg, hidden: int, layers: int):
+    return parallel_mlp(mg.mesh["tp"], mg.mesh["dp_replicate", "dp_shard"], hidden, layers)
+
+
+def parallel_mlp(tp_mesh, dp_mesh, hidden: int, layers: int):
+    """The benchmark's MLP, tensor-parallel over ``tp_mesh`` and FSDP2 over ``dp_mesh``, and its Adam
+    (``bench_elastic_torchft.py`` builds the same one inside each torchft replica group)."""
     import torch
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -62,8 +68,8 @@ def build(mg, hidden: int, layers: int):
     plan = {}
     for i in range(layers):
         plan[str(3 * i)], plan[str(3 * i + 2)] = ColwiseParallel(), RowwiseParallel()
-    parallelize_module(model, mg.mesh["tp"], plan)
-    fully_shard(model, mesh=mg.mesh["dp_replicate", "dp_shard"])
+    parallelize_module(model, tp_mesh, plan)
+    fully_shard(model, mesh=dp_mesh)
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
@@ -218,25 +224,42 @@ def trial(args: argparse.Namespace) -> list[dict]:
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
     )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "child", str(r), str(store.port), json.dumps(vars(args))],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench-elastic-{r}.log"), "w"),
-            text=True,
-        )
-        for r in range(4 * args.replicas)
-    ]
+    procs = []
     results = []
+    try:  # each child in a session of its own (with the newcomer it starts): all killed on any exit
+        for r in range(4 * args.replicas):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "child", str(r), str(store.port), json.dumps(vars(args))],
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=open(
+                        os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench-elastic-{r}.log"), "w"
+                    ),
+                    text=True,
+                    start_new_session=True,
+                )
+            )
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=900)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, _ = p.communicate()
+            results += [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    finally:
+        kill_sessions(procs)
+    return results
+
+
+def kill_sessions(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL every process of each child's session (a child and what it started)."""
     for p in procs:
         try:
-            out, _ = p.communicate(timeout=900)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-        results += [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
-    return results
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
 
 
 def main() -> None:
@@ -256,6 +279,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.replicas < 2:
         parser.error(f"--replicas must be at least 2 (replica 1 is the one lost), got {args.replicas}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run trial()'s cleanup
     rows: dict[str, list[float]] = {
         k: []
         for k in ("plain", "barrier", "elastic", "protocol", "verdict", "kill", "replacement", "startup")
