@@ -11,17 +11,18 @@ the blocked rank wake itself:
   it issued on each of its groups (torch's per-group sequence number) and the endpoints of its
   connected TCP sockets (``publish_state``).
 - A ``StepWatcher`` thread runs beside every guarded step, blocked on the store (no cost to a
-  step) until the first failure of the epoch wakes it (``wake_watchers``). It then compares this rank's sequence numbers with those of every peer that published: a
-  group where this rank issued more than a failed peer holds an operation that peer will never
-  post (it left the step), so this rank is, or will be, stuck there. So is a rank level with a
-  failed peer in a group this step used whose current collective can never complete (it holds
-  a rank known gone: exited, or silent past the lease; or a failed member behind this rank's
-  count): in a ring over more than two ranks, the neighbour of the rank that will never post
-  fails inside the collective and the next one waits on that neighbour at the same count (a
-  16-rank HSDP's replicate all-reduce waited out the collective timeout without this). The watcher records the pair
-  (``this rank, peer``) in the store, then shuts down this process's sockets whose remote
-  endpoint is one of that peer's: gloo sees ``Connection closed`` and the blocked collective
-  raises on the main thread, which goes to the verdict like any failure.
+  step) until the first failure of the epoch wakes it (``wake_watchers``). It then compares this
+  rank's sequence numbers with those of every peer that published: a group where this rank issued
+  more than a failed peer holds an operation that peer will never post (it left the step), so this
+  rank is, or will be, stuck there. So is a rank level with a failed peer in a group this step
+  used whose current collective can never complete (it holds a rank known gone: exited, or silent
+  past the lease; or a failed member behind this rank's count): in a ring over more than two
+  ranks, the neighbour of the rank that will never post fails inside the collective and the next
+  one waits on that neighbour at the same count (a 16-rank HSDP's replicate all-reduce waited out
+  the collective timeout without this). The watcher records the pair (``this rank, peer``) in the
+  store, then shuts down this process's sockets whose remote endpoint is one of that peer's: gloo
+  sees ``Connection closed`` and the blocked collective raises on the main thread, which goes to
+  the verdict like any failure.
 - Shutting a connection down breaks every group the two ranks share, not only the stuck one;
   ``Elastic`` reads the recorded pairs after the verdict and the rebuild replaces every group
   holding both ends of one (on each member alike: they read the same record). The stuck group
@@ -200,7 +201,8 @@ class StepWatcher:
         keep_port: the store's port (never severed).
         main: the main thread's connection (``release`` sets its key there).
         lease: seconds of silence after which a rank counts as gone (exited ranks at once);
-            ``None``: levels with a failed peer are never severed, only a count ahead of it.
+            ``None``: no rank is judged gone, so only a failed member behind makes a group's
+            collective one that can never complete.
     """
 
     def __init__(
