@@ -240,15 +240,22 @@ def trial(args: argparse.Namespace) -> list[dict]:
                     start_new_session=True,
                 )
             )
-        for p in procs:
-            try:
-                out, _ = p.communicate(timeout=900)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, _ = p.communicate()
-            results += [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+        results = collect(procs, timeout=900)
     finally:
         kill_sessions(procs)
+    return results
+
+
+def collect(procs: list[subprocess.Popen], timeout: float) -> list[dict]:
+    """Each child's ``RESULT {json}`` lines, once it ended (killed after ``timeout`` seconds)."""
+    results = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        results += [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
     return results
 
 
@@ -262,12 +269,17 @@ def kill_sessions(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The trials and the MLP's sizes, the same in every elastic benchmark."""
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    model_arguments(parser)
     parser.add_argument("--replicas", type=int, default=2, help="dp_replicate; the world is 4 × this")
     if len(sys.argv) > 1 and sys.argv[1] in ("child", "newcomer"):
         sub = argparse.Namespace(**json.loads(sys.argv[-1]))

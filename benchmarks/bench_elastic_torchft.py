@@ -233,14 +233,7 @@ def ft_trial(args: argparse.Namespace, config: str) -> list[dict]:
         bench.wait([f"ft/recovered/{r}" for r in range(GROUP)], timedelta(seconds=300))
         bench.set("ft/launch_t", repr(time.time()))
         new = launch(1, "new")
-        results = []
-        for p in first[0] + new:
-            try:
-                out, _ = p.communicate(timeout=600)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, _ = p.communicate()
-            results += [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+        results = live.collect(first[0] + new, timeout=600)
         launched = float(bench.get("ft/launch_t"))
         for res in results:
             res["launched"] = launched
@@ -336,10 +329,7 @@ def table(rows: dict[str, list[dict]], args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=20)
+    live.model_arguments(parser)
     parser.add_argument("--configs", default="default,tuned", help=f"torchft timeouts, of {sorted(CONFIGS)}")
     parser.add_argument("--no-meshgroups", action="store_true", help="torchft only")
     if len(sys.argv) > 1 and sys.argv[1] == "ft":
