@@ -4,15 +4,19 @@ that every rank must agree on.
 A ``BuildPlan`` is pure data: the main layout, one ``GroupSpec`` per family (every dim of the layout
 and its views, the flattened dim sets, the named subsets), and the options. ``BuildPlan.digests()``
 gives one short digest per argument, so the cross-rank check can say *which* argument differs.
+``make_plan`` makes a mesh's plan once; ``BuildPlan.more`` derives a later build's (``flatten``,
+torch's ``_flatten``/``_unflatten``) from it, with the same options.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from meshgroups.errors import BackendOverrideError, MeshConfigError, torch_says
 from meshgroups.layout import Layout
@@ -105,6 +109,28 @@ class BuildPlan:
             "gloo_twins": str(self.gloo_twins),
             "timeout": f"{self.timeout.total_seconds():g}s",
         }
+
+    def more(
+        self,
+        layout: Layout,
+        only: Iterable[Sequence[str]],
+        labels: Mapping[Hashable, str] | None = None,
+        backend_override: Mapping[int | str, BackendConfig] | None = None,
+    ) -> BuildPlan:
+        """The plan of a later build of exactly the families ``only`` over ``layout`` (one the
+        mesh holds, or torch's rows as a layout), with this plan's options: device type,
+        backend, strategy, gloo twins, timeout and liveness carry over, never re-given.
+        ``labels`` name the families, ``backend_override`` (normalised) is keyed by those
+        names; ``partial``: the mesh's coverage was settled when it was built.
+
+        >>> first = make_plan(Layout(dp=2, tp=2), device_type="cpu", flatten=(), subsets=None, only=None,
+        ...     backend="gloo", strategy="global", gloo_twins=False, timeout=timedelta(seconds=30))
+        >>> later = first.more(first.layout, [("dp", "tp")], {("dp", "tp"): "dt"})
+        >>> [spec.desc for spec in later.specs], later.backend, later.timeout.total_seconds()
+        (['mesh_dt'], 'gloo', 30.0)
+        """
+        what = _what_to_build(layout, (), None, only, backend_override, labels)
+        return dataclasses.replace(self, partial=True, **what)
 
 
 def options_tag(options: object) -> str:
@@ -201,7 +227,36 @@ def make_plan(
     ``backend_override`` (normalised to ``(backend, options)`` pairs) is keyed as torch keys it,
     by dim name or index of the main layout, and also by a view's dim, a declared flattened
     dim's name (``"dp_cp"``) or a subset's name. ``labels`` renames families (torch's
-    ``_flatten(name)``), which sets their group description and override key."""
+    ``_flatten(name)``), which sets their group description and override key. The options
+    (``device_type`` ... ``liveness``) were checked by the caller (``mesh/_planning.py``).
+
+    >>> plan = make_plan(Layout(dp=2, tp=2), device_type="cpu", flatten=[("dp", "tp")], subsets=None,
+    ...     only=None, backend=None, strategy="global", gloo_twins=False, timeout=timedelta(seconds=60))
+    >>> [spec.key for spec in plan.specs]
+    [('dp',), ('tp',), ('dp', 'tp')]
+    """
+    return BuildPlan(
+        device_type=device_type,
+        backend=backend,
+        strategy=strategy,
+        gloo_twins=gloo_twins,
+        timeout=timeout,
+        partial=partial,
+        liveness=liveness,
+        **_what_to_build(layout, flatten, subsets, only, backend_override, labels),
+    )
+
+
+def _what_to_build(
+    layout: Layout,
+    flatten: Iterable[Sequence[str]],
+    subsets: Mapping[str, SubsetSpec] | None,
+    only: Iterable[Sequence[str]] | None,
+    backend_override: Mapping[int | str, BackendConfig] | None,
+    labels: Mapping[Hashable, str] | None,
+) -> dict[str, Any]:
+    """A plan's fields that say what one build builds (``make_plan``'s checks, in their order):
+    the layout, its families and their overrides."""
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a meshgroups.Layout, got {type(layout).__name__}")
     flatten_t = _dim_sets(flatten, "flatten") or ()
@@ -249,22 +304,15 @@ def make_plan(
         GroupSpec(s.key, s.layout, s.dims, f"mesh_{names[s.key]}", resolved.get(names[s.key])) for s in specs
     ]
     subset_specs = {name: next(s for s in specs if s.key == name) for name in subset_specs}
-    return BuildPlan(
-        layout=layout,
-        specs=tuple(specs),
-        subsets=subset_specs,
-        device_type=device_type,
-        backend=backend,
-        strategy=strategy,
-        gloo_twins=gloo_twins,
-        timeout=timeout,
-        flatten=flatten_t,
-        only=only_t,
-        _subset_digest=_digest(subset_state),
-        backend_override=resolved,
-        partial=partial,
-        liveness=liveness,
-    )
+    return {
+        "layout": layout,
+        "specs": tuple(specs),
+        "subsets": subset_specs,
+        "flatten": flatten_t,
+        "only": only_t,
+        "_subset_digest": _digest(subset_state),
+        "backend_override": resolved,
+    }
 
 
 def _label(key: Hashable, labels: Mapping[Hashable, str] | None) -> str:
