@@ -1,39 +1,36 @@
-"""One collective build: validate on this rank, meet the other ranks, create the groups.
+"""One collective build: a plan's groups checked against the world, the ranks met, the groups
+created.
 
-``init_mesh`` runs it once; ``MeshGroups.flatten`` and torch's ``_flatten``/``_unflatten`` on a
-meshgroups mesh run it again for the families they add. Each runs inside a collective call
-(``meshgroups.mesh._collective``): the call number is taken before anything is validated, a local
-error reaches every rank, and a failed call is closed before the next one starts.
+``init_mesh`` builds its plan once; ``MeshGroups.flatten`` and torch's ``_flatten``/``_unflatten``
+on a meshgroups mesh build again, plans derived from the first (``mesh/_planning.py`` makes
+both). Each runs inside a collective call (``meshgroups.mesh._collective``): the call number is
+taken before anything is validated, a local error reaches every rank, and a failed call is
+closed before the next one starts.
 """
 
 from __future__ import annotations
 
 import keyword
 import os
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
-from meshgroups.errors import DeviceTypeError, MeshConfigError, WorldSizeError, torch_says
+from meshgroups.errors import MeshConfigError, WorldSizeError, torch_says
 from meshgroups.layout import Layout
-from meshgroups.mesh._collective import Call, collective_call
+from meshgroups.mesh._collective import Call
 from meshgroups.mesh._groups import GroupCache, GroupHandle
-from meshgroups.mesh._options import DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_REPORT_EVERY, check_settings
-from meshgroups.mesh._plan import BackendConfig, BuildPlan, SubsetSpec, as_timedelta, make_plan
+from meshgroups.mesh._plan import BuildPlan
 from meshgroups.mesh._strategies import Builder, CreationStrategy, build_families, make_strategy
 from meshgroups.mesh._torch_seam import (
     advance_group_count,
     creation_store_prefix,
     default_backend_name,
-    default_timeout,
     group_count,
     held_group_count,
-    is_backend_options,
 )
 from meshgroups.mesh._watched_store import WatchedStore, use_watched
 
@@ -42,7 +39,7 @@ _COUNTERS = ("group_count", "held")
 
 @dataclass
 class Built:
-    """One build's result; its ``plan`` and ``check`` are the options later builds reuse."""
+    """One build's result; later builds derive their plans from its ``plan`` (``BuildPlan.more``)."""
 
     handles: dict[Hashable, GroupHandle]
     builder: Builder
@@ -51,145 +48,25 @@ class Built:
     check: bool
 
 
-def build(
-    layout: Layout,
-    *,
-    device_type: str,
-    flatten: Iterable[Sequence[str]],
-    subsets: Mapping[str, SubsetSpec] | None,
-    only: Iterable[Sequence[str]] | None,
-    backend: str | None,
-    timeout: timedelta | float | None,
-    gloo_twins: bool,
-    strategy: object,
-    cache: GroupCache | None,
-    check: bool | None,
-    backend_override: Mapping[Any, Any] | None = None,
-    labels: Mapping[Hashable, str] | None = None,
-    operation: str = "init_mesh",
-    refusal: str | None = None,
-    partial: bool = False,
-    heartbeat: float = DEFAULT_HEARTBEAT,
-    lease: float = DEFAULT_LEASE,
-    report_every: float = DEFAULT_REPORT_EVERY,
-) -> Built:
-    """One collective call of ``operation`` (or a part of the call already running on this
-    thread): validate, meet, create the groups. ``refusal``: a ``TypeError`` message the caller
-    found before the call, raised inside it (so every rank hears of it)."""
-    with collective_call(operation) as call:
-        if refusal is not None:
-            raise TypeError(refusal)
-        liveness = check_settings(heartbeat, lease, report_every)
-        call.use_liveness(*liveness)  # first: the call's waits below use them
-        if not isinstance(partial, bool):
-            raise TypeError(f"partial must be True or False, got {partial!r}")
-        world_size = dist.get_world_size()
-        fake = default_backend_name() == "fake"
-        if check is not None and not isinstance(check, bool):
-            raise TypeError(f"check must be True, False or None, got {check!r}")
-        if check is False and not fake:
-            # A rank that skipped the meeting would leave the others waiting (or pair with their
-            # next call): every call meets, so the check cannot be turned off on a real backend.
-            raise MeshConfigError(
-                "check=False is only allowed on torch's 'fake' backend: on a real backend every call "
-                "meets the other ranks (that is what keeps calls in step); leave check at None or True"
-            )
-        check_device_index(device_type)  # first, as torch (and before the default group, in init_mesh)
-        timeout_td = as_timedelta(timeout, default_timeout())
-        check_options(device_type, backend, gloo_twins, cache, fake)
-        overrides = normalize_overrides(backend_override)
-        creator = make_strategy(strategy)
-        plan = make_plan(
-            layout,
-            device_type=device_type,
-            flatten=flatten,
-            subsets=subsets,
-            only=only,
-            backend=backend,
-            strategy=creator.name,
-            gloo_twins=gloo_twins,
-            timeout=timeout_td,
-            backend_override=overrides,
-            labels=labels,
-            partial=partial,
-            liveness=liveness,
-        )
-        for key, (name, _) in overrides.items():  # after the keys, as torch: a bad key is told first
-            if name is not None:
-                check_backend_name(name, f"backend_override[{key!r}]")
-        for spec in plan.specs:
-            check_in_world(spec.layout, world_size, spec.key)
-        if not partial:
-            check_covers(layout, call.members, world_size)
-        creator.validate(plan.specs)
-        return run(plan, creator, cache if cache is not None else GroupCache(), call, not fake)
+def build(plan: BuildPlan, call: Call, *, cache: GroupCache | None) -> Built:
+    """Create the groups of ``plan`` (made once, in ``call``: ``mesh/_planning.py``) as part of
+    ``call``: check them against the world, meet the other ranks, create them through ``cache``
+    (a new one for ``None``).
 
-
-def build_more(
-    layout: Layout,
-    only: Sequence[tuple[str, ...]],
-    plan: BuildPlan,
-    check: bool,
-    cache: GroupCache,
-    labels: Mapping[Hashable, str] | None = None,
-    backend_override: Mapping[str, BackendConfig] | None = None,
-) -> Built:
-    """A later collective build of families over ``layout`` with the options of an earlier
-    ``plan`` (a mesh's ``init_mesh``) and its cache, as part of the call running on this thread;
-    ``labels`` name the families (their group description, torch's ``mesh_<name>``),
-    ``backend_override`` is keyed by those names. ``layout`` is one the mesh holds (its main
-    layout, a view, a subset's), so its coverage was settled when the mesh was built."""
-    return build(
-        layout,
-        device_type=plan.device_type,
-        flatten=(),
-        subsets=None,
-        only=only,
-        backend=plan.backend,
-        timeout=plan.timeout,
-        gloo_twins=plan.gloo_twins,
-        strategy=plan.strategy,
-        cache=cache,
-        check=None,
-        backend_override=backend_override,
-        labels=labels,
-        partial=True,
-        heartbeat=plan.liveness[0],
-        lease=plan.liveness[1],
-        report_every=plan.liveness[2],
-    )
-
-
-def normalize_overrides(value: object) -> dict[int | str, BackendConfig]:
-    """torch's ``backend_override`` forms as ``{dim: (backend, options)}``: a value is a backend
-    name, backend options, or ``(name, options)`` (either part ``None``)."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise TypeError(
-            f"backend_override must map dim names or indices to a backend, e.g. {{'tp': 'gloo'}}; got {value!r}"
-        )
-    out: dict[int | str, BackendConfig] = {}
-    for key, given in value.items():
-        config: BackendConfig
-        if isinstance(given, str):
-            config = (given, None)
-        elif is_backend_options(given):
-            config = (None, given)
-        elif (
-            isinstance(given, tuple)
-            and len(given) == 2
-            and (given[0] is None or isinstance(given[0], str))
-            and (given[1] is None or is_backend_options(given[1]))
-        ):
-            config = (given[0], given[1])
-        else:
-            raise TypeError(
-                f"backend_override[{key!r}] must be a backend name, backend options or (name, options), "
-                f"got {given!r}"
-            )
-        out[key] = config  # backend names are checked once the keys are (build)
-    return out
+    Raises:
+        WorldSizeError: a group uses a rank outside the world.
+        MeshConfigError: the layout leaves ranks out without ``partial``, or the strategy
+            cannot run here.
+    """
+    world_size = dist.get_world_size()
+    for spec in plan.specs:
+        check_in_world(spec.layout, world_size, spec.key)
+    if not plan.partial:
+        check_covers(plan.layout, call.members, world_size)
+    creator = make_strategy(plan.strategy)
+    creator.validate(plan.specs)
+    fake = default_backend_name() == "fake"
+    return run(plan, creator, cache if cache is not None else GroupCache(), call, not fake)
 
 
 def cache_state(cache: GroupCache) -> str:
@@ -240,85 +117,6 @@ def eager_gloo(backend: str | None) -> bool:
         return False
     spec = (backend or default_backend_name()).lower()
     return all(part.rsplit(":", 1)[-1].strip() == "gloo" for part in spec.split(","))
-
-
-def check_device_index(device_type: object) -> None:
-    """A device type with an index (``"cuda:0"``) is refused before anything else, as torch's
-    ``init_device_mesh`` refuses it (whether or not a default group exists).
-
-    Raises:
-        DeviceTypeError: ``device_type`` carries an index.
-    """
-    if isinstance(device_type, str) and ":" in device_type:
-        raise DeviceTypeError(
-            torch_says(
-                f"device_type={device_type!r}: give the device type only, e.g. 'cpu' or 'cuda'",
-                f"Device type with index is not supported but got {device_type}. "
-                "If you maintained a 'torch.device' object, it's recommended to pass in 'device.type'.",
-            )
-        )
-
-
-def check_options(
-    device_type: object, backend: object, gloo_twins: object, cache: object, fake: bool = False
-) -> None:
-    """Refuse bad ``init_mesh`` options before any collective.
-
-    Args:
-        device_type: ``"cpu"``, ``"cuda"``, ... (a device type this torch can run, no index).
-        backend: a backend name or ``"cpu:gloo,cuda:nccl"``-style string, or None (the default group's).
-        gloo_twins: whether to build a gloo twin of every group (a bool).
-        cache: a ``GroupCache`` or None.
-        fake: True on torch's ``fake`` backend (the device check is skipped there).
-
-    Raises:
-        TypeError: a value of the wrong type.
-        DeviceTypeError: a device type with an index, or one this torch cannot run.
-        MeshConfigError: an unknown backend name.
-    """
-    if not isinstance(device_type, str):
-        raise TypeError(f"device_type must be a str such as 'cpu' or 'cuda', got {device_type!r}")
-    check_device_index(device_type)
-    try:
-        torch.device(device_type)
-    except RuntimeError:
-        raise DeviceTypeError(
-            f"device_type={device_type!r} is not a torch device type (e.g. 'cpu', 'cuda', 'xpu')"
-        ) from None
-    if device_type not in ("cpu", "meta") and not fake:
-        available = getattr(getattr(torch, device_type, None), "is_available", None)
-        if not callable(available) or not available():
-            raise DeviceTypeError(
-                f"device_type={device_type!r}: this torch ({torch.__version__}) cannot run on "
-                f"{device_type!r} here (torch.{device_type}.is_available() is not True); use 'cpu'"
-            )
-    if backend is not None:
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a str such as 'gloo' or 'cpu:gloo,cuda:nccl', got {backend!r}")
-        check_backend_name(backend, "backend")
-    if not isinstance(gloo_twins, bool):
-        raise TypeError(f"gloo_twins must be True or False, got {gloo_twins!r}")
-    if cache is not None and not isinstance(cache, GroupCache):
-        raise TypeError(f"cache must be a meshgroups.GroupCache or None, got {type(cache).__name__}")
-
-
-def check_backend_name(backend: str, what: str) -> None:
-    """Refuse a backend string naming a backend torch does not know.
-
-    Args:
-        backend: ``"gloo"``, ``"nccl"``, or ``"cpu:gloo,cuda:nccl"``-style.
-        what: how the error names the argument (``"backend"``, ``"backend_override['tp']"``).
-
-    Raises:
-        MeshConfigError: a part names no backend of ``torch.distributed``.
-    """
-    known = [b for b in dist.Backend.backend_list if b != "undefined"]
-    for part in backend.split(","):
-        name = part.rsplit(":", 1)[-1].strip().lower()
-        if name not in known:
-            raise MeshConfigError(
-                f"{what}={backend!r}: {name!r} is not a registered backend ({', '.join(known)})"
-            )
 
 
 def check_in_world(layout: Layout, world_size: int, key: Any) -> None:

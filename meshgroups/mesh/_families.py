@@ -1,7 +1,7 @@
 """The group families one ``MeshGroups`` holds: a handle per family (a dim tuple in layout order,
 or a subset name), the subsets' specs, the cache keys and one-rank pads it must release, and the
-options (plan, check) that later builds — ``flatten``, torch's ``_flatten``/``_unflatten`` —
-reuse. Shared by :class:`~meshgroups.MeshGroups` (lookups, lifetime) and
+first build's plan, from which later builds — ``flatten``, torch's ``_flatten``/``_unflatten`` —
+derive theirs. Shared by :class:`~meshgroups.MeshGroups` (lookups, lifetime) and
 :class:`~meshgroups.mesh._root_meshes.RootMeshes` (DeviceMeshes).
 """
 
@@ -13,9 +13,11 @@ import torch.distributed as dist
 
 from meshgroups.errors import MeshConfigError
 from meshgroups.layout import Layout
-from meshgroups.mesh._build import Built, build_more
+from meshgroups.mesh._build import Built, build
+from meshgroups.mesh._collective import collective_call
 from meshgroups.mesh._groups import GroupCache, GroupHandle, GroupKey
 from meshgroups.mesh._plan import BuildPlan, GroupSpec
+from meshgroups.mesh._planning import plan_more
 from meshgroups.mesh._torch_seam import BackendConfig
 
 
@@ -39,10 +41,12 @@ class Families:
         override: BackendConfig = (None, None),
     ) -> GroupHandle:
         """Build the family of ``key`` in ``owner`` (collective, like ``init_mesh``) with the
-        first build's options, reusing equal groups; ``label`` names it in torch."""
+        first build's options (its plan's), reusing equal groups; ``label`` names it in torch."""
         label = label or "_".join(key)
         overrides = {label: override} if override != (None, None) else None
-        built = build_more(owner, [key], self.plan, self.check, self.cache, {key: label}, overrides)
+        with collective_call("init_mesh") as call:  # joins flatten's (or torch's _flatten's) call
+            plan = plan_more(call, self.plan, owner, [key], {key: label}, overrides)
+            built = build(plan, call, cache=self.cache)
         self.keys += built.builder.keys
         self.pads += built.builder.pads
         return built.handles[key]

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshgroups._lifecycle import Closeable
 from meshgroups.errors import DuplicateNameError, MeshConfigError, UnknownDimError, torch_says
 from meshgroups.layout import Layout
-from meshgroups.mesh._build import Built, build, check_device_index, check_new_name
+from meshgroups.mesh._build import Built, build, check_new_name
 from meshgroups.mesh._collective import collective_call
 from meshgroups.mesh._families import Families
 from meshgroups.mesh._groups import GroupCache, GroupKey
@@ -32,6 +32,7 @@ from meshgroups.mesh._options import (
     merge_options,
 )
 from meshgroups.mesh._plan import SubsetSpec
+from meshgroups.mesh._planning import check_device_index, plan_build
 from meshgroups.mesh._root_meshes import RootMeshes
 from meshgroups.mesh._torch_seam import (
     flattened_dim,
@@ -404,15 +405,16 @@ def init_mesh(
         raise RuntimeError(
             "init_mesh needs an initialised default process group: call dist.init_process_group first"
         )
-    # build() opens the collective call: numbered first, errors published, a failed call closed
     keywords = MeshOptions(  # (in the order of its fields)
         *(device_type, backend, timeout, gloo_twins, strategy, check, backend_override),
         *(partial, heartbeat, lease, report_every),
     )
     opts, refusal = merge_options(options, keywords)
-    built = build(
-        layout, flatten=flatten, subsets=subsets, only=only, cache=cache, refusal=refusal, **opts.kwargs()
-    )
+    with collective_call("init_mesh") as call:  # numbered first: every check below is every rank's
+        if refusal is not None:
+            raise TypeError(refusal)
+        plan = plan_build(call, layout, opts, flatten=flatten, subsets=subsets, only=only, cache=cache)
+        built = build(plan, call, cache=cache)
     return MeshGroups(layout, built)
 
 
