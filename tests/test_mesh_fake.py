@@ -191,3 +191,46 @@ def test_close_releases_what_torch_has_not_destroyed():
     finally:
         dist.destroy_process_group()  # every group with it, other's too
     assert other.close() == 0 and other.closed and other.close() == 0
+
+
+@pytest.mark.parametrize("fake_rank", [(3, 8)], indirect=True)
+def test_the_plan_is_made_once_and_later_builds_derive_theirs(fake_rank, monkeypatch):
+    """issue 45: init_mesh plans once (make_plan), builds that plan; a later flatten (ours or
+    torch's _flatten) builds a plan derived from it, with its options, never planned again."""
+    from datetime import timedelta
+
+    from meshgroups import MeshOptions
+    from meshgroups.mesh import _families, _mesh_groups, _planning
+
+    planned, built = [], []
+    make_plan, build = _planning.make_plan, _mesh_groups.build
+
+    def counting_make_plan(*args, **kwargs):
+        planned.append(args[0])
+        return make_plan(*args, **kwargs)
+
+    def recording_build(plan, call, **kwargs):
+        built.append(plan)
+        return build(plan, call, **kwargs)
+
+    monkeypatch.setattr(_planning, "make_plan", counting_make_plan)
+    monkeypatch.setattr(_mesh_groups, "build", recording_build)
+    monkeypatch.setattr(_families, "build", recording_build)
+
+    lay = Layout(pp=2, dp=2, tp=2)
+    opts = MeshOptions(
+        backend="fake", strategy="local", timeout=42, heartbeat=0.5, lease=3.0, report_every=7.0
+    )
+    with init_mesh(lay, options=opts) as mg:
+        assert planned == [lay] and len(built) == 1
+        first = built[0]
+        assert [spec.key for spec in first.specs] == [("pp",), ("dp",), ("tp",)]
+        mg.flatten("dp", "tp")
+        mg.mesh["pp", "dp"]._flatten("pd")  # torch's own, on our mesh
+        assert planned == [lay], "a later build made a plan from the options again"
+        assert [[spec.desc for spec in plan.specs] for plan in built[1:]] == [["mesh_dp_tp"], ["mesh_pd"]]
+        for later in built[1:]:
+            assert later is not first and later.partial  # the mesh's coverage was settled once
+            assert later.timeout == first.timeout == timedelta(seconds=42)
+            assert (later.backend, later.strategy, later.device_type) == ("fake", "local", "cpu")
+            assert later.liveness == first.liveness == (0.5, 3.0, 7.0)
