@@ -20,6 +20,6 @@ fi
 # two engine workers, one core each; a small KV cache
 export VLLM_CPU_OMP_THREADS_BIND="0|1" VLLM_CPU_KVCACHE_SPACE=1
 MESHGROUPS_TEST_TIME_SCALE="${MESHGROUPS_TEST_TIME_SCALE:-3}" .venv-vllm/bin/python -m pytest -q -s -p no:cacheprovider \
-    tests/test_engines_vllm_contract.py tests/test_engines_worlds.py tests/test_engines_destination.py \
-    tests/test_engines_vllm.py tests/test_engines_vllm_serve.py
+    tests/engines/test_engines_vllm_contract.py tests/engines/test_engines_worlds.py tests/engines/test_engines_destination.py \
+    tests/engines/test_engines_vllm.py tests/engines/test_engines_vllm_serve.py
 echo "+ .ci/vllm.sh done in $((SECONDS - start)) s"

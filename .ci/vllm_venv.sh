@@ -15,10 +15,10 @@ python3 -m venv .venv-vllm
 # with "operator torchvision::nms does not exist"; text models need none of them.
 .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 .venv-vllm/bin/pip install -q -e '.[test]'
-# peft: the reference of the LoRA adapter sync (tests/test_engines_vllm_delta_job.py); test-only
+# peft: the reference of the LoRA adapter sync (tests/engines/test_engines_vllm_delta_job.py); test-only
 .venv-vllm/bin/pip install -q peft==0.21.2
 .venv-vllm/bin/python -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'
-# The newest vLLM, for its weight-transfer API only (tests/test_engines_vllm_contract.py imports its
+# The newest vLLM, for its weight-transfer API only (tests/engines/test_engines_vllm_contract.py imports its
 # weight_transfer package straight from the wheel): its CUDA build (torch 2.14.0 and ~3 GB of GPU
 # wheels) cannot run here, so no dependency is installed. 239 MB, ~8 s to fetch here.
 .venv-vllm/bin/pip download -q --no-deps -d .venv-vllm/newest vllm==0.34.0

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from meshgroups import Layout
 from meshgroups.cost import Model, rank_memory
+from tests.cost.test_cost_memory import plan_of
 from tests.support.dist import run
-from tests.test_cost_memory import plan_of
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "loss", "transient")
 

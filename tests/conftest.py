@@ -1,11 +1,13 @@
 """Suite-wide settings: pytest-timeout's per-test limit scales with MESHGROUPS_TEST_TIME_SCALE,
 hypothesis has no per-example deadline (a loaded machine misses any fixed one), Ctrl-C or SIGTERM
-stops the run and every process it started (``tests/support/reaper.py``), and ``--fast`` runs only what
-spawns no process.
+stops the run and every process it started (``tests/support/reaper.py``), and the tests that start
+processes carry the ``processes`` marker (``tests/support/processes.py`` keeps it true).
 
-``pytest --fast``: every test runs up to the point where it would start a process (a
-``subprocess``, a ``multiprocessing`` process: gloo ranks, the CLI, notebook kernels), and is
-skipped there, so the subset needs no list kept by hand and picks up new tests by itself.
+The tests live in one folder per package (``tests/mesh/``, ``tests/transfer/``, ...; the
+project-wide checks in ``tests/project/``); ``tests/support/`` holds what they share.
+
+``pytest --fast`` (the same as ``pytest -m "not processes"``): only the tests that start no
+process (no gloo ranks, CLI subprocesses or notebook kernels), chosen by the marker alone.
 
 The limit (``timeout`` in pyproject.toml, or a test's own ``@pytest.mark.timeout(n)``) only stops
 a hang; on a loaded machine the waits inside a test grow with the scale (``tests/support/timing.py``), so
@@ -14,13 +16,12 @@ the limit around them must grow with it too. An explicit ``--timeout`` or PYTEST
 
 from __future__ import annotations
 
-import multiprocessing.process
 import os
-import subprocess
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 
+from .support import processes
 from .support.reaper import install
 from .support.timing import TIME_SCALE, scaled
 
@@ -41,30 +42,35 @@ else:
     settings.load_profile("meshgroups")
 
 
-FAST_SKIP = "spawns a process: not in the --fast subset"
-
-
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--fast",
         action="store_true",
-        help="run only what spawns no process (no gloo ranks, CLI subprocesses or notebook "
-        "kernels): a test is skipped where it would start one",
+        help=f"run only the tests that start no process (no gloo ranks, CLI subprocesses or notebook "
+        f'kernels): the same as -m "not {processes.MARKER}"',
     )
-
-
-def _refuse_to_spawn(*args: Any, **kwargs: Any) -> Any:
-    pytest.skip(FAST_SKIP)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     install()  # Ctrl-C / SIGTERM: stop the run and kill every process it started
-    if config.getoption("fast", False):
-        subprocess.Popen.__init__ = _refuse_to_spawn  # type: ignore[method-assign]
-        multiprocessing.process.BaseProcess.start = _refuse_to_spawn  # type: ignore[method-assign]
+    processes.install()  # the marker (declared in pyproject.toml) kept true
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    marked = item.get_closest_marker(processes.MARKER) is not None
+    processes.unmarked(None if marked else item.nodeid)
+    try:
+        return (yield)
+    finally:
+        processes.unmarked(None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("fast", False):
+        starts = [item.get_closest_marker(processes.MARKER) is not None for item in items]
+        config.hook.pytest_deselected(items=[item for item, s in zip(items, starts) if s])
+        items[:] = [item for item, s in zip(items, starts) if not s]
     if TIME_SCALE == 1 or not config.pluginmanager.hasplugin("timeout"):
         return
     if config.getoption("timeout", None) is not None or os.environ.get("PYTEST_TIMEOUT"):

@@ -5,7 +5,7 @@ modules import when they load (imports inside functions and under ``TYPE_CHECKIN
 arrows: they are how a numpy package reaches an optional renderer, or torch, lazily). The leaves
 every package may use (``errors``, ``_checks``, ``_deprecated``, ``_lifecycle``, ``_version``)
 are left out. ``docs/design.md`` shows this text between its ``package-graph`` markers, and
-``tests/test_architecture.py`` checks that it is what the code says::
+``tests/project/test_architecture.py`` checks that it is what the code says::
 
     python tools/package_graph.py          # print it
     python tools/package_graph.py --write  # write it into docs/design.md

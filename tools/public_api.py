@@ -1,5 +1,5 @@
 """The public surface of meshgroups, read from the code, never listed by hand: one source for the
-API reference (``tools/mkdocs_hooks.py``) and for the docstring test (``tests/test_docstrings.py``).
+API reference (``tools/mkdocs_hooks.py``) and for the docstring test (``tests/project/test_docstrings.py``).
 
 Public means what each package front says in its ``__all__``: the package ``meshgroups``, its
 subpackages without a leading underscore (``layout``, ``mesh``, ``elastic``, ``transfer``,
@@ -84,7 +84,7 @@ def public_api() -> list[tuple[str, list[str]]]:
 
 
 # The modules whose docstrings must name every argument and the return value
-# (tests/test_docstrings.py): the ones the README and the guides tell users to call.
+# (tests/project/test_docstrings.py): the ones the README and the guides tell users to call.
 USER_MODULES = (
     "meshgroups",
     "meshgroups.mesh",

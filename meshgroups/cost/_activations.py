@@ -1,7 +1,7 @@
 """What a layer keeps for backward, per micro-batch and rank, as frameworks run it — counted from
 the tensors torch's autograd saves for a Llama-style block (RMSNorm, q/k/v projections, rotary
 embedding, attention, output projection, a gated or plain MLP) and checked against torch's own
-memory on real training steps (``tests/test_cost_memory.py``).
+memory on real training steps (``tests/cost/test_cost_memory.py``).
 
 With ``T`` tokens per micro-batch on the rank (``micro_batch × seq_len / cp``), ``Tn`` the tokens
 the norms and the residual stream hold (``T / tp`` with sequence parallelism, else ``T``), ``c``

@@ -2,7 +2,7 @@
 family (the dims its groups vary, named by them: ``"tp"``, ``"dp_shard+cp"``), how many calls
 and each call's *payload* — the buffer a rank passes: an all-reduce's tensor, an all-gather's
 output, a reduce-scatter's input, an all-to-all's input, a send's tensor. That is what a rank's
-``torch.distributed`` calls carry, and what ``tests/test_cost_exact.py`` counts on real
+``torch.distributed`` calls carry, and what ``tests/cost/test_cost_exact.py`` counts on real
 processes; :mod:`meshgroups.cost._traffic` puts it on links::
 
     >>> from meshgroups.cost._model import preset

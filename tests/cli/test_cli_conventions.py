@@ -2,7 +2,7 @@
 one ``--node N``, knows the same model presets, prints ``--json`` as ONE JSON document, states
 its defaults in ``--help``, and still accepts the old spellings with one ``warning:`` line on
 stderr. Run in-process through ``meshgroups.cli._app.main`` (no process is spawned: the demo's
-real run with ``--json --node`` is ``tests/test_render_cli.py::test_cli_demo_joins_torchrun``).
+real run with ``--json --node`` is ``tests/render/test_render_cli.py::test_cli_demo_joins_torchrun``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from meshgroups.cli._app import main
 from meshgroups.cli._elastic import index_runs, ranges, rank_list
 from meshgroups.elastic._plans import plan_shrink
 
-from .test_render_cli import cli
+from ..render.test_render_cli import cli
 
 
 def run(capsys, *args):
@@ -122,6 +122,7 @@ def test_helpers():
     assert index_runs((1,)) == "0<-1"
 
 
+@pytest.mark.processes
 def test_runs_as_a_module():
     res = cli("shrink", "--layout", "pp=2,dp=4,tp=8", "--lost", "13,14", "--node", "8")
     assert res.returncode == 0, res.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .support.dist import run
+from ..support.dist import run
 
 EXPLICIT = {
     4: [[0, 1, 2, 3], [3, 1], [2], [1, 2]],
@@ -111,12 +111,14 @@ def worker_oracle(rank, world, strategy="global"):
     return checked
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("world", [4, 8])
 def test_every_initializer_matches_the_legacy_loops(world):
     checked = run(worker_oracle, world, timeout=180)
     assert all(c > 10 for c in checked)
 
 
+@pytest.mark.processes
 def test_every_initializer_with_the_local_strategy_world8():
     checked = run(worker_oracle, 8, "local", timeout=180)
     assert all(c > 10 for c in checked)
@@ -157,6 +159,7 @@ def worker_subclass_and_errors(rank, world):
     return errors
 
 
+@pytest.mark.processes
 def test_user_subclass_and_world_mismatch_world4():
     for errors in run(worker_subclass_and_errors, 4):
         assert "world_size=8 differs from the default process group's world size 4" in errors[0]

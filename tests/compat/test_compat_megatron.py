@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from meshgroups.compat.megatron_layout import megatron_plan
 
-from .support.dist import run
-from .support.megatron_oracle import CONFIGS_8, megatron_expected, row_of
+from ..support.dist import run
+from ..support.megatron_oracle import CONFIGS_8, megatron_expected, row_of
 
 
 def plan_kwargs(cfg):
@@ -122,11 +122,13 @@ def worker_parallel_state(rank, world, strategy="global"):
     return checked
 
 
+@pytest.mark.processes
 def test_parallel_state_and_dataclasses_world8():
     checked = run(worker_parallel_state, 8, timeout=240)
     assert all(c > 40 for c in checked)
 
 
+@pytest.mark.processes
 def test_parallel_state_with_the_local_strategy_world8():
     checked = run(worker_parallel_state, 8, "local", timeout=240)
     assert all(c > 40 for c in checked)
@@ -195,6 +197,7 @@ def worker_from_mesh_groups(rank, world):
     return message
 
 
+@pytest.mark.processes
 def test_from_mesh_groups_world8():
     for message in run(worker_from_mesh_groups, 8):
         assert "group ('cp', 'tp') was not built" in message
@@ -265,7 +268,7 @@ def worker_getters(rank, world):
     import meshgroups.compat.parallel_state as ps
     from meshgroups.compat.process_groups_config import ProcessGroupCollection
 
-    from .support.megatron_getters import expected_snapshot, snapshot
+    from ..support.megatron_getters import expected_snapshot, snapshot
 
     compared = 0
     for cfg in GETTER_CONFIGS:
@@ -292,6 +295,7 @@ def worker_getters(rank, world):
     return compared
 
 
+@pytest.mark.processes
 def test_every_getter_matches_megatron_semantics_world8():
     compared = run(worker_getters, 8, timeout=240)
     assert all(c > 7 * 40 for c in compared)
@@ -303,7 +307,7 @@ def worker_against_megatron_core(rank, world):
     import torch.distributed as dist
     from megatron.core import parallel_state as mcore
 
-    from .support.megatron_getters import snapshot
+    from ..support.megatron_getters import snapshot
 
     compared = 0
     for cfg in GETTER_CONFIGS:
@@ -324,6 +328,7 @@ def worker_against_megatron_core(rank, world):
     return compared
 
 
+@pytest.mark.processes
 def test_getters_equal_megatron_core_world8():
     pytest.importorskip(
         "megatron.core", reason="optional: pip install --no-deps megatron-core==0.16.1 packaging einops"
@@ -338,7 +343,7 @@ def test_every_getter_at_1024_ranks_on_the_fake_backend(cfg, rank):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from .support.megatron_getters import expected_snapshot, snapshot
+    from ..support.megatron_getters import expected_snapshot, snapshot
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=1024)
     try:

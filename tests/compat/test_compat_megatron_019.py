@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from meshgroups.compat._megatron_version import installed_megatron_core
 
-from .support.dist import run
-from .support.megatron_answers import CONFIGS, REFUSALS, TABLE
+from ..support.dist import run
+from ..support.megatron_answers import CONFIGS, REFUSALS, TABLE
 
-ANSWERS = json.loads((Path(__file__).parent / "data" / TABLE).read_text())
+ANSWERS = json.loads((Path(__file__).parents[1] / "data" / TABLE).read_text())
 INSTALLED = installed_megatron_core()[1]
 
 
@@ -62,7 +62,7 @@ def worker_answers(rank: int, world: int, names: list[str]) -> int:
     from meshgroups.compat import parallel_state as ps
     from meshgroups.compat import process_groups_config as pgc
 
-    from .support.megatron_answers import error_name, snapshot_config
+    from ..support.megatron_answers import error_name, snapshot_config
 
     warnings.simplefilter("ignore")
     ps.set_megatron_version("0.19")
@@ -253,6 +253,7 @@ def _meanings_016(ps, ranks) -> int:
     return 7
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("world", [8, 16])
 def test_every_accessor_equals_megatron_core_0_19(world):
     if INSTALLED == "0.16":
@@ -262,10 +263,11 @@ def test_every_accessor_equals_megatron_core_0_19(world):
         assert compared > 150 * len(names)
 
 
+@pytest.mark.processes
 def test_the_committed_answers_are_megatron_core_0_19(tmp_path):
     if INSTALLED != "0.19":
         pytest.skip("optional: megatron-core 0.19 installed (docs/megatron-tests.md)")
-    from .support.megatron_answers import _answers
+    from ..support.megatron_answers import _answers
 
     for world in (8, 16):
         names = [n for n, (w, _) in CONFIGS.items() if w == world]

@@ -20,13 +20,13 @@ from meshgroups.compat._megatron_version import installed_megatron_core, set_meg
 
 from meshgroups import LayoutError
 
-from .support.megatron_signatures import TABLES, collect, live
+from ..support.megatron_signatures import TABLES, collect, live
 
 HAVE_MCORE = (
     importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 )
 INSTALLED = installed_megatron_core()[1]  # the served version of an installed megatron-core
-COMMITTED = {v: json.loads((Path(__file__).parent / "data" / t).read_text()) for v, t in TABLES.items()}
+COMMITTED = {v: json.loads((Path(__file__).parents[1] / "data" / t).read_text()) for v, t in TABLES.items()}
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import warnings
 import pytest
 from meshgroups.compat._megatron_version import installed_megatron_core
 
-from .support.dist import run
+from ..support.dist import run
 
 # find_spec, not importorskip: the workers import this module, and megatron-core must not be
 # imported before install().
@@ -161,6 +161,7 @@ def worker(rank: int, world: int) -> dict:
     return {"checks": checks, "fields": len(ours)}
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(
     not HAVE_MCORE, reason="optional: pip install --no-deps megatron-core==0.16.1 packaging einops"
 )

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from meshgroups.compat._megatron_version import installed_megatron_core
 
-from .support.timing import scaled
+from ..support.timing import scaled
 
 HAVE_MCORE = (
     importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
@@ -74,8 +74,8 @@ def _has_tag() -> bool:
     f"directory with the tag {TAG}",
 )
 def test_megatron_lm_unit_tests_pass_on_compat_as_on_megatron_core(tmp_path: Path) -> None:
-    from .support.megatron_lm_harness import run_files
-    from .support.megatron_lm_sources import extract
+    from ..support.megatron_lm_harness import run_files
+    from ..support.megatron_lm_sources import extract
 
     files = extract(GIT_DIR, TAG, tmp_path, SUBSET)
     assert files == SUBSET
@@ -99,14 +99,15 @@ def test_megatron_lm_unit_tests_pass_on_compat_as_on_megatron_core(tmp_path: Pat
     assert not missing, missing
 
 
+@pytest.mark.processes
 def test_harness_session_keeps_its_part_of_the_sampled_tests(tmp_path: Path) -> None:
     """The conftest the harness writes (no megatron-core needed): ``--max-params`` samples each
     function's parametrizations, the count left is recorded, and a ``--chunk`` session runs only
     its slice of them; the harness reads the count and the verdicts back."""
     import sys
 
-    from .support.megatron_lm_harness import _collected, _rank_outcomes
-    from .support.megatron_lm_sources import CONFTEST
+    from ..support.megatron_lm_harness import _collected, _rank_outcomes
+    from ..support.megatron_lm_sources import CONFTEST
 
     (tmp_path / "conftest.py").write_text(CONFTEST)
     utilities = tmp_path / "tests" / "unit_tests"

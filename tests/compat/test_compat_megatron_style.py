@@ -14,9 +14,11 @@ import warnings
 import pytest
 from meshgroups.compat._megatron_version import installed_megatron_core
 
-from .support.dist import run
-from .support.megatron_oracle import megatron_expected, row_of
-from .support.megatron_style import CONFIGS, INVALID, ORDERS, scenario
+from ..support.dist import run
+from ..support.megatron_oracle import megatron_expected, row_of
+from ..support.megatron_style import CONFIGS, INVALID, ORDERS, scenario
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 # MESHGROUPS_NO_MEGATRON_REF=1 runs the compat half alone (what CI runs, megatron-core absent).
 HAVE_MCORE = (

@@ -15,11 +15,15 @@ each rank's send bytes with the ``pp`` family's.
 
 from __future__ import annotations
 
+import pytest
+
 from meshgroups import Layout
 from meshgroups.cost import Model, Parallelism, Precision, collectives, rank_states
 from meshgroups.cost._calls import rank_payload
 
-from .support.dist import run
+from ..support.dist import run
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 SPEC = Model(layers=2, hidden=32, heads=8, kv_heads=4, ffn=64, vocab=64, seq_len=8, micro_batch=2)
 FP32 = Precision(params="float32", grads="float32", master=None, moments="float32", activations="float32")

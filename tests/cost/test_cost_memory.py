@@ -23,10 +23,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from meshgroups import Layout
 from meshgroups.cost import Model, Parallelism, Precision, rank_memory, rank_states
 
-from .support.dist import run
+from ..support.dist import run
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 #: a category may miss by this share of the measured peak (the target of issue 49: 5%)
 TOLERANCE = 0.05
@@ -83,7 +87,7 @@ def plan_of(cfg: dict[str, Any]) -> Parallelism:
 
 
 def worker(rank: int, world: int) -> list[dict[str, Any]]:
-    from .support.mem_harness import measure
+    from ..support.mem_harness import measure
 
     out = []
     for _, cfg in CONFIGS:

@@ -186,6 +186,7 @@ def test_docstring_examples_run(module):
     assert result.failed == 0 and result.attempted > 0
 
 
+@pytest.mark.processes
 def test_cost_imports_no_torch():
     code = "import sys, meshgroups.cost, meshgroups.cli._cost; print('torch' in sys.modules)"
     assert (

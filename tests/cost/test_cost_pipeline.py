@@ -4,7 +4,7 @@ The interleaved order :func:`meshgroups.cost._pipeline.rank_actions` gives each 
 order torch's own ``ScheduleInterleaved1F1B`` computes (its ``pipeline_order``, built here from
 real ``PipelineStage`` objects on a fake process group of each rank), for many stage, chunk and
 micro-batch counts; what 1F1B keeps in flight is ``Schedule1F1B``'s warm-up (its order runs on
-real processes in ``tests/test_cost_memory.py``, whose peaks depend on it). Uneven splits and
+real processes in ``tests/cost/test_cost_memory.py``, whose peaks depend on it). Uneven splits and
 the pieces of Llama 3.1 405B's 126 layers are checked too."""
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .support.published_runs import RUNS, TOLERANCE, markdown, predict
+from ..support.published_runs import RUNS, TOLERANCE, markdown, predict
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "cost.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "cost.md"
 
 
 def test_at_least_twelve_measured_runs_each_within_the_tolerance():

@@ -19,7 +19,7 @@ from meshgroups import Layout, Topology
 from meshgroups.elastic._plans import plan_grow, plan_shrink, plan_substitute
 from meshgroups.errors import RecoveryError
 
-from .test_layout_properties import layouts
+from ..layout.test_layout_properties import layouts
 
 
 # ------------------------------------------------------------------------------ the oracle

@@ -10,8 +10,10 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from .support.dist import run, scaled
-from .support.elastic_train import connect, local, replicas_equal
+from ..support.dist import run, scaled
+from ..support.elastic_train import connect, local, replicas_equal
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 T = 6.0
 SIZES = {"pp": 2, "dp_replicate": 2, "tp": 2}  # rank = 4 pp + 2 dp_replicate + tp; spare 8

@@ -9,7 +9,9 @@ import random
 
 import pytest
 
-from .support.dist import run
+from ..support.dist import run
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 WORLD = 8
 

@@ -1,6 +1,6 @@
 """``heal.training_state`` on plain modules (one process, no group): the names it lists, and a
 model whose parameters are none of the optimizer's refused (what FSDP2 leaves registered after a
-step that failed mid-forward; the FSDP2 case itself runs in tests/test_elastic_torch.py)."""
+step that failed mid-forward; the FSDP2 case itself runs in tests/elastic/test_elastic_torch.py)."""
 
 from __future__ import annotations
 

@@ -20,17 +20,20 @@ import sys
 import time
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from meshgroups import Layout
 
-from .support.dist import run, scaled
-from .support.elastic_train import LAYOUT_SIZES, batch, build, connect, load, snapshot, train_step
+from ..support.dist import run, scaled
+from ..support.elastic_train import LAYOUT_SIZES, batch, build, connect, load, snapshot, train_step
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 HEARTBEAT = scaled(0.25)  # the liveness interval of the job
 T_COLLECTIVE = scaled(60)  # the mesh's collective timeout: what a timer-bound recovery would wait
 BOUND = 10 * HEARTBEAT  # kill -> next good step (measured ~1.2 s at scale 1: 5 intervals)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _host_store():
@@ -44,7 +47,7 @@ def worker(rank, world, port):
     from meshgroups.elastic import Elastic
     from meshgroups.mesh import default_store
 
-    from .support.elastic_join import STEPS, heal_and_train, kill_self
+    from ..support.elastic_join import STEPS, heal_and_train, kill_self
 
     connect(rank, world, port, scaled(60))
     store = default_store()

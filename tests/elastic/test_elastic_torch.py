@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from meshgroups import Layout
 
-from .support.dist import run, scaled
-from .support.elastic_train import (
+from ..support.dist import run, scaled
+from ..support.elastic_train import (
     LAYOUT_SIZES,
     batch,
     build,
@@ -26,6 +26,8 @@ from .support.elastic_train import (
     snapshot,
     train_step,
 )
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 T = 6.0  # nominal seconds: the mesh's collective timeout
 

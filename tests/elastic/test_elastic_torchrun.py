@@ -23,15 +23,16 @@ import time
 import uuid
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
-from .support.elastic_torchrun import KILLED, result_key
-from .support.reaper import descendants
-from .support.timing import scaled
+from ..support.elastic_torchrun import KILLED, result_key
+from ..support.reaper import descendants
+from ..support.timing import scaled
 
 HEARTBEAT = scaled(0.25)  # the job's liveness interval
 BOUND = 16 * HEARTBEAT  # kill -> next good step on node 0; the collective timeout is scaled(60)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPECTED = {(r, 0) for r in range(4)} | {(r, 1) for r in range(4, 8)}
 # python -m torch.distributed.run, dying with this process even when it is SIGKILLed (its workers
 # die with it: tests/support/elastic_torchrun.py)
@@ -113,6 +114,7 @@ def _collect(store, agents, paths, deadline: float) -> dict[tuple[int, int], dic
     return results
 
 
+@pytest.mark.processes
 def test_torchrun_restarts_a_nodes_workers_and_they_take_their_ranks_back(tmp_path):
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=scaled(60))
@@ -160,6 +162,7 @@ def test_torchrun_restarts_a_nodes_workers_and_they_take_their_ranks_back(tmp_pa
         assert res["reference_close"], (r, res["vs_reference"])
 
 
+@pytest.mark.processes
 def test_python_m_meshgroups_store_hosts_the_job_store_until_sigterm():
     """The store process of one's own that docs/elastic.md launches the job with."""
     cmd = [sys.executable, "-m", "meshgroups", "store", "--host", "127.0.0.1", "--port", "0", "--json"]

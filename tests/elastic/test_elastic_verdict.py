@@ -24,7 +24,7 @@ from meshgroups.elastic._verdict import (
 from meshgroups.errors import ExcludedError
 from meshgroups.mesh._cohort import Cohort, current_cohort, use_cohort
 
-from .support.timing import scaled
+from ..support.timing import scaled
 
 
 @pytest.fixture

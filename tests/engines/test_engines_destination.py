@@ -105,6 +105,7 @@ def worker_replicated_kv(rank: int, world: int):
     return True
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo processes")
 def test_replicated_kv_moves_the_right_rows():
     assert run(worker_replicated_kv, 3, timeout=120) == [True, True, True]
@@ -239,6 +240,7 @@ def worker_stacked_experts(rank: int, world: int, ep: bool, placement: str):
     )
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo processes")
 @pytest.mark.parametrize("ep, placement", [(False, "linear"), (True, "linear"), (True, "round_robin")])
 def test_stacked_experts_move_the_right_rows(ep, placement):

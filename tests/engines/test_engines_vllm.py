@@ -2,7 +2,7 @@
 
 Skipped where vLLM is not importable (the main CI venv); ``.ci/vllm.sh`` runs it in its own
 venv. Each test starts one engine (tp=2, ~45 s) and one trainer of 4 gloo ranks (FSDP2 × TP,
-fp32) — ``tests/test_engines_vllm_job.py`` — and puts many checks in that one life:
+fp32) — ``tests/engines/test_engines_vllm_job.py`` — and puts many checks in that one life:
 
 - three optimizer steps, each followed by ``VLLMWeightSync.sync()``: the engine's greedy tokens
   equal a ``transformers`` reference holding the trainer's full weights, its logprobs within
@@ -11,7 +11,7 @@ fp32) — ``tests/test_engines_vllm_job.py`` — and puts many checks in that on
   model: 1/tp of each sharded weight, all of each replicated one); the sum of what the workers
   committed equals the trainer's weights'; one plan and one group build for all syncs;
 - Qwen3 (q/k norms) the same way, two steps, no fault;
-- a bf16 engine with LoRA slots (``tests/test_engines_vllm_delta_job.py``): delta syncs, a
+- a bf16 engine with LoRA slots (``tests/engines/test_engines_vllm_delta_job.py``): delta syncs, a
   worker's changed buffer refused by digest and healed dense, a LoRA adapter into vLLM's slots
   (tokens = transformers + peft), the adapter merged into the base, a resumed delta trainer
   whose base the engine no longer holds refused by version and healed dense;
@@ -26,7 +26,7 @@ fp32) — ``tests/test_engines_vllm_job.py`` — and puts many checks in that on
 - then the fault: a trainer rank that exits mid-transfer (Llama) — every other trainer rank
   gets a ``TransferError`` within the timeout and the engine keeps serving the last complete
   version (tokens equal to that version's reference). An engine worker killed mid-transfer is
-  ``tests/test_engines_vllm_serve.py``'s fault (two ``vllm serve`` engines).
+  ``tests/engines/test_engines_vllm_serve.py``'s fault (two ``vllm serve`` engines).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from tests.support.dist import free_port, scaled
 from tests.support.reaper import descendants
 
 pytestmark = [
+    pytest.mark.processes,  # every test here starts processes
     pytest.mark.skipif(
         importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (.ci/vllm.sh)"
     ),
@@ -54,7 +55,7 @@ pytestmark = [
 
 JOB = Path(__file__).with_name("test_engines_vllm_job.py")
 DELTA_JOB = Path(__file__).with_name("test_engines_vllm_delta_job.py")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_model(kind: str, where: Path) -> str:
@@ -227,7 +228,7 @@ def test_qwen3_q_k_norms(tmp_path: Path) -> None:
 
 
 def test_delta_and_lora_bf16(tmp_path: Path) -> None:
-    """One bf16 engine life with LoRA slots (``tests/test_engines_vllm_delta_job.py``): delta syncs
+    """One bf16 engine life with LoRA slots (``tests/engines/test_engines_vllm_delta_job.py``): delta syncs
     of the full weights after small Adam steps (the first dense: bytes and sums of the bf16
     cast exact, as the plain bf16 engine test checked before), a worker whose buffer changed
     under the same version refused by digest and healed dense, a LoRA adapter into vLLM's slots
@@ -346,7 +347,7 @@ def test_qwen3_moe_experts_sharded_over_tp(tmp_path: Path) -> None:
     "starts, and the first generate segfaults in cpu_fused_moe (csrc/cpu/cpu_fused_moe.cpp:242) — "
     "CPUUnquantizedExperts.apply never passes the expert map to the kernel, so global expert ids index the "
     "E/ep local experts out of bounds (measured 2026-12-04, Qwen3-MoE, 4 experts, tp=2). The ep destination "
-    "(experts stacked in the order of vLLM's expert map) is checked without vLLM in tests/test_engines_destination.py."
+    "(experts stacked in the order of vLLM's expert map) is checked without vLLM in tests/engines/test_engines_destination.py."
 )
 def test_qwen3_moe_expert_parallel() -> None:
     """Would run the Qwen3-MoE test with ``enable_expert_parallel=True`` (each worker 2 whole experts)."""

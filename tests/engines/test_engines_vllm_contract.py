@@ -25,12 +25,15 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "support" / "vllm_contract.py"
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (.ci/vllm.sh)"
-)
+pytestmark = [
+    pytest.mark.processes,  # every test here starts processes
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (.ci/vllm.sh)"
+    ),
+]
 
 
 def newest_wheel() -> Path | None:

@@ -1,4 +1,4 @@
-"""The trainer program of ``tests/test_engines_vllm.py::test_delta_and_lora_bf16``, run under
+"""The trainer program of ``tests/engines/test_engines_vllm.py::test_delta_and_lora_bf16``, run under
 torchrun (4 gloo ranks); no tests here.
 
 One bf16 engine life (tp=2, ``enable_lora=True``) on the tiny Llama, every check after every
@@ -19,7 +19,7 @@ D. the trainer of A resumed (``resume=``: its shadows, version 4) while the engi
 
 Rank 0 writes what it saw to ``--out`` as JSON.
 
-    torchrun --nproc-per-node 4 tests/test_engines_vllm_delta_job.py --model DIR --out OUT.json  # doctest: +SKIP
+    torchrun --nproc-per-node 4 tests/engines/test_engines_vllm_delta_job.py --model DIR --out OUT.json  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from tests.test_engines_vllm_job import (
+from tests.engines.test_engines_vllm_job import (
     PROMPTS,
     TORCHRUN_VARS,
     compare,

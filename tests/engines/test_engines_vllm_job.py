@@ -1,4 +1,4 @@
-"""The trainer program of tests/test_engines_vllm.py, run under torchrun (4 gloo ranks); no tests here.
+"""The trainer program of tests/engines/test_engines_vllm.py, run under torchrun (4 gloo ranks); no tests here.
 
 Rank 0 starts a real vLLM engine (tp=2, its own workers and world) on a tiny model saved by the
 test, every rank builds the same model with ``transformers`` and shards it FSDP2 (dp=2) × TP (tp=2)
@@ -9,7 +9,7 @@ worker) with what each worker's shard holds. The last sync is the fault: a train
 leaves mid-transfer (``--fault trainer``) or an engine worker killed mid-transfer (``--fault
 worker``). Rank 0 writes what it saw to ``--out`` as JSON.
 
-    torchrun --nproc-per-node 4 tests/test_engines_vllm_job.py --model DIR --out OUT.json  # doctest: +SKIP
+    torchrun --nproc-per-node 4 tests/engines/test_engines_vllm_job.py --model DIR --out OUT.json  # doctest: +SKIP
 """
 
 from __future__ import annotations

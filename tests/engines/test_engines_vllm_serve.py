@@ -3,7 +3,7 @@ deployment most RL frameworks use: the trainer in its own torchrun world, the en
 their HTTP weight-transfer routes (``VLLM_SERVER_DEV_MODE=1``), driven by ``HTTPClient``.
 
 One test, two engine lives (server A at tp=2, server B at tp=1, started as a user would, at
-once) and two trainer jobs (``tests/test_engines_vllm_serve_job.py``):
+once) and two trainer jobs (``tests/engines/test_engines_vllm_serve_job.py``):
 
 1. three optimizer steps, each synced into both servers: after each, every server's greedy
    tokens (``/v1/completions`` on prompt token ids) equal a ``transformers`` reference holding
@@ -38,14 +38,15 @@ from tests.support.dist import free_port, scaled
 from tests.support.reaper import descendants
 
 pytestmark = [
+    pytest.mark.processes,  # every test here starts processes
     pytest.mark.skipif(
         importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (.ci/vllm.sh)"
     ),
     pytest.mark.timeout(1200),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
-JOB = ROOT / "tests" / "test_engines_vllm_serve_job.py"
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ROOT / "tests" / "engines" / "test_engines_vllm_serve_job.py"
 
 
 def make_served_model(where: Path) -> str:
@@ -54,7 +55,7 @@ def make_served_model(where: Path) -> str:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from tests.test_engines_vllm import make_model
+    from tests.engines.test_engines_vllm import make_model
 
     path = make_model("qwen2", where)
     words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))

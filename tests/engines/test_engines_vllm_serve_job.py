@@ -1,4 +1,4 @@
-"""The trainer program of tests/test_engines_vllm_serve.py, run under torchrun (4 gloo ranks);
+"""The trainer program of tests/engines/test_engines_vllm_serve.py, run under torchrun (4 gloo ranks);
 no tests here.
 
 The engines are separately started ``vllm serve`` processes (``--servers URL,URL``); trainer
@@ -10,7 +10,7 @@ each serves (``/weight_info``). ``--kill I``: after the steps, one more step who
 server ``I`` loses an engine worker (SIGKILL after the first bucket); then the other server is
 checked (still the last version, its tokens) and synced once more. Rank 0 writes JSON to ``--out``.
 
-    torchrun --nproc-per-node 4 tests/test_engines_vllm_serve_job.py --servers URL,URL --model DIR --out OUT  # doctest: +SKIP
+    torchrun --nproc-per-node 4 tests/engines/test_engines_vllm_serve_job.py --servers URL,URL --model DIR --out OUT  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import urllib.request
 from datetime import timedelta
 from typing import Any
 
-from tests.test_engines_vllm_job import (
+from tests.engines.test_engines_vllm_job import (
     NEW_TOKENS,
     PROMPTS,
     compare,

@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.dist import free_port, run, scaled
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]  # every test here starts processes
 
 SIZES = [("q_proj", 16), ("k_proj", 8), ("v_proj", 8)]
 

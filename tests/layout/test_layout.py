@@ -250,6 +250,7 @@ def test_from_dict_errors():
         Layout.from_dict({"format": "meshgroups.Layout/1", "dims": {"a": 2}})
 
 
+@pytest.mark.processes
 def test_layout_core_imports_no_torch():
     import subprocess
     import sys

@@ -17,7 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from meshgroups import Layout, LayoutError, Topology, init_mesh, layout_of
 from meshgroups.render._formats import span_table
 
-from .support.timing import scaled
+from ..support.timing import scaled
 
 NAMES = ("pp", "dp", "cp", "tp")
 
@@ -242,6 +242,7 @@ def cli(*args):
     )
 
 
+@pytest.mark.processes
 def test_cli_place_show_topology_and_from_json(tmp_path):
     out = cli(
         "place", "pp=4", "dp=8", "cp=2", "tp=8", "--topology", "node=8,domain=32", "--fast-first", "tp,cp"

@@ -307,7 +307,7 @@ def test_fuzz_covers_every_combination():
 
 
 def test_core_modules_use_public_layout_api_only():
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]
     private = re.compile(r"(?<![.\w])(layout|main|view|other|a|b|owner|source|out)\._[a-z]")
     for module in (
         "layout/_algebra.py",
@@ -333,6 +333,7 @@ def test_core_modules_use_public_layout_api_only():
         assert not re.search(r"meshgroups\._", path.read_text()), f"{path.name} imports a private module"
 
 
+@pytest.mark.processes
 def test_layout_value_and_errors_need_no_torch_or_renderer():
     import subprocess
     import sys

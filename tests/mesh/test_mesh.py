@@ -6,7 +6,7 @@ import pytest
 
 from meshgroups import Layout
 
-from .support.dist import run, scaled
+from ..support.dist import run, scaled
 
 
 def dense_expert_layout() -> Layout:
@@ -76,6 +76,7 @@ def worker_invariants(rank, world):
     return sorted({tuple(v) for v in seen.values() if len(v) > 1}), mg.cache.calls, len(mg.cache)
 
 
+@pytest.mark.processes
 def test_invariants_world8():
     results = run(worker_invariants, 8)
     lay = dense_expert_layout()
@@ -130,6 +131,7 @@ def worker_permuted_dtensor(rank, world):
     return True
 
 
+@pytest.mark.processes
 def test_permuted_layout_keeps_position_equal_to_group_rank_world8():
     assert all(run(worker_permuted_dtensor, 8))
 
@@ -163,6 +165,7 @@ def worker_fsdp(rank, world):
     return True
 
 
+@pytest.mark.processes
 def test_fsdp2_on_submesh_and_flattened_mesh_world4():
     assert all(run(worker_fsdp, 4))
 
@@ -185,6 +188,7 @@ def worker_mismatch(rank, world):
     return None
 
 
+@pytest.mark.processes
 def test_layout_mismatch_raises_on_every_rank_world4():
     messages = run(worker_mismatch, 4, timeout=90)
     good, bad = Layout(dp=2, tp=2).fingerprint(), Layout(dp=4, tp=1).fingerprint()
@@ -214,6 +218,7 @@ def worker_local_strategy(rank, world):
     return calls_first
 
 
+@pytest.mark.processes
 def test_local_strategy_world8():
     calls = run(worker_local_strategy, 8, timeout=120)
     # per rank: one singleton + one step per non-trivial family (pp, dp, tp, ep, pp_tp, world, embd,
@@ -282,6 +287,7 @@ def worker_errors(rank, world):
     return errors
 
 
+@pytest.mark.processes
 def test_errors_before_any_collective_world4():
     for errors in run(worker_errors, 4, timeout=90):
         assert "uses rank 7, outside the default group's world (ranks 0..3)" in errors["outside"]
@@ -333,6 +339,7 @@ def worker_local_uneven_dedup(rank, world):
     return cache.calls, len(cache.pads)
 
 
+@pytest.mark.processes
 def test_local_strategy_pads_when_only_some_ranks_reuse_a_group_world6():
     results = run(worker_local_uneven_dedup, 6, timeout=90)
     assert len({calls for calls, _ in results}) == 1  # every rank took the same number of steps

@@ -17,8 +17,10 @@ import pytest
 
 from meshgroups import Layout
 
-from .support.dist import run, scaled
-from .support.fault_helpers import FLATTEN, LAYOUT, _outcome, verify_groups
+from ..support.dist import run, scaled
+from ..support.fault_helpers import FLATTEN, LAYOUT, _outcome, verify_groups
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 
 def _subsets(lay):

@@ -4,7 +4,11 @@ also the class torch / Megatron raise, and the next good call still works."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.support.dist import run
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 
 def _worker(rank: int, world: int) -> bool:

@@ -24,10 +24,12 @@ import os
 import signal
 import time
 
+import pytest
+
 from meshgroups import Layout
 
-from .support.dist import run, scaled
-from .support.liveness import (
+from ..support.dist import run, scaled
+from ..support.liveness import (
     BOUND,
     HB,
     LEASE,
@@ -44,6 +46,8 @@ from .support.liveness import (
     shared_results,
     timed,
 )
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 # ------------------------------------------------------------------------------------------------
 # world A: partial layouts, non-members, late / skipping / exiting ranks
@@ -426,7 +430,7 @@ def worker_e(rank, world, port):
 
 
 def test_world_e_a_clean_exit_is_marked_in_the_store():
-    from .support.dist import free_port
+    from ..support.dist import free_port
 
     assert run(worker_e, 2, free_port(), backend=None, timeout=120, port_retries=0)[0] is True
 
@@ -440,9 +444,9 @@ def test_world_f_torchrun_ranks_that_exit_before_their_first_call():
     import sys
     from pathlib import Path
 
-    from .support.dist import free_port
+    from ..support.dist import free_port
 
-    job = Path(__file__).parent / "support" / "exit_before_first_call_job.py"
+    job = Path(__file__).parents[1] / "support" / "exit_before_first_call_job.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
            str(job), str(scaled(PG_TIMEOUT)), str(HB), str(LEASE)]  # fmt: skip
     out = subprocess.run(

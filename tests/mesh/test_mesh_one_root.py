@@ -10,10 +10,13 @@ between layouts, and no process group is ever created twice.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from meshgroups import Layout
 
-from .support.dist import run, scaled
+from ..support.dist import run, scaled
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 # ranks do not increase along any dim: torch's sorted groups would permute data here
 PERMUTED = np.array([[[6, 3], [0, 5]], [[2, 7], [4, 1]]])

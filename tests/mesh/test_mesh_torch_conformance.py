@@ -26,7 +26,9 @@ import re
 import numpy as np
 import pytest
 
-from .support.dist import run
+from ..support.dist import run
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 # ranks do not increase along any dim: torch's sorted groups would permute data here
 PERMUTED = np.array([[[6, 3], [0, 5]], [[2, 7], [4, 1]]])

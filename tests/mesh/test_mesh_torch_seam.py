@@ -12,7 +12,7 @@ import torch
 
 from meshgroups.mesh._torch_seam import internals
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_this_torch_has_everything_the_seam_needs():

@@ -93,6 +93,7 @@ def test_separate_projections_and_dtype():
         preset("tiny").with_(dtype="int8")
 
 
+@pytest.mark.processes
 def test_models_import_no_torch():
     code = "import sys, meshgroups.models; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -26,7 +26,7 @@ import pytest
 
 from meshgroups import _deprecated
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 BEFORE = json.loads((ROOT / "tests" / "data" / "api_paths_0.4.1.json").read_text())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # The leaves every package may import: the typed errors, the shared input checks, the deprecation
 # table, the closeable base of every object holding groups, and the version (each imports nothing
@@ -182,7 +182,7 @@ def test_no_module_imports_a_module_whose_path_has_an_underscore_part_from_outsi
     for name, path, tree in SOURCES:
         for line, module, _ in _all_imports(tree):
             if not module.startswith("meshgroups"):
-                continue  # torch's private modules: tests/test_mesh_torch_seam.py
+                continue  # torch's private modules: tests/mesh/test_mesh_torch_seam.py
             parts = module.split(".")
             for i, part in enumerate(parts):
                 if part.startswith("_") and not name.startswith(".".join(parts[:i])):

@@ -3,7 +3,7 @@
 on the notebooks page, every relative link of the docs points at a file that exists (or at an
 API reference page the site build generates), and the four user-journey pages each show the
 data shard a training loop reads. No process is started: the pages' code runs in
-``tests/test_readme.py``."""
+``tests/project/test_readme.py``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = sorted(p.name for p in DOCS.glob("*.md"))
 NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
@@ -84,7 +84,7 @@ def test_each_journey_page_shows_the_data_shard_and_runs(page):
     text = (DOCS / page).read_text()
     for needle in JOURNEYS[page]:
         assert needle in text, f"docs/{page} must show {needle}"
-    # torchtitan and Megatron: one torchrun-style block on real processes (tests/test_readme.py)
+    # torchtitan and Megatron: one torchrun-style block on real processes (tests/project/test_readme.py)
     if page in ("start-torchtitan.md", "start-megatron.md"):
         assert text.count("<!-- run: gloo 4 -->") == 1
     assert "<!-- run: skip" not in text.replace("<!-- run: skip (needs vLLM", "")

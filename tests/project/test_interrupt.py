@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from .support.timing import scaled
+from ..support.timing import scaled
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.processes  # every test here starts processes
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _session(sid: int) -> list[str]:

@@ -16,7 +16,7 @@ import meshgroups.errors
 from meshgroups import ClosedError, Layout, MeshOptions, init_mesh
 from meshgroups._lifecycle import Closeable
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

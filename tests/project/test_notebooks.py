@@ -23,9 +23,9 @@ from meshgroups.compat.megatron_layout import megatron_plan
 
 from meshgroups import Layout
 
-from .support.timing import scaled
+from ..support.timing import scaled
 
-NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).parents[2] / "notebooks"
 # Random parameter sets are drawn from this seed (set MESHGROUPS_NOTEBOOK_SEED to draw others);
 # the test id shows each set, so a failure can be rerun as it was.
 RNG = random.Random(int(os.environ.get("MESHGROUPS_NOTEBOOK_SEED", "2026")))
@@ -222,6 +222,7 @@ def _execute(book, path, attempts=3):
     return book
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("name", "index"), CASES, ids=IDS)
 def test_notebook_runs_and_shows_its_figures(name, index, monkeypatch):
     import nbformat

@@ -12,7 +12,9 @@ import zipfile
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.processes  # every test here starts processes
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +86,12 @@ def test_sdist_tests_run(dists, tmp_path):
         "LICENSE",
         "tests/support/dist.py",
         "tests/support/megatron_oracle.py",
-        "tests/test_layout_order.py",
+        "tests/layout/test_layout_order.py",
         "compat/py.typed",
     ):
         assert (top / needed).exists(), needed
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_layout_order.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/layout/test_layout_order.py"],
         cwd=top,
         capture_output=True,
         text=True,

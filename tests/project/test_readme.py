@@ -37,9 +37,9 @@ from pathlib import Path
 
 import pytest
 
-from .support.dist import PortTaken, free_port, run, scaled
+from ..support.dist import PortTaken, free_port, run, scaled
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(\s*)```(.*)$")
@@ -233,6 +233,7 @@ def test_every_directive_is_known_and_sits_on_a_python_block():
 PROCESS = [b for b in PYTHON if _kind(b)[0] == "process"]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("block", PROCESS, ids=[b.where for b in PROCESS])
 def test_python_block_runs_in_a_fresh_interpreter(block, tmp_path):
     scratch = _scratch(tmp_path)
@@ -309,6 +310,7 @@ def test_every_block_run_on_processes_stands_alone_in_a_torchrun_script():
     assert not lacking, "\n".join(lacking)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("job", list(GLOO), ids=[f"{page}-gloo{world}" for page, world in GLOO])
 def test_gloo_blocks_run_on_real_processes(job):
     world = job[1]
@@ -391,6 +393,7 @@ def test_output_matching():
     assert not matches("a\nb", "a\nc")
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("cmd", COMMANDS, ids=[c.where for c in COMMANDS])
 def test_shell_command_gives_the_output_shown(cmd, tmp_path):
     out = subprocess.run(
@@ -413,6 +416,7 @@ def test_shell_command_gives_the_output_shown(cmd, tmp_path):
 # --- what the pages say about the extras -------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_plot_without_matplotlib_says_what_the_docs_say(tmp_path):
     """Without the plot extra, `plot` prints an install hint; the CLI page quotes that hint."""
     hide = (

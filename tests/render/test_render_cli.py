@@ -15,7 +15,7 @@ from meshgroups import Layout
 from meshgroups.cli._app import main
 from meshgroups.render._formats import group_ids, html, plot, text
 
-from .support.timing import scaled
+from ..support.timing import scaled
 
 
 def cli(*args, env=None, timeout=120):
@@ -93,6 +93,7 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch):
         plot(Layout(a=2))
 
 
+@pytest.mark.processes
 def test_cli_show_text_rank_and_json():
     out = cli("show", "pp=2", "dp=2", "cp=1", "tp=4", "--ranks-per-node", "8", "--rank", "5")
     assert out.returncode == 0, out.stderr
@@ -111,6 +112,7 @@ def test_cli_show_text_rank_and_json():
     assert out.returncode == 0 and "Layout(pp=2, dp=2, tp=4, ddp=1)" in out.stdout, out.stderr
 
 
+@pytest.mark.processes
 def test_cli_big_worlds_print_a_bounded_summary():
     out = cli("show", "pp=16", "dp=256", "cp=4", "tp=8", "--rank", "5")
     assert out.returncode == 0, out.stderr
@@ -166,12 +168,14 @@ def test_cli_bad_arguments_exit_2_without_traceback(args, message, capsys, monke
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.processes
 def test_cli_bad_argument_in_a_real_process_prints_no_traceback():
     out = cli("show", "tp=1_000")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "size of 'tp' must be an integer in digits 0-9, got '1_000'" in out.stderr
 
 
+@pytest.mark.processes
 def test_cli_plot_writes_png(tmp_path):
     out = cli(
         "plot", "pp=2", "dp=2", "tp=4", "-o", str(tmp_path / "l.png"), "--color-by", "dp,tp", "--rank", "3"
@@ -180,6 +184,7 @@ def test_cli_plot_writes_png(tmp_path):
     assert (tmp_path / "l.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.processes
 def test_cli_demo_on_real_processes():
     out = cli("demo", "--nproc", "4", "dp=-1", "tp=2", timeout=180)  # dp=-1: filled from --nproc
     assert out.returncode == 0, out.stdout + out.stderr
@@ -187,6 +192,7 @@ def test_cli_demo_on_real_processes():
     assert "4 processes (spawned on 127.0.0.1, gloo)" in out.stdout
 
 
+@pytest.mark.processes
 def test_cli_demo_joins_torchrun():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -221,6 +227,7 @@ def test_demo_report_names_the_failing_group():
     assert not ok and "FAILED: 1 of 4 checks" in text_out and "group dp [0, 1]" in text_out
 
 
+@pytest.mark.processes
 def test_console_script_is_installed():
     from pathlib import Path
 
@@ -254,6 +261,7 @@ def test_cli_place_json_reads_back_and_names_the_megatron_order(tmp_path, capsys
     assert "Layout(tp=4, dp=2, pp=2, strides=(1, 4, 8))" in capsys.readouterr().out
 
 
+@pytest.mark.processes
 def test_cli_output_cut_by_a_closed_pipe_prints_no_traceback():
     proc = subprocess.Popen(
         [sys.executable, "-m", "meshgroups", "show", "a=4096", "b=16", "--any-names", "--full"],

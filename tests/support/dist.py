@@ -23,6 +23,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from .processes import check as check_marked
 from .reaper import die_with_parent
 from .timing import TIME_SCALE, scaled
 
@@ -140,6 +141,7 @@ def _run_once(
     pg_timeout: float = 60,
     may_exit: frozenset[int] | set[int] = frozenset(),
 ) -> list[Any]:
+    check_marked(f"{world} ranks")  # forkserver forks raise no audit event (processes.py)
     ctx = context()
     queue = ctx.Queue()
     port = free_port()

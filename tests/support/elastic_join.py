@@ -1,4 +1,4 @@
-"""Shared by tests/test_elastic_join.py and its newcomer process: an 8-process HSDP × TP job
+"""Shared by tests/elastic/test_elastic_join.py and its newcomer process: an 8-process HSDP × TP job
 that loses rank 5 to SIGKILL, recovers, and admits a process started afterwards in its place.
 
 The newcomer runs ``python -m tests.support.elastic_join <port> <heartbeat>``: started by rank

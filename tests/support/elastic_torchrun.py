@@ -1,4 +1,4 @@
-"""The worker of tests/test_elastic_torchrun.py, started by ``torchrun`` (one agent per node, each
+"""The worker of tests/elastic/test_elastic_torchrun.py, started by ``torchrun`` (one agent per node, each
 with its own rendezvous and ``--max-restarts=1``)::
 
     MESHGROUPS_NODE_RANK=1 python -m torch.distributed.run --nnodes=1 --nproc-per-node=4 \\

@@ -1,4 +1,4 @@
-"""Run under torchrun by ``tests/test_mesh_liveness.py`` (world F): ranks 2 and 3 leave before
+"""Run under torchrun by ``tests/mesh/test_mesh_liveness.py`` (world F): ranks 2 and 3 leave before
 any meshgroups call; ranks 0 and 1 call ``init_mesh`` over all four with a long timeout and must
 name them as exited within seconds. Each surviving rank prints one JSON line."""
 

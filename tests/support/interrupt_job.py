@@ -1,4 +1,4 @@
-"""A multi-process test that runs until it is stopped, for ``tests/test_interrupt.py`` (which
+"""A multi-process test that runs until it is stopped, for ``tests/project/test_interrupt.py`` (which
 runs it in a pytest of its own and then signals that pytest). Not collected by the suite (its
 name has no ``test_`` prefix); run only by path, with MESHGROUPS_INTERRUPT_DIR set."""
 

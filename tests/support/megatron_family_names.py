@@ -2,7 +2,7 @@
 ``meshgroups.transfer._names.families_megatron``, read from megatron-core itself: a ``GPTModel`` built
 on CPU (gloo, world 1) with the *local* spec (``get_gpt_layer_local_spec``, SequentialMLP
 experts), one tiny config per family — the same sizes as the Hugging Face configs of
-``tests/test_transfer_families_megatron.py``. Parameters and persistent buffers (the router's
+``tests/transfer/test_transfer_families_megatron.py``. Parameters and persistent buffers (the router's
 ``expert_bias``) are listed, as a trainer's state dict names them.
 
 Transformer Engine is not installed here, so the TE spec's names are not built; its four

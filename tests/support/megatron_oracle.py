@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from math import prod
 
-from ..test_layout_order import megatron_groups
+from ..layout.test_layout_order import megatron_groups
 
 
 def megatron_expected(world, tp=1, pp=1, cp=1, ep=1, etp=None, n_opt=1, order="tp-cp-ep-dp-pp", hcp=None):

@@ -8,7 +8,7 @@ compared with the prediction times ``RESERVED_OVERHEAD`` (one factor for every r
 caching allocator's rounding, fragmentation and per-stream pools, which it does not model).
 
 ``python -m tests.support.published_runs`` prints the markdown table of ``docs/cost.md``
-(between its ``<!-- published-runs -->`` markers); ``tests/test_cost_published.py`` checks that
+(between its ``<!-- published-runs -->`` markers); ``tests/cost/test_cost_published.py`` checks that
 the page shows the current predictions, that each is within ``TOLERANCE`` of its measurement,
 and that no run that ran is called out of memory and no run that did not is called a fit.
 """

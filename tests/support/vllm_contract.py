@@ -3,7 +3,7 @@
 Run as ``python tests/support/vllm_contract.py [WHEEL]``: with a wheel, vLLM is imported from
 it (zipimport: its pure-Python ``weight_transfer`` package, nothing compiled), else the
 installed vLLM. Prints one JSON object, ``{"vllm": version, "checks": {name: "ok" | error}}``,
-that ``tests/test_engines_vllm_contract.py`` reads.
+that ``tests/engines/test_engines_vllm_contract.py`` reads.
 
     python tests/support/vllm_contract.py .venv-vllm/newest/vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl  # doctest: +SKIP
 """

@@ -10,7 +10,7 @@ import numpy as np
 from meshgroups import Layout, Topology
 from meshgroups.transfer import Shard, Weight, plan_transfer
 
-from .support.transfer_oracle import T4, _layers, _scenario, check_balance, check_local, check_plan
+from ..support.transfer_oracle import T4, _layers, _scenario, check_balance, check_local, check_plan
 
 
 def test_larger_permuted_world() -> None:

@@ -127,6 +127,7 @@ def test_bad_weight_files_exit_2(tmp_path, capsys):
         assert message in capsys.readouterr().err, name
 
 
+@pytest.mark.processes
 def test_presets_are_public_and_torch_free():
     """The CLI and the notebook take their models from one public, numpy-only function."""
     import subprocess
@@ -147,7 +148,7 @@ def test_presets_are_public_and_torch_free():
 def test_the_notebook_uses_public_names_only():
     import pathlib
 
-    book = json.loads((pathlib.Path(__file__).parents[1] / "notebooks" / "weight_transfer.ipynb").read_text())
+    book = json.loads((pathlib.Path(__file__).parents[2] / "notebooks" / "weight_transfer.ipynb").read_text())
     code = "\n".join("".join(c["source"]) for c in book["cells"] if c["cell_type"] == "code")
     assert "from meshgroups.transfer import model_weights" in code
     assert "meshgroups._" not in code  # no private module

@@ -19,7 +19,7 @@ from meshgroups.transfer._names.conventions import (
 )
 from meshgroups.transfer._names.presets import model_config, model_weights
 
-from .support.mapped_oracle import check_mapped, check_mapped_local
+from ..support.mapped_oracle import check_mapped, check_mapped_local
 
 GQA = ModelConfig(layers=2, hidden=16, heads=4, kv_heads=2, ffn=12, vocab=20)
 T2 = Topology(node=2)

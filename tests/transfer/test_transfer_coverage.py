@@ -11,7 +11,11 @@ bias) and an MTP / draft module are destinations like its weights. On 4 real glo
 
 from __future__ import annotations
 
-from .support.dist import run
+import pytest
+
+from ..support.dist import run
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 
 def _model(mtp: bool, buffer: bool, seed: int):

@@ -19,8 +19,8 @@ import pytest
 
 from meshgroups import Layout
 
-from .support.dist import run
-from .support.sync_models import (
+from ..support.dist import run
+from ..support.sync_models import (
     full_weights,
     make_trainer,
     rollout_expected,
@@ -125,6 +125,7 @@ def _job(rank, world):
     return out
 
 
+@pytest.mark.processes
 def test_delta_sync_bit_exact_and_healed() -> None:
     results = run(_job, 8, timeout=240)
     steps = [r["steps"] for r in results]
@@ -299,6 +300,7 @@ def _merged_job(rank, world):
     return out
 
 
+@pytest.mark.processes
 def test_lora_merged_at_the_sender_bit_exact() -> None:
     """``merged_weights``: W + scale·B·A merged on each trainer rank's own FSDP shard, moved
     into a rollout whose q is column-parallel and o row-parallel (bf16), as delta syncs over

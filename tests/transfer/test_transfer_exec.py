@@ -15,8 +15,8 @@ import pytest
 
 from meshgroups import Layout, LayoutError
 
-from .support.dist import run
-from .support.transfer_exec_util import _buffers, _check, _full, _run, _shards, _talk_only
+from ..support.dist import run
+from ..support.transfer_exec_util import _buffers, _check, _full, _run, _shards, _talk_only
 
 
 # --------------------------------------------------------------------------------- job 1: disjoint
@@ -201,6 +201,7 @@ def worker_disjoint(rank, world):
     return out
 
 
+@pytest.mark.processes
 def test_disjoint_layouts_world8():
     results = run(worker_disjoint, 8, timeout=400, pg_timeout=120)
     # every rollout element checked once per rank that holds it (sizes from the layouts)

@@ -13,8 +13,10 @@ import pytest
 
 from meshgroups import Layout, LayoutError
 
-from .support.dist import run, scaled
-from .support.transfer_exec_util import _buffers, _check, _full, _run, _sends_only, _shards, _talk_only
+from ..support.dist import run, scaled
+from ..support.transfer_exec_util import _buffers, _check, _full, _run, _sends_only, _shards, _talk_only
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 
 def _checked_calls(rank, out):

@@ -14,8 +14,8 @@ from meshgroups import Layout, Topology
 from meshgroups.transfer import NameMap, Shard, Weight, plan_transfer
 from meshgroups.transfer._names.families import hf_to_vllm, moe_layers
 
-from .support.family_configs import config, hf_shapes
-from .support.moe_oracle import check_moe
+from ..support.family_configs import config, hf_shapes
+from ..support.moe_oracle import check_moe
 
 transformers = pytest.importorskip("transformers")
 

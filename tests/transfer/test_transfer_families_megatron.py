@@ -37,9 +37,9 @@ from meshgroups import Layout, Topology
 from meshgroups.transfer import NameMap, Shard, Weight, plan_transfer
 from meshgroups.transfer._names.families_megatron import hf_to_megatron_family, megatron_to_hf_family
 
-from .support import megatron_family_names as mfn
-from .support.family_configs import config, hf_shapes
-from .support.moe_oracle import check_moe, expected, full_ids, rule_parts
+from ..support import megatron_family_names as mfn
+from ..support.family_configs import config, hf_shapes
+from ..support.moe_oracle import check_moe, expected, full_ids, rule_parts
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,7 +57,7 @@ def _hf_shapes(kind: str) -> dict[str, tuple[int, ...]]:
 
 
 def _table() -> dict[str, dict[str, list[int]]]:
-    return json.loads((Path(__file__).parent / "data" / mfn.TABLE).read_text())["families"]
+    return json.loads((Path(__file__).parents[1] / "data" / mfn.TABLE).read_text())["families"]
 
 
 def _megatron_shapes(kind: str, norms: str, form: str, ep: int) -> dict[str, tuple[int, ...]]:

@@ -18,7 +18,7 @@ from meshgroups.transfer._names.quant import BlockFP8
 from meshgroups.transfer._names.stacking import expert_order, stack_experts
 from meshgroups.transfer._run.fp8 import block_scales, quantize_blocks
 
-from .support.fp8_oracle import check_fp8, reference_quantize
+from ..support.fp8_oracle import check_fp8, reference_quantize
 
 
 @st.composite

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from meshgroups import Layout, LayoutError, Topology
 from meshgroups.transfer import NameMap, Shard, Weight, plan_transfer
 
-from .support.mapped_oracle import check_mapped, check_mapped_local, mapped_worlds, node_of
-from .support.transfer_oracle import check_balance, check_plan
+from ..support.mapped_oracle import check_mapped, check_mapped_local, mapped_worlds, node_of
+from ..support.transfer_oracle import check_balance, check_plan
 
 T2 = Topology(node=2)
 

@@ -8,7 +8,11 @@ the cast at the sender is the torch side's (``WeightSync``)."""
 
 from __future__ import annotations
 
-from .support.dist import run
+import pytest
+
+from ..support.dist import run
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 
 def _job(rank: int, world: int) -> int:

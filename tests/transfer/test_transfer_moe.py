@@ -12,7 +12,7 @@ from meshgroups.errors import LayoutError
 from meshgroups.transfer import NameMap, Shard, Weight, plan_transfer
 from meshgroups.transfer._names.stacking import Stack, expert_order, stack_experts
 
-from .support.moe_oracle import check_moe, moe_worlds
+from ..support.moe_oracle import check_moe, moe_worlds
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

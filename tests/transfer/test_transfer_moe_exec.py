@@ -12,7 +12,11 @@ on the full stacked tensor (bits)."""
 
 from __future__ import annotations
 
-from .support.dist import run
+import pytest
+
+from ..support.dist import run
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 H, INTER, E, HEADS, KV, HD, VOCAB, LAYERS = 128, 256, 4, 4, 2, 32, 256, 2
 
@@ -72,7 +76,7 @@ def _expected(full: dict, order: list, ep_rank: int, fp8: bool) -> dict:
     """What rollout ep rank ``ep_rank`` holds, from the full trainer tensors (by hand)."""
     import torch
 
-    from .support.fp8_oracle import reference_quantize
+    from ..support.fp8_oracle import reference_quantize
 
     bf = torch.bfloat16
     out = {

@@ -7,11 +7,12 @@ the last is unpacked) against one bucket at a time: the same bytes, and the orde
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from meshgroups.transfer._run.packing import PackBuffers, land, pack
 
-from .support.dist import run
+from ..support.dist import run
 
 
 def _job(rank: int, world: int) -> dict:
@@ -102,6 +103,7 @@ def _job(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.processes
 def test_packed_messages_same_bytes_fewer_messages() -> None:
     res = run(_job, 4, timeout=300)
     for r in res:

