@@ -8,6 +8,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from .dist import run
 
 
@@ -16,6 +18,7 @@ def _rank_waits(rank: int, world: int, where: str) -> None:
     time.sleep(3600)  # until the run is stopped
 
 
+@pytest.mark.processes
 def test_a_job_that_waits() -> None:
     where = os.environ["MESHGROUPS_INTERRUPT_DIR"]
     run(_rank_waits, 2, where, backend=None, timeout=3600)
