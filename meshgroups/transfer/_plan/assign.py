@@ -30,6 +30,7 @@ sender rotate::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -305,4 +306,16 @@ class PairRoute:
         return [(src, dst, step, lo, hi) for *_, src, dst, step, lo, hi in found]
 
 
-__all__ = ["ByNode", "PairRoute", "PlanError"]
+def merged_nodes(routes: Sequence[PairRoute]) -> np.ndarray:
+    """Nodes that receive *every* piece of a destination block from outside (``routes``: its
+    pairs'), so its representative gets the whole block and forwards it in one message; none
+    when the block is one piece."""
+    if len(routes) < 2:
+        return np.zeros(0, np.int64)
+    out = routes[0].cross_nodes
+    for r in routes[1:]:
+        out = np.intersect1d(out, r.cross_nodes, assume_unique=True)
+    return out
+
+
+__all__ = ["ByNode", "PairRoute", "PlanError", "merged_nodes"]
