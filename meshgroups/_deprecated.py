@@ -148,9 +148,10 @@ MODULES: dict[str, str] = {
     ),
     **_private(
         "meshgroups.transfer",
-        ["shards", "assign", "choose", "stream", "routes", "plan", "stats"],
+        ["shards", "assign", "choose", "routes", "plan", "stats"],
         folder="_plan.",
     ),
+    "meshgroups.transfer.stream": "meshgroups.transfer._plan.senders",
     **_private(
         "meshgroups.transfer",
         [

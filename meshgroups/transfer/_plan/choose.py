@@ -6,7 +6,7 @@ each rank makes the same choice for the pieces it takes part in. The planner
 here calls back into it:
 - cross-node senders (:func:`holder_set_streams`): per set of source holders, the units of all
   its pairs (a piece to one node lacking it) are laid end to end and cut into one range of equal
-  bytes per holder (see :mod:`~meshgroups.transfer._plan.stream`), cuts inside a piece on
+  bytes per holder (see :mod:`~meshgroups.transfer._plan.senders`), cuts inside a piece on
   multiples of ``min_part_bytes`` (whole indices of its longest axis);
 - representatives (:func:`representatives`): per destination block key, the holder position
   with the fewest bytes so far represents the nodes for the next weight's block;
@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from meshgroups.transfer._plan.senders import Stream, StreamSet
 from meshgroups.transfer._plan.shards import BlockKey, Side
-from meshgroups.transfer._plan.stream import Stream, StreamSet
 from meshgroups.transfer._spec import Box, volume
 
 

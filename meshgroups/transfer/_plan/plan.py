@@ -3,7 +3,7 @@
 For every destination shard the plan names the source ranks and exact boxes, choosing among
 replicas so that a node receives each byte it needs and lacks exactly once from outside (then
 forwards it inside the node), each holder sends within one cut quantum of its share of the
-cross-node bytes (see :mod:`~meshgroups.transfer._plan.stream`), nothing goes to a rank that already
+cross-node bytes (see :mod:`~meshgroups.transfer._plan.senders`), nothing goes to a rank that already
 holds it (colocated ranks copy locally) and every destination element is covered exactly once —
 checked while the plan is built (``plan_transfer``'s docstring shows one).
 

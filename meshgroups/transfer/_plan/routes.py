@@ -37,8 +37,8 @@ from meshgroups.errors import PlanError
 from meshgroups.layout import Layout
 from meshgroups.transfer._plan.assign import ByNode, PairRoute, merged_nodes
 from meshgroups.transfer._plan.choose import cut_axis, holder_set_streams, representatives, turn
+from meshgroups.transfer._plan.senders import Stream
 from meshgroups.transfer._plan.shards import BlockKey, Side, axis_pairs, holders
-from meshgroups.transfer._plan.stream import Stream
 from meshgroups.transfer._spec import Box, Weight, volume
 
 Block = tuple[int, ...]
