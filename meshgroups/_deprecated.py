@@ -148,9 +148,11 @@ MODULES: dict[str, str] = {
     ),
     **_private(
         "meshgroups.transfer",
-        ["shards", "assign", "choose", "routes", "plan", "stats"],
+        ["shards", "assign", "routes", "plan", "stats"],
         folder="_plan.",
     ),
+    # 0.4's choose and stream, one module since (who sends)
+    "meshgroups.transfer.choose": "meshgroups.transfer._plan.senders",
     "meshgroups.transfer.stream": "meshgroups.transfer._plan.senders",
     **_private(
         "meshgroups.transfer",

@@ -9,7 +9,7 @@ then their product) and routes each pair with :class:`~meshgroups.transfer._plan
 cached by the blocks' keys (stage and sharding coordinates), so weights placed alike share one
 routing. The cross-node senders of a piece are chosen by bytes: per set of holders, the units of
 all its pairs are laid end to end and cut into one range of equal bytes per holder
-(:func:`~meshgroups.transfer._plan.choose.holder_set_streams`); so a block's pairs are routed
+(:func:`~meshgroups.transfer._plan.senders.holder_set_streams`); so a block's pairs are routed
 when its holder set is placed, every weight of the set at once, and kept. Both the whole plan
 and a rank's part read the same :class:`Pair` s, so they agree message for message. A node that
 receives *every* piece of a destination block from outside gets them all on one representative,
@@ -36,8 +36,7 @@ import numpy as np
 from meshgroups.errors import PlanError
 from meshgroups.layout import Layout
 from meshgroups.transfer._plan.assign import ByNode, PairRoute, merged_nodes
-from meshgroups.transfer._plan.choose import cut_axis, holder_set_streams, representatives, turn
-from meshgroups.transfer._plan.senders import Stream
+from meshgroups.transfer._plan.senders import Stream, cut_axis, holder_set_streams, representatives, turn
 from meshgroups.transfer._plan.shards import BlockKey, Side, axis_pairs, holders
 from meshgroups.transfer._spec import Box, Weight, volume
 
@@ -264,7 +263,7 @@ class Planner:
     @cached_property
     def _rep_turn(self) -> dict[tuple[int, Block], int]:
         """Per ``(weight, destination block)``: its representatives' position (see
-        :func:`~meshgroups.transfer._plan.choose.representatives`)."""
+        :func:`~meshgroups.transfer._plan.senders.representatives`)."""
         return representatives(
             [ds for _, ds in self.sides], lambda ds, key: self._holders_of(1, ds, key)[1].count
         )
