@@ -161,7 +161,6 @@ MODULES: dict[str, str] = {
             "execute",
             "steps",
             "packing",
-            "pairing",
             "status",
             "fanout_groups",
             "jobs",
@@ -172,6 +171,8 @@ MODULES: dict[str, str] = {
         ],
         folder="_run.",
     ),
+    # merged since into the module that took their job in
+    "meshgroups.transfer.pairing": "meshgroups.transfer._run.status",
 }
 
 #: (module, old name) -> (module, new name): names renamed (the ``Error`` suffix, the plans'

@@ -43,8 +43,7 @@ from meshgroups.transfer._run.buckets import Buckets, Part
 from meshgroups.transfer._run.delta_codec import DENSE, MODES, SPARSE, apply, digest, encode
 from meshgroups.transfer._run.delta_state import DeltaPolicy, DeltaStats, Shadows
 from meshgroups.transfer._run.execute import Progress, Report, take_local
-from meshgroups.transfer._run.pairing import check_pairing
-from meshgroups.transfer._run.status import TAG_SPACE, Status, agree, claim_tags, next_tag
+from meshgroups.transfer._run.status import TAG_SPACE, Status, agree, check_pairing, claim_tags, next_tag
 from meshgroups.transfer._run.steps import LocalTensors, as_bytes, parts_of_step
 
 if TYPE_CHECKING:
