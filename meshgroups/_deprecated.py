@@ -160,7 +160,6 @@ MODULES: dict[str, str] = {
             "buckets",
             "execute",
             "steps",
-            "packing",
             "status",
             "fanout_groups",
             "jobs",
@@ -173,6 +172,7 @@ MODULES: dict[str, str] = {
     ),
     # merged since into the module that took their job in
     "meshgroups.transfer.pairing": "meshgroups.transfer._run.status",
+    "meshgroups.transfer.packing": "meshgroups.transfer._run.steps",
 }
 
 #: (module, old name) -> (module, new name): names renamed (the ``Error`` suffix, the plans'

@@ -61,9 +61,17 @@ from meshgroups.errors import MeshConfigError, TransferError
 from meshgroups.layout import Layout
 from meshgroups.mesh import as_timedelta, current_cohort, default_timeout
 from meshgroups.transfer._run.buckets import Buckets, Part, parts_by_bucket
-from meshgroups.transfer._run.packing import PackBuffers
 from meshgroups.transfer._run.status import Status, agree, check_pairing, claim_tags, next_tag, step_tag
-from meshgroups.transfer._run.steps import LocalTensors, Posted, Step, finish, parts_of_step, post, prepare
+from meshgroups.transfer._run.steps import (
+    LocalTensors,
+    PackBuffers,
+    Posted,
+    Step,
+    finish,
+    parts_of_step,
+    post,
+    prepare,
+)
 from meshgroups.transfer._spec import Weight
 
 if TYPE_CHECKING:

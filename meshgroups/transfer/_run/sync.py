@@ -56,8 +56,8 @@ from meshgroups.transfer._run.execute import DEFAULT_BUCKET_BYTES, Progress, Rep
 from meshgroups.transfer._run.fanout_groups import TransferGroups
 from meshgroups.transfer._run.fp8 import quantize_blocks
 from meshgroups.transfer._run.jobs import Job, digest_text
-from meshgroups.transfer._run.packing import PackBuffers
 from meshgroups.transfer._run.status import Status, no_status
+from meshgroups.transfer._run.steps import PackBuffers
 from meshgroups.transfer._run.sync_delta import move
 from meshgroups.transfer._run.sync_state import Tensors, check_buffers, merge, read, slices
 from meshgroups.transfer._run.torch_io import local_weights
