@@ -164,7 +164,6 @@ MODULES: dict[str, str] = {
             "fanout_groups",
             "jobs",
             "sync",
-            "sync_state",
             "torch_io",
             "fp8",
         ],
@@ -173,6 +172,7 @@ MODULES: dict[str, str] = {
     # merged since into the module that took their job in
     "meshgroups.transfer.pairing": "meshgroups.transfer._run.status",
     "meshgroups.transfer.packing": "meshgroups.transfer._run.steps",
+    "meshgroups.transfer.sync_state": "meshgroups.transfer._run.torch_io",
 }
 
 #: (module, old name) -> (module, new name): names renamed (the ``Error`` suffix, the plans'
