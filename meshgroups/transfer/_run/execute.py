@@ -120,7 +120,7 @@ class Report:
         weights: the weights written on this rank.
         p2p_messages: the point-to-point messages this rank posted (sends and receives): with
             packing one per peer, direction and step of a bucket, else one per slice.
-        delta: a delta sync's figures (``delta_state.DeltaStats``: dense and sent bytes, their
+        delta: a delta sync's figures (``delta_codec.DeltaStats``: dense and sent bytes, their
             ratio, the refusals); ``None`` for a sync without ``delta=``.
     """
 

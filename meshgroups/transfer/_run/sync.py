@@ -51,7 +51,7 @@ from meshgroups.transfer._names.mapped import view_source
 from meshgroups.transfer._names.names import NameMap
 from meshgroups.transfer._names.quant import BlockFP8
 from meshgroups.transfer._plan.plan import TransferPlan, plan_transfer
-from meshgroups.transfer._run.delta_state import DeltaPolicy, Shadows
+from meshgroups.transfer._run.delta_codec import DeltaPolicy, Shadows
 from meshgroups.transfer._run.execute import DEFAULT_BUCKET_BYTES, Progress, Report, execute
 from meshgroups.transfer._run.fanout_groups import TransferGroups
 from meshgroups.transfer._run.fp8 import quantize_blocks
@@ -189,7 +189,7 @@ class WeightSync(Closeable):
         self._packs = PackBuffers()  # packed messages' buffers, kept across sync() calls
         self.delta = DeltaPolicy.of(delta)
         self.version: int | None = None
-        self.shadows = Shadows()  # delta: what this rank last sent (see delta_state)
+        self.shadows = Shadows()  # delta: what this rank last sent (see delta_codec)
         self._build()
 
     # ------------------------------------------------------------------ state
