@@ -248,7 +248,7 @@ def _gloo_job(rank: int, world: int, port: int, steps: int, q: object) -> None:
 
     from meshgroups.transfer._names.mapped import view_source
     from meshgroups.transfer._run.execute import execute
-    from meshgroups.transfer._run.packing import PackBuffers
+    from meshgroups.transfer._run.steps import PackBuffers
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -148,27 +148,31 @@ MODULES: dict[str, str] = {
     ),
     **_private(
         "meshgroups.transfer",
-        ["shards", "assign", "choose", "stream", "routes", "plan", "stats"],
+        ["shards", "assign", "routes", "plan", "stats"],
         folder="_plan.",
     ),
+    # 0.4's choose and stream, one module since (who sends)
+    "meshgroups.transfer.choose": "meshgroups.transfer._plan.senders",
+    "meshgroups.transfer.stream": "meshgroups.transfer._plan.senders",
     **_private(
         "meshgroups.transfer",
         [
             "buckets",
             "execute",
             "steps",
-            "packing",
-            "pairing",
             "status",
             "fanout_groups",
             "jobs",
             "sync",
-            "sync_state",
             "torch_io",
             "fp8",
         ],
         folder="_run.",
     ),
+    # merged since into the module that took their job in
+    "meshgroups.transfer.pairing": "meshgroups.transfer._run.status",
+    "meshgroups.transfer.packing": "meshgroups.transfer._run.steps",
+    "meshgroups.transfer.sync_state": "meshgroups.transfer._run.torch_io",
 }
 
 #: (module, old name) -> (module, new name): names renamed (the ``Error`` suffix, the plans'

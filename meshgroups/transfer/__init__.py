@@ -44,7 +44,7 @@ from meshgroups.transfer._plan.plan import Message, TransferPlan, plan_transfer
 from meshgroups.transfer._spec import Box, Placement, Replicate, Shard, Weight
 
 if TYPE_CHECKING:
-    from meshgroups.transfer._run.delta_state import DeltaPolicy, DeltaStats
+    from meshgroups.transfer._run.delta_codec import DeltaPolicy, DeltaStats
     from meshgroups.transfer._run.execute import DEFAULT_BUCKET_BYTES, Progress, Report, execute
     from meshgroups.transfer._run.fanout_groups import TransferGroups
     from meshgroups.transfer._run.fp8 import quantize_blocks
@@ -55,8 +55,8 @@ if TYPE_CHECKING:
 
 # The torch side: name -> its private module, imported on first use.
 _TORCH_SIDE = {
-    "DeltaPolicy": "_run.delta_state",
-    "DeltaStats": "_run.delta_state",
+    "DeltaPolicy": "_run.delta_codec",
+    "DeltaStats": "_run.delta_codec",
     "DEFAULT_BUCKET_BYTES": "_run.execute",
     "Progress": "_run.execute",
     "Report": "_run.execute",

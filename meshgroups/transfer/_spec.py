@@ -113,6 +113,18 @@ def itemsize(dtype: str) -> int:
     return TORCH_ONLY_DTYPES.get(dtype) or int(np.dtype(dtype).itemsize)
 
 
+def volume(box: Box) -> int:
+    """The number of elements in ``box``::
+
+    >>> volume(((0, 2), (1, 4)))
+    6
+    """
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
+
+
 def chunk(start: int, stop: int, parts: int, index: int) -> tuple[int, int]:
     """Piece ``index`` of ``[start, stop)`` cut into ``parts`` as torch's ``Shard`` cuts it:
     chunks of ``ceil(n / parts)``, the last ones smaller or empty::
@@ -387,4 +399,4 @@ class Weight:
         return self.box_at(layout, layout.coords(int(rank)))
 
 
-__all__ = ["Box", "Placement", "Replicate", "Shard", "Weight", "chunk", "intervals"]
+__all__ = ["Box", "Placement", "Replicate", "Shard", "Weight", "chunk", "intervals", "volume"]

@@ -59,7 +59,7 @@ def test_weight_sync_refuses_one_name_on_two_pipeline_stages():
     weight lives on its stage only; one name on two stages (each with its own values) is two
     weights, which no rollout name can tell apart: refused, never sent from either stage."""
     from meshgroups.transfer import Weight
-    from meshgroups.transfer._run.sync_state import merge
+    from meshgroups.transfer._run.torch_io import merge
 
     stage0, stage1 = Weight("norm", (4,), stage=("pp", 0)), Weight("norm", (4,), stage=("pp", 1))
     assert merge([[stage0], [stage0]]) == [stage0]

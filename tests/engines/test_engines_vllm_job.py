@@ -301,7 +301,7 @@ def main() -> None:
     t1 = time.monotonic()
     # DeepSeek-V3's router bias is a persistent buffer in transformers (a parameter in vLLM): the
     # module's persistent buffers are read like its parameters
-    from meshgroups.transfer._run.sync_state import module_tensors
+    from meshgroups.transfer._run.torch_io import module_tensors
 
     buffers = {n: b for n, b in module_tensors(model) if n.endswith("e_score_correction_bias")}
 

@@ -38,7 +38,7 @@ def _worker(rank: int, world: int) -> dict:
 
     from meshgroups import Layout, LayoutError
     from meshgroups.transfer import WeightSync
-    from meshgroups.transfer._run.sync_state import module_tensors
+    from meshgroups.transfer._run.torch_io import module_tensors
 
     trainer, rollout = Layout(tp=2), Layout(tp=2, rank_offset=2)
     out: dict = {}

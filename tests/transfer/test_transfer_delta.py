@@ -175,7 +175,7 @@ def test_delta_sync_bit_exact_and_healed() -> None:
 
 @pytest.mark.parametrize("bad", [0, "x", -3])
 def test_delta_policy_refuses_bad_values(bad) -> None:
-    from meshgroups.transfer._run.delta_state import DeltaPolicy
+    from meshgroups.transfer._run.delta_codec import DeltaPolicy
 
     with pytest.raises((ValueError, TypeError)):
         DeltaPolicy(block=bad)

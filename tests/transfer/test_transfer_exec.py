@@ -249,7 +249,6 @@ def test_buckets_cut_rows_and_pack_whole_weights():
         "meshgroups.transfer._run.status",
         "meshgroups.transfer._names.presets",
         "meshgroups.transfer._run.steps",
-        "meshgroups.transfer._run.packing",
     ],
 )
 def test_docstring_examples(module):

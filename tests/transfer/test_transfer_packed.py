@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshgroups.transfer._run.packing import PackBuffers, land, pack
+from meshgroups.transfer._run.steps import PackBuffers, land, pack
 
 from ..support.dist import run
 
@@ -21,7 +21,7 @@ def _job(rank: int, world: int) -> dict:
     from meshgroups import Layout, Topology
     from meshgroups.transfer import Shard, Weight, plan_transfer
     from meshgroups.transfer._run.execute import execute
-    from meshgroups.transfer._run.packing import PackBuffers
+    from meshgroups.transfer._run.steps import PackBuffers
 
     trainer, rollout = Layout(tp=2), Layout(tp=2, rank_offset=2)
     t_w = [Weight(f"w{i}", (4 + i, 6), "float32", {"tp": Shard(1)}) for i in range(6)]

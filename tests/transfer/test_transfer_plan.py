@@ -238,7 +238,7 @@ def test_plan_against_brute_force(
     [
         "",
         "._spec",
-        *(f"._plan.{m}" for m in ("shards", "assign", "choose", "routes", "stats", "plan", "stream")),
+        *(f"._plan.{m}" for m in ("shards", "assign", "senders", "routes", "stats", "plan")),
     ],
 )
 def test_docstring_examples(module: str) -> None:

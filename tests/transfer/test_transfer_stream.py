@@ -1,4 +1,4 @@
-"""The stream cut (meshgroups.transfer._plan.stream) against a direct simulation: a holder set's units
+"""The stream cut (meshgroups.transfer._plan.senders) against a direct simulation: a holder set's units
 laid end to end (node-major), one range of equal bytes per holder, cuts on quantum multiples."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshgroups.transfer._plan.stream import Stream, StreamSet
+from meshgroups.transfer._plan.senders import Stream, StreamSet
 
 
 @st.composite

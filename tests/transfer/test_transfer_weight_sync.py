@@ -372,7 +372,7 @@ def test_weight_sync_world8():
 def test_describe_sees_what_a_plan_depends_on_and_nothing_else():
     import torch
 
-    from meshgroups.transfer._run.sync_state import describe, local_tensors
+    from meshgroups.transfer._run.torch_io import describe, local_tensors
 
     t = torch.zeros(4, 2)
     before = describe({"w": t, "b": torch.zeros(3)})
@@ -402,7 +402,7 @@ def test_weight_sync_needs_a_process_group():
 def test_docstring_examples():
     import doctest
 
-    from meshgroups.transfer._run import sync_state
+    from meshgroups.transfer._run import torch_io
 
-    result = doctest.testmod(sync_state, optionflags=doctest.ELLIPSIS)
+    result = doctest.testmod(torch_io, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

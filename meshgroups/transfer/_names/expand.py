@@ -23,6 +23,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from collections.abc import Mapping, Sequence
+from functools import partial
 
 from meshgroups.errors import LayoutError
 from meshgroups.layout import Layout
@@ -141,7 +142,7 @@ def map_weights(
             links.append(Link(rw.name, rw.name, tw.name, *pair, None, 0, (rw,), 0, 0, src, dst))
             used.setdefault(tw.name, []).append((None, 0, 0, None))
             continue
-        links.extend(rule_links(rw, rule, by_name, cast, used, src, dst))
+        links.extend(rule_links(rw, rule, by_name, partial(wire_dtype, cast), used, src, dst))
     if quantize is not None and scales:
         links = quantized_links(links, scales, dst_weights, quantize)
     for link in links:

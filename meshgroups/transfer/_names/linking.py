@@ -15,15 +15,15 @@ trainer piece straight to its place and its byte bound holds unchanged::
     >>> t = [Weight(f"e{e}.{p}", (4, 8), placements={"tp": Shard(0)}) for e in range(2) for p in ("gate", "up")]
     >>> rw = Weight("w13", (2, 8, 8), placements={"tp": Shard(1)})
     >>> stack = Stack.of({"stack": [["e0.gate", "e0.up"], ["e1.gate", "e1.up"]]})
-    >>> links = rule_links(rw, stack, {w.name: w for w in t}, None, {}, Layout(tp=2), Layout(tp=2, rank_offset=2))
+    >>> same = lambda rw, tw: rw.dtype  # the rollout's dtype on the wire
+    >>> links = rule_links(rw, stack, {w.name: w for w in t}, same, {}, Layout(tp=2), Layout(tp=2, rank_offset=2))
     >>> [(ln.source, ln.src.shape, ln.dst_local(3)) for ln in links][:2]
     [('e0.gate', (1, 4, 8), ((0, 1), (0, 2), (0, 8))), ('e0.up', (1, 4, 8), ((0, 1), (2, 4), (0, 8)))]
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
 
 from meshgroups.errors import LayoutError
 from meshgroups.layout import Layout
@@ -31,9 +31,6 @@ from meshgroups.transfer._names.mapped import Link, SegmentWeight, Window
 from meshgroups.transfer._names.names import Rule, Segment
 from meshgroups.transfer._names.stacking import Stack
 from meshgroups.transfer._spec import Placement, Shard, Weight
-
-if TYPE_CHECKING:
-    from meshgroups.transfer._names.expand import Cast
 
 #: Where each segment reads its trainer weight: ``{name: [(axis, start, stop, index), ...]}``
 #: in the trainer weight's own axes (``axis None``: all of it; ``index``: one expert of axis 0).
@@ -79,7 +76,7 @@ def rule_links(
     rw: Weight,
     rule: Rule | Stack,
     by_name: Mapping[str, Weight],
-    cast: Cast,
+    wire: Callable[[Weight, Weight], str],
     used: Used,
     src: Layout,
     dst: Layout,
@@ -92,7 +89,9 @@ def rule_links(
         rw: the rollout weight.
         rule: its rule (not a plain rename) or stack.
         by_name: the trainer's weights by name (every source is in it).
-        cast: as :func:`~meshgroups.transfer.map_weights`' ``cast``.
+        wire: the wire dtype of a trainer weight going into ``rw``, ``wire(rw, trainer weight)``
+            (``expand.wire_dtype`` under ``map_weights``' ``cast``: the one place casts are
+            read, handed in so this module needs nothing of the one that calls it).
         used: filled with what each segment reads (for the coverage check).
         src, dst: the trainer's and the rollout's layouts.
 
@@ -102,12 +101,10 @@ def rule_links(
     Raises:
         LayoutError: an axis out of range, a stack whose length is not ``rw``'s axis 0, a view
             or segment that does not fit its source, other axes that differ, segments that do
-            not tile the axis, entries whose parts differ in size, a dtype change ``cast``
-            does not allow — naming the rollout weight, the trainer weight and the rule.
+            not tile the axis, entries whose parts differ in size — naming the rollout weight,
+            the trainer weight and the rule; and what ``wire`` raises (a dtype change no cast
+            allows).
     """
-    from meshgroups.transfer._names.expand import (
-        wire_dtype,  # the one place casts are read (expand imports this module)
-    )
 
     stacked = isinstance(rule, Stack)
     entries: tuple[Rule, ...] = rule.entries if isinstance(rule, Stack) else (rule,)
@@ -164,7 +161,7 @@ def rule_links(
                 if (offset, n) != (0, extent):
                     d_cuts.append((axis, offset, extent))
                 s = _in_link_axes(name, tw, link_axes, shape, tuple(s_cuts))
-                d = SegmentWeight(name, shape, wire_dtype(cast, rw, tw), rw.placements, rw.stage, rw.shard_order,
+                d = SegmentWeight(name, shape, wire(rw, tw), rw.placements, rw.stage, rw.shard_order,
                                   tuple(d_cuts) or None)  # fmt: skip
                 axes = None if link_axes == tuple(range(len(tw.shape))) else link_axes
                 out.append(Link(name, rw.name, tw.name, s, d, axis, a, parts, gi, offset, src, dst, axes))

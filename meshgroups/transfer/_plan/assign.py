@@ -13,13 +13,13 @@ So a node receives each byte it needs and lacks exactly once from outside: the m
 The choice is a formula of public quantities only (the pair's holders, the weight's index, a
 rotation), so the sender and the receiver of a message compute the same choice without talking:
 node ``k`` of the pair's ``K`` cross nodes (in node order) gets the piece from the source holder
-:class:`~meshgroups.transfer._plan.stream.Stream` names (see there: whole units, or fragments when a
+:class:`~meshgroups.transfer._plan.senders.Stream` names (see there: whole units, or fragments when a
 holder's range of its set's bytes ends inside one); the representative of a node and the intra
 sender rotate::
 
     >>> hs, hd = np.array([0, 8]), np.array([1, 4, 5, 12])  # nodes of 4: S on 0, 2; D on 0, 1, 3
     >>> r = PairRoute.build(hs, ByNode.of(hs, 4), ByNode.of(hd, 4), 4, True)
-    >>> from meshgroups.transfer._plan.stream import StreamSet
+    >>> from meshgroups.transfer._plan.senders import StreamSet
     >>> one = StreamSet.of([(2, 1)], h=2, start=0).pair(0, 1, 1, 1)  # 2 units of 1 byte, 2 holders
     >>> src, dst, step, lo, hi = r.messages(one, turn=0, rep_turn=0)
     >>> list(zip(src.tolist(), dst.tolist(), step.tolist()))
@@ -30,13 +30,14 @@ sender rotate::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
 from meshgroups.errors import PlanError
-from meshgroups.transfer._plan.stream import Stream
+from meshgroups.transfer._plan.senders import Stream
 
 
 def _runs(keys: np.ndarray, positions: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -305,4 +306,16 @@ class PairRoute:
         return [(src, dst, step, lo, hi) for *_, src, dst, step, lo, hi in found]
 
 
-__all__ = ["ByNode", "PairRoute", "PlanError"]
+def merged_nodes(routes: Sequence[PairRoute]) -> np.ndarray:
+    """Nodes that receive *every* piece of a destination block from outside (``routes``: its
+    pairs'), so its representative gets the whole block and forwards it in one message; none
+    when the block is one piece."""
+    if len(routes) < 2:
+        return np.zeros(0, np.int64)
+    out = routes[0].cross_nodes
+    for r in routes[1:]:
+        out = np.intersect1d(out, r.cross_nodes, assume_unique=True)
+    return out
+
+
+__all__ = ["ByNode", "PairRoute", "PlanError", "merged_nodes"]

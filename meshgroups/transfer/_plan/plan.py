@@ -3,7 +3,7 @@
 For every destination shard the plan names the source ranks and exact boxes, choosing among
 replicas so that a node receives each byte it needs and lacks exactly once from outside (then
 forwards it inside the node), each holder sends within one cut quantum of its share of the
-cross-node bytes (see :mod:`~meshgroups.transfer._plan.stream`), nothing goes to a rank that already
+cross-node bytes (see :mod:`~meshgroups.transfer._plan.senders`), nothing goes to a rank that already
 holds it (colocated ranks copy locally) and every destination element is covered exactly once —
 checked while the plan is built (``plan_transfer``'s docstring shows one).
 
@@ -75,6 +75,7 @@ class _LazyMessages(Sequence[Message]):
         self._planner, self._counts = planner, counts
         self._ends = np.cumsum(counts)
         self._names = [w.name for w in planner.weights]
+        self._last: tuple[int, list[Message]] = (-1, [])  # one weight's, for indexing in order
 
     def __len__(self) -> int:
         return int(self._ends[-1]) if self._ends.size else 0
@@ -96,7 +97,9 @@ class _LazyMessages(Sequence[Message]):
             raise IndexError(f"message index {i} out of range ({n} messages)")
         w = int(np.searchsorted(self._ends, j, side="right"))
         first = int(self._ends[w] - self._counts[w])
-        return list(_messages(self._names, self._planner.weight_chunks(w)))[j - first]
+        if self._last[0] != w:
+            self._last = (w, list(_messages(self._names, self._planner.weight_chunks(w))))
+        return self._last[1][j - first]
 
 
 class TransferPlan:
@@ -186,6 +189,7 @@ class TransferPlan:
         self.n_local = tally.n_local
         self.node_size = planner.node_size
         self.mapping: Mapped | None = None
+        self._by_rank: dict[int, tuple[Message, ...]] = {}  # for_rank of a whole plan, the last ranks'
 
     @property
     def src(self) -> Layout:
@@ -242,7 +246,15 @@ class TransferPlan:
     def for_rank(self, r: int) -> list[Message]:
         """The messages ``r`` sends or receives, in plan order."""
         if self.rank is None:
-            return list(_messages([w.name for w in self._planner.weights], _rank_chunks(self._planner, r)))
+            got = self._by_rank.get(r)
+            if got is None:  # a rank reads its part several times (its groups, execute, a delta)
+                got = tuple(
+                    _messages([w.name for w in self._planner.weights], _rank_chunks(self._planner, r))
+                )
+                if len(self._by_rank) >= 4:
+                    del self._by_rank[next(iter(self._by_rank))]
+                self._by_rank[r] = got
+            return list(got)
         if r != self.rank:
             raise LayoutError(f"this plan holds rank {self.rank}'s messages only, not rank {r}'s")
         return list(self.messages)

@@ -17,6 +17,7 @@ Everything here is O(ndim + holders) per block, from coordinates; nothing scans 
 
 from __future__ import annotations
 
+from collections import defaultdict
 from functools import cached_property, lru_cache
 
 import numpy as np
@@ -94,6 +95,11 @@ class Side:
                 return None
             out.append(index)
         return tuple(out)
+
+    def block_with(self, key: BlockKey) -> tuple[int, ...] | None:
+        """The non-empty block whose holders are ``key``, if any: :meth:`block_of` at the key's
+        coordinates (the size-1 dims keys leave out at 0)."""
+        return self.block_of(-1, defaultdict(int, key))
 
     def block_box(self, block: tuple[int, ...]) -> Box:
         return tuple((int(iv[b, 0]), int(iv[b, 1])) for iv, b in zip(self.axis_intervals, block))

@@ -168,7 +168,7 @@ class HolderSets:
         guarantees: per rank, its intra-node step-0 bytes plus, per holder set H it is in,
         ``⌈X_H / h⌉ + Q_H`` (``X_H``: H's cross-node bytes, cut into one range per member;
         ``Q_H``: the most a cut on a quantum moves a range, see
-        :mod:`~meshgroups.transfer._plan.stream`)."""
+        :mod:`~meshgroups.transfer._plan.senders`)."""
         sets = list(self._sets.values())
         if not sets:
             return 0.0, 0.0

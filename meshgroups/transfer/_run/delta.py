@@ -3,7 +3,7 @@ a payload of what changed since the version each receiver holds.
 
 Per slice (a message cut to a bucket), the sender compares the wire values it would send
 (after the name map's cut, the cast and the block-fp8 quantization: what the receiver holds)
-with its shadow of what it last sent (``delta_state.Shadows``) and sends the smallest of
+with its shadow of what it last sent (``delta_codec.Shadows``) and sends the smallest of
 dense, sparse positions or changed blocks (``delta_codec``); then it keeps the new values as
 its shadow. The receiver writes the new values at the changed positions: bit for bit what a
 dense copy writes. Collective, like ``execute``: ``execute_delta(plan, src, dst, shadows,
@@ -40,11 +40,19 @@ import torch.distributed as dist
 from meshgroups.errors import TransferError, VersionError
 from meshgroups.mesh import as_timedelta, default_timeout
 from meshgroups.transfer._run.buckets import Buckets, Part
-from meshgroups.transfer._run.delta_codec import DENSE, MODES, SPARSE, apply, digest, encode
-from meshgroups.transfer._run.delta_state import DeltaPolicy, DeltaStats, Shadows
+from meshgroups.transfer._run.delta_codec import (
+    DENSE,
+    MODES,
+    SPARSE,
+    DeltaPolicy,
+    DeltaStats,
+    Shadows,
+    apply,
+    digest,
+    encode,
+)
 from meshgroups.transfer._run.execute import Progress, Report, take_local
-from meshgroups.transfer._run.pairing import check_pairing
-from meshgroups.transfer._run.status import TAG_SPACE, Status, agree, claim_tags, next_tag
+from meshgroups.transfer._run.status import TAG_SPACE, Status, agree, check_pairing, claim_tags, next_tag
 from meshgroups.transfer._run.steps import LocalTensors, as_bytes, parts_of_step
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ passes empty mappings; its docstring shows it).
 Buckets are the same on every rank (``buckets.Buckets``: weights in plan order, big ones cut
 into row blocks, packed by full size), so a rank stages about two buckets at a time. Before the
 first bucket every rank checks its inputs against its boxes, and the ranks check that their
-sends and receives pair up (``pairing.check_pairing``). A bucket moves in two steps: step 0
+sends and receives pair up (``status.check_pairing``). A bucket moves in two steps: step 0
 (sources send; colocated ranks copy locally), written into the buffers, then step 1 (forwards
 inside a node, sent from the buffers just written). Bucket 0 is prepared (views and staging
 buffers) and agreed ready (one small all-reduce). Then, per bucket ``b``: the next bucket is
@@ -61,10 +61,17 @@ from meshgroups.errors import MeshConfigError, TransferError
 from meshgroups.layout import Layout
 from meshgroups.mesh import as_timedelta, current_cohort, default_timeout
 from meshgroups.transfer._run.buckets import Buckets, Part, parts_by_bucket
-from meshgroups.transfer._run.packing import PackBuffers
-from meshgroups.transfer._run.pairing import check_pairing
-from meshgroups.transfer._run.status import Status, agree, claim_tags, next_tag, step_tag
-from meshgroups.transfer._run.steps import LocalTensors, Posted, Step, finish, parts_of_step, post, prepare
+from meshgroups.transfer._run.status import Status, agree, check_pairing, claim_tags, next_tag, step_tag
+from meshgroups.transfer._run.steps import (
+    LocalTensors,
+    PackBuffers,
+    Posted,
+    Step,
+    finish,
+    parts_of_step,
+    post,
+    prepare,
+)
 from meshgroups.transfer._spec import Weight
 
 if TYPE_CHECKING:
@@ -113,7 +120,7 @@ class Report:
         weights: the weights written on this rank.
         p2p_messages: the point-to-point messages this rank posted (sends and receives): with
             packing one per peer, direction and step of a bucket, else one per slice.
-        delta: a delta sync's figures (``delta_state.DeltaStats``: dense and sent bytes, their
+        delta: a delta sync's figures (``delta_codec.DeltaStats``: dense and sent bytes, their
             ratio, the refusals); ``None`` for a sync without ``delta=``.
     """
 

@@ -3,7 +3,8 @@
 Between the stages of ``execute`` every rank contributes a failure flag, a digest of its
 arguments and the next point-to-point tag it may use; one all-reduce (MAX) tells every rank who
 failed, whether the digests agree, and the first tag of the call. A failure anywhere becomes
-the same ``TransferError`` on every rank.
+the same ``TransferError`` on every rank. Before the first bucket one more all-reduce checks
+that the ranks' sends and receives pair up (:func:`check_pairing`).
 
 **Liveness.** The exchange waits like every meshgroups wait (the liveness of ``meshgroups.mesh``): while
 the all-reduce is pending, the other ranks' heartbeats are looked at every half second, so a
@@ -28,8 +29,11 @@ Tags wrap after 2^31 - 2 steps of one process (``TAG_SPACE``).
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -37,11 +41,15 @@ import torch.distributed as dist
 from meshgroups.errors import RanksGoneError, TransferError
 from meshgroups.mesh import Liveness, Lookout, default_store, gone_error, world_liveness
 
+if TYPE_CHECKING:
+    from meshgroups.transfer._run.buckets import Part
+
 #: Tags live in [1, TAG_SPACE]; gloo takes non-negative 32-bit ints.
 TAG_SPACE = 2**31 - 2
 # The next tag this process may use (monotone; agreed by MAX across ranks at each call). One
 # number per process: tags must differ across *all* calls between a pair of ranks.
 _next_tag = [1]
+_PAIRING_MOD = 1 << 40  # per-rank sums below it: a world of 2^23 ranks sums within int64
 
 
 def next_tag() -> int:
@@ -196,6 +204,55 @@ def agree(
     ) from error
 
 
+def check_pairing(status: Status, parts: Mapping[int, Sequence[Part]], me: int) -> None:
+    """Every send pairs with a receive: the hashes of the slices the ranks send and of those
+    they receive sum to the same over the status group (one all-reduce; the same verdict on
+    every rank). Parts of different plans — other ``plan_transfer`` options on some rank, which
+    the digest cannot see — fail here, before any data moves, instead of pairing wrong data.
+
+    Args:
+        status: the agreements' group and wait.
+        parts: this rank's parts by bucket.
+        me: this rank.
+
+    Raises:
+        TransferError: (stage ``"check"``, on every rank) the sums differ, or a rank did not
+            answer.
+    """
+    sent = received = 0
+    for ps in parts.values():
+        for p in ps:
+            if p.src == p.dst:
+                continue
+            text = f"{p.key}|{p.dst}|{p.box}"
+            h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") % _PAIRING_MOD
+            if p.src == me:
+                sent = (sent + h) % _PAIRING_MOD
+            if p.dst == me:
+                received = (received + h) % _PAIRING_MOD
+    try:
+        total_sent, total_received = status.sums([sent, received])
+    except Exception as exc:
+        raise TransferError(
+            f"weight transfer: rank {me} got no status from every rank in {where(-1, 'check')} "
+            f"({type(exc).__name__}: {exc}); a rank is gone or stuck",
+            (),
+            -1,
+            "check",
+            (),
+        ) from exc
+    if (total_sent - total_received) % _PAIRING_MOD:
+        raise TransferError(
+            "weight transfer failed in the check before the first bucket — the ranks' plans do not pair "
+            "up: the slices they plan to send are not the slices they plan to receive (parts of different "
+            "plans, e.g. plan_transfer called with other options on some rank); nothing was moved",
+            (),
+            -1,
+            "check",
+            (),
+        )
+
+
 def no_status(
     status: Status, exc: BaseException, when: str, bucket: int, stage: str, done: tuple[str, ...]
 ) -> TransferError:
@@ -248,6 +305,7 @@ __all__ = [
     "Status",
     "TransferError",
     "agree",
+    "check_pairing",
     "claim_tags",
     "next_tag",
     "no_status",

@@ -51,16 +51,15 @@ from meshgroups.transfer._names.mapped import view_source
 from meshgroups.transfer._names.names import NameMap
 from meshgroups.transfer._names.quant import BlockFP8
 from meshgroups.transfer._plan.plan import TransferPlan, plan_transfer
-from meshgroups.transfer._run.delta_state import DeltaPolicy, Shadows
+from meshgroups.transfer._run.delta_codec import DeltaPolicy, Shadows
 from meshgroups.transfer._run.execute import DEFAULT_BUCKET_BYTES, Progress, Report, execute
 from meshgroups.transfer._run.fanout_groups import TransferGroups
 from meshgroups.transfer._run.fp8 import quantize_blocks
 from meshgroups.transfer._run.jobs import Job, digest_text
-from meshgroups.transfer._run.packing import PackBuffers
 from meshgroups.transfer._run.status import Status, no_status
+from meshgroups.transfer._run.steps import PackBuffers
 from meshgroups.transfer._run.sync_delta import move
-from meshgroups.transfer._run.sync_state import Tensors, check_buffers, merge, read, slices
-from meshgroups.transfer._run.torch_io import local_weights
+from meshgroups.transfer._run.torch_io import Tensors, check_buffers, local_weights, merge, read, slices
 from meshgroups.transfer._spec import Weight
 
 
@@ -190,7 +189,7 @@ class WeightSync(Closeable):
         self._packs = PackBuffers()  # packed messages' buffers, kept across sync() calls
         self.delta = DeltaPolicy.of(delta)
         self.version: int | None = None
-        self.shadows = Shadows()  # delta: what this rank last sent (see delta_state)
+        self.shadows = Shadows()  # delta: what this rank last sent (see delta_codec)
         self._build()
 
     # ------------------------------------------------------------------ state
@@ -200,7 +199,7 @@ class WeightSync(Closeable):
         return () if self.plan is None or self.plan.mapping is None else self.plan.mapping.unused
 
     def _read(self) -> tuple[tuple[object, ...], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """What this rank's plan depends on (local; see ``sync_state.describe``), and its local
+        """What this rank's plan depends on (local; see ``torch_io.describe``), and its local
         trainer and rollout tensors, in one pass."""
         trainer, t_local = read(self.trainer)
         rollout, r_local = read(self.rollout)

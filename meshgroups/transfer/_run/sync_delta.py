@@ -29,7 +29,7 @@ import torch.distributed as dist
 from meshgroups.errors import VersionError
 from meshgroups.mesh import as_timedelta, default_timeout
 from meshgroups.transfer._run.delta import execute_delta, fill_shadows
-from meshgroups.transfer._run.delta_state import DeltaStats
+from meshgroups.transfer._run.delta_codec import DeltaStats
 from meshgroups.transfer._run.execute import Progress, Report, execute
 from meshgroups.transfer._run.status import Status, no_status
 
