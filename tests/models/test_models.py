@@ -16,7 +16,7 @@ from meshgroups.models import ALIASES, PRESETS, Model, from_hf_config, hf_value,
 
 def test_cost_and_transfer_read_the_same_model():
     import meshgroups.cost as cost
-    from meshgroups.transfer import presets
+    from meshgroups.transfer._names import presets
 
     assert cost.Model is Model and cost.preset is preset and cost.PRESETS is PRESETS
     assert list(presets.MODELS) == list(PRESETS)  # one set of names

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from meshgroups import Layout
-from meshgroups.transfer import NameMap, Plan, Weight
+from meshgroups.transfer import NameMap, TransferPlan, Weight
 from meshgroups.transfer._names.mapped import view_source
 from meshgroups.transfer._names.quant import BlockFP8
 from meshgroups.transfer._run.fp8 import quantize_blocks
@@ -115,7 +115,7 @@ def expected_fp8(
 
 
 def run_fp8(
-    plan: Plan, src: Layout, sws: list[Weight], full: dict[str, torch.Tensor], dst: Layout
+    plan: TransferPlan, src: Layout, sws: list[Weight], full: dict[str, torch.Tensor], dst: Layout
 ) -> tuple[dict[tuple[str, int], torch.Tensor], dict[tuple[str, int], torch.Tensor]]:
     """The plan's moves on per-rank tensors: each sender quantizes its own link views (the
     library's quantizer), as ``WeightSync`` does. Returns the buffers and write counts."""
@@ -160,7 +160,7 @@ def run_fp8(
 
 
 def check_fp8(
-    plan: Plan,
+    plan: TransferPlan,
     src: Layout,
     sws: list[Weight],
     dst: Layout,

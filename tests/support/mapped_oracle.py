@@ -17,7 +17,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from meshgroups import Layout, Topology
-from meshgroups.transfer import NameMap, Plan, Replicate, Shard, Weight, plan_transfer
+from meshgroups.transfer import NameMap, Replicate, Shard, TransferPlan, Weight, plan_transfer
 from meshgroups.transfer._names.names import Rule
 
 
@@ -79,7 +79,7 @@ def expected(
 
 
 def check_mapped(
-    plan: Plan,
+    plan: TransferPlan,
     src: Layout,
     sws: list[Weight],
     dst: Layout,
@@ -136,7 +136,7 @@ def check_mapped(
 
 
 def check_mapped_local(
-    plan: Plan, src: Layout, sws: list[Weight], dst: Layout, dws: list[Weight], **kw: object
+    plan: TransferPlan, src: Layout, sws: list[Weight], dst: Layout, dws: list[Weight], **kw: object
 ) -> None:
     """A rank's part equals the whole plan's messages filtered to it, moves included."""
     msgs = list(plan.messages)

@@ -13,7 +13,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from meshgroups import Layout, Topology
-from meshgroups.transfer import NameMap, Plan, Replicate, Shard, Weight
+from meshgroups.transfer import NameMap, Replicate, Shard, TransferPlan, Weight
 from meshgroups.transfer._names.mapped import view_source
 from meshgroups.transfer._names.names import Rule, Segment
 from meshgroups.transfer._names.stacking import Stack, expert_order
@@ -92,7 +92,13 @@ def expected(
 
 
 def check_moe(
-    plan: Plan, src: Layout, sws: list[Weight], dst: Layout, dws: list[Weight], name_map: NameMap, node: int
+    plan: TransferPlan,
+    src: Layout,
+    sws: list[Weight],
+    dst: Layout,
+    dws: list[Weight],
+    name_map: NameMap,
+    node: int,
 ) -> None:
     """Run the plan's moves on ids; check every buffer element (exactly once), and the
     cross-node bytes against the lower bound."""

@@ -16,7 +16,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from meshgroups import Layout, Topology
-from meshgroups.transfer import Plan, Replicate, Shard, Weight, plan_transfer
+from meshgroups.transfer import Replicate, Shard, TransferPlan, Weight, plan_transfer
 
 T4 = Topology(node=4)
 
@@ -48,7 +48,9 @@ def brute_minimum(src: Layout, sws: list[Weight], dst: Layout, dws: list[Weight]
     return total
 
 
-def check_plan(plan: Plan, src: Layout, sws: list[Weight], dst: Layout, dws: list[Weight], node: int) -> None:
+def check_plan(
+    plan: TransferPlan, src: Layout, sws: list[Weight], dst: Layout, dws: list[Weight], node: int
+) -> None:
     """Exact coverage, no redundant byte, valid senders and forwards, minimum cross bytes."""
     by_name = {w.name: w for w in sws}
     msgs = list(plan.messages)
@@ -90,7 +92,7 @@ def check_plan(plan: Plan, src: Layout, sws: list[Weight], dst: Layout, dws: lis
 
 
 def check_balance(
-    plan: Plan,
+    plan: TransferPlan,
     src: Layout,
     sws: list[Weight],
     dst: Layout,
@@ -98,7 +100,7 @@ def check_balance(
     node: int,
     min_part_bytes: int = 1 << 16,
 ) -> None:
-    """The balance the Plan docstring states, against holder sets found by brute force (the
+    """The balance the TransferPlan docstring states, against holder sets found by brute force (the
     source ranks whose box holds a message's box):
     - per holder set of ``h`` ranks sending ``X`` cross-node bytes, each member sends within
       ``Q`` of ``X / h`` (``Q``: the largest cut quantum of the set's pieces — a piece being
@@ -171,7 +173,7 @@ def check_balance(
 
 
 def check_local(
-    plan: Plan,
+    plan: TransferPlan,
     src: Layout,
     sws: list[Weight],
     dst: Layout,
@@ -189,7 +191,9 @@ def check_local(
         assert plan.for_rank(r) == list(mine)
 
 
-def _scenario(src: Layout, sws: list[Weight], dst: Layout, dws: list[Weight], topo: Topology | None) -> Plan:
+def _scenario(
+    src: Layout, sws: list[Weight], dst: Layout, dws: list[Weight], topo: Topology | None
+) -> TransferPlan:
     plan = plan_transfer(src, sws, dst, dws, topology=topo)
     check_plan(plan, src, sws, dst, dws, 1 if topo is None else _node(topo))
     check_local(plan, src, sws, dst, dws, topo)
