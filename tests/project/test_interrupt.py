@@ -3,7 +3,8 @@ process it started survives — its gloo ranks, the forkserver they come from, t
 
 Each case runs ``tests/support/interrupt_job.py`` (two real spawned ranks that wait until stopped) in a
 pytest of its own, in a new session, waits until both ranks are up, signals that pytest, and then
-checks that it ends and that no process of its session is left.
+checks that it ends and that no process of its session is left; also with two pytest-xdist
+workers (each with its own forkserver), as the README's test command runs the suite.
 """
 
 from __future__ import annotations
@@ -51,11 +52,28 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
-def test_a_signal_stops_the_run_and_leaves_no_process(sig, tmp_path):
+@pytest.mark.parametrize(
+    ("sig", "workers"),
+    [
+        *((sig, []) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)),
+        # the README's test command runs pytest-xdist workers, each with its own forkserver
+        *((sig, ["-n", "2"]) for sig in (signal.SIGTERM, signal.SIGKILL)),
+    ],
+    ids=lambda v: v.name if isinstance(v, signal.Signals) else " ".join(v) or "one process",
+)
+def test_a_signal_stops_the_run_and_leaves_no_process(sig, workers, tmp_path):
     env = dict(os.environ, MESHGROUPS_INTERRUPT_DIR=str(tmp_path))
     run = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/support/interrupt_job.py"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *workers,
+            "tests/support/interrupt_job.py",
+        ],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
