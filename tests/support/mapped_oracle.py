@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from meshgroups import Layout, Topology
 from meshgroups.transfer import NameMap, Replicate, Shard, TransferPlan, Weight, plan_transfer
-from meshgroups.transfer._names.names import Rule
+from meshgroups.transfer._names.rules import Rule
 
 
 def _cut(box: tuple[tuple[int, int], ...] | None) -> tuple[slice, ...]:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from meshgroups import Layout, Topology
 from meshgroups.transfer import NameMap, Replicate, Shard, TransferPlan, Weight
 from meshgroups.transfer._names.mapped import view_source
-from meshgroups.transfer._names.names import Rule, Segment
+from meshgroups.transfer._names.rules import Rule, Segment
 from meshgroups.transfer._names.stacking import Stack, expert_order
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from meshgroups.errors import LayoutError
 from meshgroups.layout import Layout
 from meshgroups.transfer._names.mapped import Link, SegmentWeight, Window
-from meshgroups.transfer._names.names import Rule, Segment
+from meshgroups.transfer._names.rules import Rule, Segment
 from meshgroups.transfer._names.stacking import Stack
 from meshgroups.transfer._spec import Placement, Shard, Weight
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from meshgroups._checks import is_int
 from meshgroups.errors import LayoutError
-from meshgroups.transfer._names.names import Rule, Segment
+from meshgroups.transfer._names.rules import Rule, Segment
 
 #: Expert placements :func:`expert_order` knows.
 PLACEMENTS = ("linear", "round_robin")
