@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The real-engine tests (docs/engines.md): vLLM's CPU build in a venv of its own (.venv-vllm, made
-# by .ci/vllm_venv.sh; it pins torch==2.13.0+cpu), then tests/test_engines_*.py in it. Called from
+# by .ci/vllm_venv.sh; it pins torch==2.13.0+cpu), then tests/engines/test_engines_*.py in it. Called from
 # .ci/run; works from a clean checkout. Measured in CI on the 2-core machine (2026-12-04): the
 # venv 142 s, made beside the main suite; the tests (seven engine lives: Llama, Qwen2, Qwen3, a bf16
 # engine, Gemma, Qwen3-MoE, DeepSeek-V3; expert parallel skipped) 478 s. Since issue 47 (measured
