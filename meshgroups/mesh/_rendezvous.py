@@ -37,14 +37,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshgroups.errors import (
-    MeshBuildError,
-    MismatchError,
-    RendezvousTimeoutError,
-    StoreConnectionError,
-)
+from meshgroups.errors import MeshBuildError, RendezvousTimeoutError, StoreConnectionError
 from meshgroups.mesh._failure_records import failure_record, from_record, shared, waiting_on_peer
 from meshgroups.mesh._liveness import Liveness
+from meshgroups.mesh._mismatch import mismatch_error
 from meshgroups.mesh._options import DEFAULT_LEASE, DEFAULT_REPORT_EVERY
 from meshgroups.mesh._waiting import Lookout, gone_error, poll_key
 
@@ -288,64 +284,16 @@ class Meeting:
         return {name: int(self.op("get", self._key(f"max/{name}"))) for name in counters}
 
     def _raise_mismatch(self, reference: Mapping[str, str]) -> None:
-        by_arg: dict[str, dict[int, str]] = {}
-        for line in self.op("get", self._key("bad")).decode().splitlines():
-            r, args = json.loads(line)
-            for arg, digest in args.items():
-                by_arg.setdefault(arg, {})[int(r)] = digest
-        order = list(reference)
-        first = min(by_arg, key=lambda a: order.index(a) if a in order else len(order))
-        if "call_site" in by_arg and first != "operation":
-            first = "call_site"  # a call paired with another: its arguments differ as a consequence
-        ranks = sorted(by_arg[first])
-        odd, usual = ranks[0], self.leader
-        if len(ranks) > self.world_size // 2 and len(set(by_arg[first].values())) == 1:
-            # Most ranks agree with each other, not with the leader: the leader is the odd one out.
-            odd, usual, ranks = self.leader, ranks[0], [self.leader]
-        odd_shown = json.loads(self.op("get", self._key(f"mine/{odd}")))
-        usual_shown = json.loads(self.op("get", self._key(f"mine/{usual}")))
-        others = [a for a in by_arg if a != first]
-        if first == "call_site":
-            raise shared(self._skipped_call(ranks, odd, odd_shown, usual, usual_shown, others))
-        if first == "operation":
-            advice = (
-                "every rank must make the same collective calls in the same order; did a rank skip a "
-                "call, or make one the others did not?"
-            )
-        else:
-            advice = "every rank must make this call with the same arguments"
-        raise shared(
-            MismatchError(
-                f"{self.what} was made with a different {first!r} on {_ranks(ranks)}: rank {odd} has "
-                f"{first}={odd_shown.get(first)} but rank {usual} has {first}={usual_shown.get(first)}"
-                + (f" (also differing: {', '.join(others)})" if others else "")
-                + f"; this is rank {self.rank}. {advice[0].upper()}{advice[1:]}",
-                argument=first,
-                ranks=tuple(ranks),
-            )
-        )
+        bad = self.op("get", self._key("bad")).decode()
 
-    def _skipped_call(
-        self,
-        ranks: list[int],
-        odd: int,
-        odd_shown: Mapping[str, str],
-        usual: int,
-        usual_shown: Mapping[str, str],
-        others: list[str],
-    ) -> MismatchError:
-        """The same operation from different lines: ranks paired different calls, so one of
-        them skipped a call (or made an extra one); the arguments that differ as a result are
-        named last, as a consequence, not as the cause."""
-        then = f" (as a result its arguments differ too: {', '.join(others)})" if others else ""
-        return MismatchError(
-            f"{self.what} pairs different calls (call_site): {_ranks(ranks)} made it as "
-            f"{odd_shown.get('call_site')}, rank {usual} as {usual_shown.get('call_site')}{then}; "
-            f"this is rank {self.rank}. A rank skipped a collective call, or made one the others "
-            "did not: every rank must make the same collective calls in the same order",
-            argument="call_site",
-            ranks=tuple(ranks),
+        def shown_of(r: int) -> Mapping[str, str]:
+            return dict(json.loads(self.op("get", self._key(f"mine/{r}"))))
+
+        what, leader, size = self.what, self.leader, self.world_size
+        error = mismatch_error(
+            bad, shown_of, reference, leader=leader, world_size=size, what=what, rank=self.rank
         )
+        raise shared(error)
 
     def finish(self, error: BaseException | None, grace: float) -> None:
         """Phase 3: report this rank's build (``None``: success) and wait for every rank's; the
