@@ -5,13 +5,15 @@ are numbered within it, and a meeting's keys live under ``meshgroups/rdzv/<call>
 A meeting has three phases, each a barrier whose outcome is decided exactly once, by
 ``compare_set`` on a state key (first writer wins):
 
-1. *arrive* — rank 0 (a cohort's first member) publishes its argument digests, every rank raises torch's group counters to
-   the common maximum and counts itself in; the last arrival sets ``arrived``. A rank that gave
-   up waiting sets ``abandoned`` instead, so a rank arriving later raises rather than passing
-   alone; a rank that failed sets ``failed`` so the others stop waiting.
-2. *verify* — every rank compares its digests with rank 0's and records what differs; the last
-   sets ``verified``, and then every rank raises the same ``MismatchError`` naming the argument
-   and the ranks, or goes on.
+1. *arrive* — rank 0 (a cohort's first member) publishes its argument digests, every rank raises
+   torch's group counters to the common maximum, says whether its arguments differ from the
+   first arrival's (a fingerprint, ``compare_set`` on one key), and counts itself in; the last
+   arrival sets ``arrived``. A rank that gave up waiting sets ``abandoned`` instead, so a rank
+   arriving later raises rather than passing alone; a rank that failed sets ``failed`` so the
+   others stop waiting. Where no rank differs (the usual case) the meeting ends here.
+2. *verify* (only where some rank differs) — every rank compares its digests with rank 0's and
+   records what differs; the last sets ``verified``, and then every rank raises the same
+   ``MismatchError`` naming the argument and the ranks, or goes on.
 3. *built* — after creating its groups every rank reports (``ok``, or why it failed); the state
    is decided once every rank reported or when the wait ends, so every rank raises the same
    error: the first failure that was not merely waiting on a peer, else the first failure, else
@@ -29,6 +31,7 @@ arrived (and their last words), a lost store is a ``StoreConnectionError``. O(1)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -92,6 +95,10 @@ class Meeting:
         self.observer, self.lease, self.report_every = observer, lease, report_every
         self.dead: dict[int, str] = {}  # the awaited ranks found gone in the last wait, and how
         self.arrival = 0  # this rank's place in the order of arrival at the current phase (1: first)
+        # what this meeting set in the store, so a success deletes only keys that exist
+        self.phases: list[str] = []  # the phases this rank counted itself in at
+        self.counter_names: tuple[str, ...] = ()
+        self.shown_set = self.differed = False
 
     def _key(self, name: str) -> str:
         return f"{self.base}/{name}"
@@ -239,6 +246,7 @@ class Meeting:
             self._wait_state(phase, done, where, started, late=True)  # decided without this rank
             return
         self.op("set", self._key(f"{phase}/here/{self.rank}"), "1")
+        self.phases.append(phase)
         self.arrival = int(self.op("add", self._key(f"{phase}/count"), 1))
         if self.arrival == self.world_size:
             self.op("compare_set", self._key(phase), "", done)
@@ -260,12 +268,28 @@ class Meeting:
         message prints for each argument; ``call_site`` is compared only between ranks that run
         the same ``program``)."""
         started = time.monotonic()
+        self.counter_names = tuple(counters)
         if self.rank == self.leader:
             self.op("set", self._key("ref"), json.dumps(digests))
             self.op("set", self._key(f"mine/{self.leader}"), json.dumps(shown))
+            self.shown_set = True
         for name, value in counters.items():
             self._raise_up_to_max(name, value)
+        # A rank whose arguments differ from the first arrival's says so before it counts itself
+        # in, so after the barrier every rank reads the same answer: where all agree (the usual
+        # case) the meeting ends there, one barrier instead of two; else phase 2 runs as below.
+        mine = _fingerprint(digests)
+        if self.op("compare_set", self._key("digest"), "", mine).decode() != mine:
+            self.op("set", self._key("differ"), "1")
         self._barrier("state", "arrived", "the cross-rank check", started)
+        if self.op("check", [self._key("differ")]):
+            self.differed = True
+            self._verify(digests, shown, started)
+        return {name: int(self.op("get", self._key(f"max/{name}"))) for name in counters}
+
+    def _verify(self, digests: Mapping[str, str], shown: Mapping[str, str], started: float) -> None:
+        """Phase 2: every rank records how its arguments differ from the leader's, then the same
+        ``MismatchError`` everywhere (none: ranks of different programs at different lines)."""
         reference = json.loads(self.op("get", self._key("ref")))
         differing = [
             arg
@@ -278,10 +302,10 @@ class Meeting:
             entry = json.dumps([self.rank, {arg: digests[arg] for arg in differing}])
             self.op("append", self._key("bad"), entry + "\n")
             self.op("set", self._key(f"mine/{self.rank}"), json.dumps(shown))
+            self.shown_set = True
         self._barrier("verify", "verified", "the comparison", started)
         if self.op("check", [self._key("bad")]):
             self._raise_mismatch(reference)
-        return {name: int(self.op("get", self._key(f"max/{name}"))) for name in counters}
 
     def _raise_mismatch(self, reference: Mapping[str, str]) -> None:
         bad = self.op("get", self._key("bad")).decode()
@@ -309,6 +333,7 @@ class Meeting:
             self._decide_built(started)  # decided without this rank (it was too slow)
             return
         self.op("set", self._key(f"built/here/{self.rank}"), record)
+        self.phases.append("built")
         self.arrival = int(self.op("add", self._key("built/count"), 1))
         if self.arrival == self.world_size:
             self.op("compare_set", self._key("built"), "", "reported")
@@ -375,14 +400,26 @@ class Meeting:
         )
 
     def own_keys(self) -> list[str]:
-        """This rank's keys in this meeting (each rank deletes its own)."""
-        return [self._key(f"{p}/here/{self.rank}") for p in PHASES] + [self._key(f"mine/{self.rank}")]
+        """This rank's keys in this meeting (each rank deletes its own): those it set."""
+        mine = [f"mine/{self.rank}"] if self.shown_set else []
+        return [self._key(n) for n in [f"{p}/here/{self.rank}" for p in self.phases] + mine]
 
-    def shared_keys(self, counters: tuple[str, ...]) -> list[str]:
-        """The meeting's shared keys (deleted by the last rank out of the call)."""
-        names = ["ref", "bad", "fail/first", "fail/second"] + [f"max/{c}" for c in counters]
-        names += [f"{phase}{suffix}" for phase in PHASES for suffix in ("", "/count")]
+    def shared_keys(self) -> list[str]:
+        """The meeting's shared keys after it succeeded (deleted by the last rank out of the call):
+        those the phases it went through set (a mismatch or a failure would have raised). Every
+        rank went through the same phases, so any rank lists every rank's."""
+        names = [f"{phase}{suffix}" for phase in self.phases for suffix in ("", "/count")]
+        if "state" in self.phases:
+            names += ["ref", "digest"] + (["differ", "bad"] if self.differed else [])
+            names += [f"max/{c}" for c in self.counter_names]
         return [self._key(n) for n in names]
+
+
+def _fingerprint(digests: Mapping[str, str]) -> str:
+    """What phase 1 compares: every argument but ``program`` (equal fingerprints everywhere
+    mean phase 2 would find nothing)."""
+    compared = {arg: digest for arg, digest in digests.items() if arg != "program"}
+    return hashlib.sha256(json.dumps(compared, sort_keys=True).encode()).hexdigest()
 
 
 def _gone(text: str) -> dict[int, str]:
