@@ -219,15 +219,16 @@ def _retire_out_of_step(
         for key, group in cache.items()
         if group is not None and group is not dist.group.WORLD and len(key[0]) > 1 and live.has_all(key[0])
     ]
-    mine = []
-    for _, group in candidates:
-        name = f"{call.base}/seq/{group.group_name}/{rank}"
-        store.set(name, str(group_sequence(group)))
-        mine.append(name)
+    # One round trip to publish and one to read, whatever the number of groups: every survivor
+    # makes them at once, right after a loss, on a store every rank shares.
+    mine = [f"{call.base}/seq/{group.group_name}/{rank}" for _, group in candidates]
+    if mine:
+        store.multi_set(mine, [str(group_sequence(group)) for _, group in candidates])  # type: ignore[attr-defined]
     call.agree({}, {})  # every member has published its numbers
-    for key, group in candidates:
-        values = store.multi_get([f"{call.base}/seq/{group.group_name}/{r}" for r in key[0]])
-        if len(set(values)) > 1:
+    names = [[f"{call.base}/seq/{group.group_name}/{r}" for r in key[0]] for key, group in candidates]
+    values = iter(store.multi_get([name for group_names in names for name in group_names]) if mine else [])
+    for (key, _), group_names in zip(candidates, names):
+        if len({next(values) for _ in group_names}) > 1:
             cache.evict(key)
             for holder in holders:
                 holder.forget_group(key)

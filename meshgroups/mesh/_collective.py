@@ -117,7 +117,6 @@ class Call(CallLiveness):
         self.timeout = default_timeout()
         self.meetings: list[Meeting] = []
         self.open: Meeting | None = None  # a meeting this rank is inside
-        self.counters: tuple[str, ...] = ()
         self.sweep_prefixes: list[str] = []
         self._compared: dict[str, str] = {}
         self.started = time.monotonic()
@@ -151,7 +150,6 @@ class Call(CallLiveness):
             if os.environ.get("MESHGROUPS_COMPARE_CALL_SITES", "1") == "0":
                 digests["call_site"] = shown["call_site"] = "not compared"
         meeting = self._next_meeting()
-        self.counters = tuple(sorted(set(self.counters) | set(counters)))
         self.open = meeting
         maxima = meeting.agree(digests, shown, counters)
         self.progress(f"creating groups (meeting {len(self.meetings)})")
@@ -285,7 +283,7 @@ class Call(CallLiveness):
                     self._op("delete_key", key)
             return
         for meeting in self.meetings:
-            for key in meeting.shared_keys(self.counters):
+            for key in meeting.shared_keys():
                 self._op("delete_key", key)
         for name in ("entered", "left"):
             self._op("delete_key", self._key(name))

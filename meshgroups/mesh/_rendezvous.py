@@ -5,13 +5,15 @@ are numbered within it, and a meeting's keys live under ``meshgroups/rdzv/<call>
 A meeting has three phases, each a barrier whose outcome is decided exactly once, by
 ``compare_set`` on a state key (first writer wins):
 
-1. *arrive* — rank 0 (a cohort's first member) publishes its argument digests, every rank raises torch's group counters to
-   the common maximum and counts itself in; the last arrival sets ``arrived``. A rank that gave
-   up waiting sets ``abandoned`` instead, so a rank arriving later raises rather than passing
-   alone; a rank that failed sets ``failed`` so the others stop waiting.
-2. *verify* — every rank compares its digests with rank 0's and records what differs; the last
-   sets ``verified``, and then every rank raises the same ``MismatchError`` naming the argument
-   and the ranks, or goes on.
+1. *arrive* — rank 0 (a cohort's first member) publishes its argument digests, every rank raises
+   torch's group counters to the common maximum, says whether its arguments differ from the
+   first arrival's (a fingerprint, ``compare_set`` on one key), and counts itself in; the last
+   arrival sets ``arrived``. A rank that gave up waiting sets ``abandoned`` instead, so a rank
+   arriving later raises rather than passing alone; a rank that failed sets ``failed`` so the
+   others stop waiting. Where no rank differs (the usual case) the meeting ends here.
+2. *verify* (only where some rank differs) — every rank compares its digests with rank 0's and
+   records what differs; the last sets ``verified``, and then every rank raises the same
+   ``MismatchError`` naming the argument and the ranks, or goes on.
 3. *built* — after creating its groups every rank reports (``ok``, or why it failed); the state
    is decided once every rank reported or when the wait ends, so every rank raises the same
    error: the first failure that was not merely waiting on a peer, else the first failure, else
@@ -29,6 +31,7 @@ arrived (and their last words), a lost store is a ``StoreConnectionError``. O(1)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -37,14 +40,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshgroups.errors import (
-    MeshBuildError,
-    MismatchError,
-    RendezvousTimeoutError,
-    StoreConnectionError,
-)
+from meshgroups.errors import MeshBuildError, RendezvousTimeoutError, StoreConnectionError
 from meshgroups.mesh._failure_records import failure_record, from_record, shared, waiting_on_peer
 from meshgroups.mesh._liveness import Liveness
+from meshgroups.mesh._mismatch import mismatch_error
 from meshgroups.mesh._options import DEFAULT_LEASE, DEFAULT_REPORT_EVERY
 from meshgroups.mesh._waiting import Lookout, gone_error, poll_key
 
@@ -96,6 +95,10 @@ class Meeting:
         self.observer, self.lease, self.report_every = observer, lease, report_every
         self.dead: dict[int, str] = {}  # the awaited ranks found gone in the last wait, and how
         self.arrival = 0  # this rank's place in the order of arrival at the current phase (1: first)
+        # what this meeting set in the store, so a success deletes only keys that exist
+        self.phases: list[str] = []  # the phases this rank counted itself in at
+        self.counter_names: tuple[str, ...] = ()
+        self.shown_set = self.differed = False
 
     def _key(self, name: str) -> str:
         return f"{self.base}/{name}"
@@ -243,6 +246,7 @@ class Meeting:
             self._wait_state(phase, done, where, started, late=True)  # decided without this rank
             return
         self.op("set", self._key(f"{phase}/here/{self.rank}"), "1")
+        self.phases.append(phase)
         self.arrival = int(self.op("add", self._key(f"{phase}/count"), 1))
         if self.arrival == self.world_size:
             self.op("compare_set", self._key(phase), "", done)
@@ -264,12 +268,28 @@ class Meeting:
         message prints for each argument; ``call_site`` is compared only between ranks that run
         the same ``program``)."""
         started = time.monotonic()
+        self.counter_names = tuple(counters)
         if self.rank == self.leader:
             self.op("set", self._key("ref"), json.dumps(digests))
             self.op("set", self._key(f"mine/{self.leader}"), json.dumps(shown))
+            self.shown_set = True
         for name, value in counters.items():
             self._raise_up_to_max(name, value)
+        # A rank whose arguments differ from the first arrival's says so before it counts itself
+        # in, so after the barrier every rank reads the same answer: where all agree (the usual
+        # case) the meeting ends there, one barrier instead of two; else phase 2 runs as below.
+        mine = _fingerprint(digests)
+        if self.op("compare_set", self._key("digest"), "", mine).decode() != mine:
+            self.op("set", self._key("differ"), "1")
         self._barrier("state", "arrived", "the cross-rank check", started)
+        if self.op("check", [self._key("differ")]):
+            self.differed = True
+            self._verify(digests, shown, started)
+        return {name: int(self.op("get", self._key(f"max/{name}"))) for name in counters}
+
+    def _verify(self, digests: Mapping[str, str], shown: Mapping[str, str], started: float) -> None:
+        """Phase 2: every rank records how its arguments differ from the leader's, then the same
+        ``MismatchError`` everywhere (none: ranks of different programs at different lines)."""
         reference = json.loads(self.op("get", self._key("ref")))
         differing = [
             arg
@@ -282,70 +302,22 @@ class Meeting:
             entry = json.dumps([self.rank, {arg: digests[arg] for arg in differing}])
             self.op("append", self._key("bad"), entry + "\n")
             self.op("set", self._key(f"mine/{self.rank}"), json.dumps(shown))
+            self.shown_set = True
         self._barrier("verify", "verified", "the comparison", started)
         if self.op("check", [self._key("bad")]):
             self._raise_mismatch(reference)
-        return {name: int(self.op("get", self._key(f"max/{name}"))) for name in counters}
 
     def _raise_mismatch(self, reference: Mapping[str, str]) -> None:
-        by_arg: dict[str, dict[int, str]] = {}
-        for line in self.op("get", self._key("bad")).decode().splitlines():
-            r, args = json.loads(line)
-            for arg, digest in args.items():
-                by_arg.setdefault(arg, {})[int(r)] = digest
-        order = list(reference)
-        first = min(by_arg, key=lambda a: order.index(a) if a in order else len(order))
-        if "call_site" in by_arg and first != "operation":
-            first = "call_site"  # a call paired with another: its arguments differ as a consequence
-        ranks = sorted(by_arg[first])
-        odd, usual = ranks[0], self.leader
-        if len(ranks) > self.world_size // 2 and len(set(by_arg[first].values())) == 1:
-            # Most ranks agree with each other, not with the leader: the leader is the odd one out.
-            odd, usual, ranks = self.leader, ranks[0], [self.leader]
-        odd_shown = json.loads(self.op("get", self._key(f"mine/{odd}")))
-        usual_shown = json.loads(self.op("get", self._key(f"mine/{usual}")))
-        others = [a for a in by_arg if a != first]
-        if first == "call_site":
-            raise shared(self._skipped_call(ranks, odd, odd_shown, usual, usual_shown, others))
-        if first == "operation":
-            advice = (
-                "every rank must make the same collective calls in the same order; did a rank skip a "
-                "call, or make one the others did not?"
-            )
-        else:
-            advice = "every rank must make this call with the same arguments"
-        raise shared(
-            MismatchError(
-                f"{self.what} was made with a different {first!r} on {_ranks(ranks)}: rank {odd} has "
-                f"{first}={odd_shown.get(first)} but rank {usual} has {first}={usual_shown.get(first)}"
-                + (f" (also differing: {', '.join(others)})" if others else "")
-                + f"; this is rank {self.rank}. {advice[0].upper()}{advice[1:]}",
-                argument=first,
-                ranks=tuple(ranks),
-            )
-        )
+        bad = self.op("get", self._key("bad")).decode()
 
-    def _skipped_call(
-        self,
-        ranks: list[int],
-        odd: int,
-        odd_shown: Mapping[str, str],
-        usual: int,
-        usual_shown: Mapping[str, str],
-        others: list[str],
-    ) -> MismatchError:
-        """The same operation from different lines: ranks paired different calls, so one of
-        them skipped a call (or made an extra one); the arguments that differ as a result are
-        named last, as a consequence, not as the cause."""
-        then = f" (as a result its arguments differ too: {', '.join(others)})" if others else ""
-        return MismatchError(
-            f"{self.what} pairs different calls (call_site): {_ranks(ranks)} made it as "
-            f"{odd_shown.get('call_site')}, rank {usual} as {usual_shown.get('call_site')}{then}; "
-            f"this is rank {self.rank}. A rank skipped a collective call, or made one the others "
-            "did not: every rank must make the same collective calls in the same order",
-            argument="call_site",
-            ranks=tuple(ranks),
+        def shown_of(r: int) -> Mapping[str, str]:
+            return dict(json.loads(self.op("get", self._key(f"mine/{r}"))))
+
+        what, leader, size = self.what, self.leader, self.world_size
+        error = mismatch_error(
+            bad, shown_of, reference, leader=leader, world_size=size, what=what, rank=self.rank
         )
+        raise shared(error)
 
     def finish(self, error: BaseException | None, grace: float) -> None:
         """Phase 3: report this rank's build (``None``: success) and wait for every rank's; the
@@ -361,6 +333,7 @@ class Meeting:
             self._decide_built(started)  # decided without this rank (it was too slow)
             return
         self.op("set", self._key(f"built/here/{self.rank}"), record)
+        self.phases.append("built")
         self.arrival = int(self.op("add", self._key("built/count"), 1))
         if self.arrival == self.world_size:
             self.op("compare_set", self._key("built"), "", "reported")
@@ -427,14 +400,26 @@ class Meeting:
         )
 
     def own_keys(self) -> list[str]:
-        """This rank's keys in this meeting (each rank deletes its own)."""
-        return [self._key(f"{p}/here/{self.rank}") for p in PHASES] + [self._key(f"mine/{self.rank}")]
+        """This rank's keys in this meeting (each rank deletes its own): those it set."""
+        mine = [f"mine/{self.rank}"] if self.shown_set else []
+        return [self._key(n) for n in [f"{p}/here/{self.rank}" for p in self.phases] + mine]
 
-    def shared_keys(self, counters: tuple[str, ...]) -> list[str]:
-        """The meeting's shared keys (deleted by the last rank out of the call)."""
-        names = ["ref", "bad", "fail/first", "fail/second"] + [f"max/{c}" for c in counters]
-        names += [f"{phase}{suffix}" for phase in PHASES for suffix in ("", "/count")]
+    def shared_keys(self) -> list[str]:
+        """The meeting's shared keys after it succeeded (deleted by the last rank out of the call):
+        those the phases it went through set (a mismatch or a failure would have raised). Every
+        rank went through the same phases, so any rank lists every rank's."""
+        names = [f"{phase}{suffix}" for phase in self.phases for suffix in ("", "/count")]
+        if "state" in self.phases:
+            names += ["ref", "digest"] + (["differ", "bad"] if self.differed else [])
+            names += [f"max/{c}" for c in self.counter_names]
         return [self._key(n) for n in names]
+
+
+def _fingerprint(digests: Mapping[str, str]) -> str:
+    """What phase 1 compares: every argument but ``program`` (equal fingerprints everywhere
+    mean phase 2 would find nothing)."""
+    compared = {arg: digest for arg, digest in digests.items() if arg != "program"}
+    return hashlib.sha256(json.dumps(compared, sort_keys=True).encode()).hexdigest()
 
 
 def _gone(text: str) -> dict[int, str]:
