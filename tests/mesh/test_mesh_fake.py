@@ -117,6 +117,9 @@ def test_root_and_derived_meshes_skip_torch_world_scans_at_131k(fake_rank, monke
     is hashed or compared; then the answers equal torch's."""
     from torch.distributed.device_mesh import DeviceMesh
 
+    from meshgroups.mesh._torch_seam import self_test
+
+    self_test()  # once per process, at the first mesh: its twins come from torch's constructor
     calls = []
     original = DeviceMesh.__init__
     monkeypatch.setattr(
