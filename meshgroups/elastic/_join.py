@@ -220,6 +220,13 @@ class Newcomers:
     members), and fresh processes (see the module docstring): ``Elastic.join`` on the new
     process, ``admit_newcomers`` on the members."""
 
+    def _forget_ranks(self: Any, ranks: Sequence[int]) -> None:
+        """New processes took ``ranks``: neither this rank's liveness nor its step watcher (which
+        keeps its own, on its own connection) may judge them by the lost processes."""
+        self.liveness.forget(ranks)
+        if getattr(self, "_watcher", None) is not None:
+            self._watcher.forget(ranks)
+
     def _admit_spares(self: Any, layout: Layout, admitted: Sequence[int]) -> MeshGroups | None:
         """Tell the admitted spares (in ``standby()``) the new layout, then rebuild over it."""
         self._enter_epoch(self.epoch + 1)
@@ -255,7 +262,7 @@ class Newcomers:
         self.grown = tuple(record["grown"])
         # A newcomer may have taken a lost rank since this spare last looked: what it saw of the
         # lost process there (its pid, its counter) says nothing of the new one.
-        self.liveness.forget(record.get("admitted", ()))
+        self._forget_ranks(record.get("admitted", ()))
         layout = Layout.from_dict(record["layout"])
         self.members = tuple(r for r in sorted(layout.grid.ravel().tolist()) if r != self.rank)
         mg = self.rebuild(layout, site="Elastic.grow / Elastic.standby")
@@ -344,7 +351,7 @@ class Newcomers:
             logger.warning(
                 "meshgroups: spares %s are gone (their processes ended); their ranks are free", gone
             )
-        self.liveness.forget([*ranks, *gone])
+        self._forget_ranks([*ranks, *gone])
         self.spares = tuple(sorted((set(self.spares) - set(gone)) | set(ranks)))
         return tuple(sorted(ranks))
 

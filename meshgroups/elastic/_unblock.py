@@ -264,6 +264,15 @@ class StepWatcher:
         with self.lock:
             self.armed = None
 
+    def forget(self, ranks: Sequence[int]) -> None:
+        """On the main thread, between steps: new processes took ``ranks`` (newcomers in lost
+        ranks' places), so what the watcher saw of the lost ones (a pid, a stalled counter) must
+        not judge them; the next arm looks at them afresh."""
+        with self.lock:
+            if self.liveness is not None:
+                self.liveness.forget(ranks)
+            self._met = ()
+
     def release(self, epoch: int) -> None:
         """On the main thread, as this rank leaves ``epoch``: the watcher stops waiting on it."""
         self.main.set(watch_key(epoch, self.rank), "1")

@@ -53,3 +53,33 @@ def test_a_group_this_step_did_not_use_never_dooms():
     used = {"tp": {2, 3}}  # "live" kept its count since the step started
     assert stuck_on(mine, {1: {"live": 3}, 3: {"tp": 128}}, used, dead={5}) == []
     assert stuck_on(mine, {1: {"live": 2}}, used, dead={5}) == [1]  # behind: always stuck-making
+
+
+def test_a_newcomer_in_a_lost_ranks_place_is_judged_afresh_by_the_watcher():
+    """The step watcher keeps liveness of its own (on its own connection): once a new process
+    took a lost rank, what it saw of the lost process (its pid) must not judge the new one."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from meshgroups.elastic._unblock import StepWatcher
+    from meshgroups.mesh import GroupCache
+    from meshgroups.mesh._liveness import _identity, _info_key, heartbeat_key
+
+    store = dist.HashStore()
+    lost = {**_identity(), "pid": 2**22 + 7, "start": "1"}  # no such process: it exited
+    store.set(heartbeat_key(3), "4")
+    store.set(_info_key(3), json.dumps(lost))
+    watcher = StepWatcher(store, 0, GroupCache(), poll=0.05, keep_port=None, lease=5.0)
+    try:
+        assert watcher.liveness is not None
+        assert watcher.liveness.gone([3]) == {3: "exited"}
+        store.set(_info_key(3), json.dumps(_identity()))  # a newcomer (this process) took rank 3
+        store.set(heartbeat_key(3), "1")
+        assert watcher.liveness.gone([3]) == {3: "exited"}  # what the watcher saw still speaks
+        watcher.forget([3])  # Elastic does this where it admits newcomers (_join._forget_ranks)
+        assert watcher.liveness.gone([3]) == {}
+        assert os.getpid() == watcher.liveness.info[3]["pid"]
+    finally:
+        watcher.close(0)
