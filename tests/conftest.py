@@ -54,6 +54,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     install()  # Ctrl-C / SIGTERM: stop the run and kill every process it started
     processes.install()  # the marker (declared in pyproject.toml) kept true
+    if config.getoption("fast", False):  # pytest's own -m selection, joined with any given
+        given = config.option.markexpr
+        config.option.markexpr = (
+            f"({given}) and not {processes.MARKER}" if given else f"not {processes.MARKER}"
+        )
 
 
 @pytest.hookimpl(wrapper=True)
@@ -67,10 +72,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("fast", False):
-        starts = [item.get_closest_marker(processes.MARKER) is not None for item in items]
-        config.hook.pytest_deselected(items=[item for item, s in zip(items, starts) if s])
-        items[:] = [item for item, s in zip(items, starts) if not s]
     if TIME_SCALE == 1 or not config.pluginmanager.hasplugin("timeout"):
         return
     if config.getoption("timeout", None) is not None or os.environ.get("PYTEST_TIMEOUT"):
